@@ -1,0 +1,40 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint typecheck pytest pytest-fast bench demo clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+## Start the controller on the embedded NATS server (nats://localhost:4222 unless MARDUK_ADDR says otherwise).
+run: $(STAMP)
+	$(VENV)/bin/marduk controller
+
+## Lint, type-check and run the whole suite, end-to-end tests included.
+test: lint typecheck pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+## Everything but the slow end-to-end tests.
+pytest-fast: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not e2e"
+
+bench: $(STAMP)
+	$(PY) bench/bench_notify.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,532 @@
+"""The restart policy: registrations and health events in, commands and state changes out.
+
+Pure: no I/O, no clock (``now`` is an argument, unix seconds). The controller shell decodes
+messages, calls these methods, persists the records they return and publishes the commands.
+
+Epochs (DESIGN.md decision 3). Each restart scope has a monotonically increasing epoch: the
+replica for scope ``replica``, the whole job for scope ``job``. A restart bumps the epoch and
+records the command that did it. While the workers of a scope have not confirmed the new epoch
+(by an ack, or by registering as a fresh process), further failures for that scope are
+*coalesced* into the restart already in flight, so a storm of events yields one command per
+scope. A restart unconfirmed after ``pending_timeout_s`` no longer holds events back.
+
+Escalation (decision 6). Each device has a failure budget: past ``device_max_failures`` restarts
+caused by one device within ``device_failure_window_s``, the replicas get ``fail`` instead of
+``restart``: restarting on that device does not help; the pod should go back to the scheduler.
+A ``healthy`` event for the device clears its history.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import msgspec
+
+from marduk.drmap import DRMap, ReplicaKey, WorkerKey
+from marduk.protocol import (
+    Action,
+    Command,
+    CommandKind,
+    ControllerEvent,
+    DeviceHealth,
+    DeviceInfo,
+    HealthReply,
+    HealthState,
+    Registration,
+    Scope,
+    WorkerInfo,
+)
+
+
+class PolicyError(Exception):
+    """A request the policy refuses; ``code`` is stable, the message is one clear line."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Knobs of the restart policy (mapped from CLI options and MARDUK_* variables)."""
+
+    pending_timeout_s: float = 60.0
+    """A restart not confirmed by every worker within this long stops coalescing new events."""
+    restart_on_degraded: bool = False
+    """Restart replicas on ``degraded`` events too (default: record and report only)."""
+    device_max_failures: int = 3
+    """Restarts one device may cause within the window before replicas get ``fail``."""
+    device_failure_window_s: float = 3600.0
+    """The window of the device failure budget."""
+    dedup_capacity: int = 10_000
+    """How many recent event ids are remembered to drop repeated events."""
+
+
+class EpochKey(NamedTuple):
+    """A restart scope: one replica, or the whole job (``replica`` None)."""
+
+    job: str
+    replica: str | None
+
+    def __str__(self) -> str:
+        return f"{self.job}/{self.replica or '*'}"
+
+
+# --- records (persisted by the shell, as JSON) --------------------------------------------------
+
+
+class WorkerRecord(msgspec.Struct, kw_only=True):
+    registration: Registration
+    registered_at: float
+    updated_at: float
+    applied_epoch: int = 0
+
+
+class EpochRecord(msgspec.Struct, kw_only=True):
+    job: str
+    replica: str | None
+    epoch: int = 0
+    issued_at: float = 0.0
+    command: Command | None = None
+
+
+class DeviceRecord(msgspec.Struct, kw_only=True):
+    device: str
+    state: HealthState = "healthy"
+    reason: str = ""
+    since: float = 0.0
+    failures: list[float] = []  # times of restarts this device caused, inside the window
+
+
+# --- outcomes ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the shell must do, in order: persist, then publish commands, then events."""
+
+    commands: list[Command] = field(default_factory=list)
+    events: list[ControllerEvent] = field(default_factory=list)
+    put_workers: list[WorkerRecord] = field(default_factory=list)
+    deleted_workers: list[WorkerKey] = field(default_factory=list)
+    put_epochs: list[EpochRecord] = field(default_factory=list)
+    deleted_epochs: list[EpochKey] = field(default_factory=list)
+    put_devices: list[DeviceRecord] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Registered:
+    outcome: Outcome
+    result: str  # "new" | "updated" | "unchanged"
+    epoch: int
+    command: Command | None
+
+
+@dataclass(slots=True)
+class HealthResult:
+    outcome: Outcome
+    reply: HealthReply
+
+
+def _scope_order(key: EpochKey) -> tuple[str, str]:
+    return (key.job, key.replica or "")
+
+
+def worker_key(reg: Registration) -> WorkerKey:
+    return WorkerKey(reg.job, reg.replica, reg.worker)
+
+
+def epoch_key_for(job: str, replica: str, scope: Scope) -> EpochKey:
+    return EpochKey(job, None) if scope == "job" else EpochKey(job, replica)
+
+
+class Policy:
+    """Controller state and decisions. One instance per controller."""
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        self.config = config or PolicyConfig()
+        self.drmap = DRMap()
+        self.workers: dict[WorkerKey, WorkerRecord] = {}
+        self.epochs: dict[EpochKey, EpochRecord] = {}
+        self.devices: dict[str, DeviceRecord] = {}
+        # Workers that have not confirmed the current epoch of their scope (derived, not stored).
+        self._awaiting: dict[EpochKey, set[WorkerKey]] = {}
+        self._job_workers: dict[str, set[WorkerKey]] = {}
+        self._recent_events: OrderedDict[str, HealthReply] = OrderedDict()
+
+    # --- restore ---------------------------------------------------------------------------------
+
+    @classmethod
+    def restore(
+        cls,
+        config: PolicyConfig,
+        workers: list[WorkerRecord],
+        epochs: list[EpochRecord],
+        devices: list[DeviceRecord],
+    ) -> Policy:
+        policy = cls(config)
+        for epoch in epochs:
+            policy.epochs[EpochKey(epoch.job, epoch.replica)] = epoch
+        for device in devices:
+            policy.devices[device.device] = device
+        for rec in workers:
+            key = worker_key(rec.registration)
+            policy.workers[key] = rec
+            policy._job_workers.setdefault(key.job, set()).add(key)
+            policy.drmap.set_worker(key, rec.registration.devices)
+            ekey = policy._epoch_key(key)
+            state = policy.epochs.get(ekey)
+            if state is not None and rec.applied_epoch < state.epoch:
+                policy._awaiting.setdefault(ekey, set()).add(key)
+        return policy
+
+    # --- registration ----------------------------------------------------------------------------
+
+    def register(self, reg: Registration, now: float) -> Registered:
+        key = worker_key(reg)
+        self._check_scope(reg)
+        out = Outcome()
+        old = self.workers.get(key)
+        fresh_process = old is None or (
+            old.registration.pid,
+            old.registration.incarnation,
+        ) != (reg.pid, reg.incarnation)
+        ekey = epoch_key_for(reg.job, reg.replica, reg.scope)
+        state = self.epochs.get(ekey)
+        current = state.epoch if state else 0
+        if fresh_process:
+            # A new process starts after every restart commanded so far: it is current.
+            applied = max(reg.epoch, current)
+        else:
+            assert old is not None
+            applied = max(reg.epoch, old.applied_epoch)
+
+        if old is None:
+            result = "new"
+        elif old.registration == reg and applied == old.applied_epoch:
+            result = "unchanged"
+        else:
+            result = "updated"
+        rec = WorkerRecord(
+            registration=reg,
+            registered_at=old.registered_at if old else now,
+            updated_at=now,
+            applied_epoch=applied,
+        )
+        self.workers[key] = rec
+        self._job_workers.setdefault(key.job, set()).add(key)
+        self.drmap.set_worker(key, reg.devices)
+        if applied >= current:
+            self._confirm(ekey, key)
+        elif state is not None:
+            self._awaiting.setdefault(ekey, set()).add(key)
+        if result != "unchanged":
+            out.put_workers.append(rec)
+        out.events.append(
+            ControllerEvent(
+                kind="registered" if result == "new" else "reregistered",
+                ts=now,
+                job=reg.job,
+                replica=reg.replica,
+                worker=reg.worker,
+                epoch=current,
+                detail=f"{reg.role} pid {reg.pid} on {reg.host or '?'}: "
+                f"{len(reg.devices)} device(s), scope {reg.scope}",
+            )
+        )
+        return Registered(out, result, current, state.command if state else None)
+
+    def _check_scope(self, reg: Registration) -> None:
+        for key in self._job_workers.get(reg.job, ()):
+            if key == worker_key(reg):
+                continue
+            rec = self.workers[key]
+            if rec.registration.scope != reg.scope:
+                raise PolicyError(
+                    "scope_conflict",
+                    f"job {reg.job!r} is registered with scope {rec.registration.scope!r} "
+                    f"(worker {key}); this worker asked for {reg.scope!r}",
+                )
+            return
+
+    def deregister(self, key: WorkerKey, reason: str, now: float) -> tuple[Outcome, bool]:
+        out = Outcome()
+        rec = self.workers.pop(key, None)
+        if rec is None:
+            return out, False
+        self.drmap.remove_worker(key)
+        job_workers = self._job_workers[key.job]
+        job_workers.discard(key)
+        if not job_workers:
+            del self._job_workers[key.job]
+        out.deleted_workers.append(key)
+        ekey = self._epoch_key_of(rec)
+        self._confirm(ekey, key)
+        # Nobody left in this restart scope: a fresh process adopts epoch 0 again.
+        if not self._scope_workers(ekey) and self.epochs.pop(ekey, None) is not None:
+            out.deleted_epochs.append(ekey)
+        out.events.append(
+            ControllerEvent(
+                kind="deregistered",
+                ts=now,
+                job=key.job,
+                replica=key.replica,
+                worker=key.worker,
+                detail=reason,
+            )
+        )
+        return out, True
+
+    def ack(self, key: WorkerKey, epoch: int, now: float) -> Outcome:
+        out = Outcome()
+        rec = self.workers.get(key)
+        if rec is None or epoch <= rec.applied_epoch:
+            return out
+        rec.applied_epoch = epoch
+        rec.updated_at = now
+        out.put_workers.append(rec)
+        ekey = self._epoch_key_of(rec)
+        state = self.epochs.get(ekey)
+        if state is not None and epoch >= state.epoch:
+            self._confirm(ekey, key)
+        return out
+
+    def _confirm(self, ekey: EpochKey, key: WorkerKey) -> None:
+        waiting = self._awaiting.get(ekey)
+        if waiting is not None:
+            waiting.discard(key)
+            if not waiting:
+                del self._awaiting[ekey]
+
+    # --- device health ---------------------------------------------------------------------------
+
+    def on_health(self, event: DeviceHealth, now: float) -> HealthResult:
+        """Decide what a health event means. ``event.event_id`` must be set (the shell does)."""
+        seen = self._recent_events.get(event.event_id)
+        if seen is not None:
+            dup = msgspec.structs.replace(seen, duplicate=True)
+            return HealthResult(Outcome(), dup)
+
+        out = Outcome()
+        workers = self.drmap.workers_for_device(event.device)
+        known = bool(workers) or event.device in self.devices
+        reply = HealthReply(
+            event_id=event.event_id, device=event.device, state=event.state, known=known
+        )
+        if not known:
+            # Unknown devices are reported, not remembered: junk input must not grow our state.
+            out.events.append(
+                ControllerEvent(
+                    kind="unknown_device",
+                    ts=now,
+                    device=event.device,
+                    detail=f"{event.state} from {event.source or '?'}: no replica uses it",
+                )
+            )
+            self._remember(reply)
+            return HealthResult(out, reply)
+
+        device = self.devices.get(event.device) or DeviceRecord(device=event.device)
+        previous = device.state
+        device.state, device.reason = event.state, event.reason
+        if previous != event.state or not device.since:
+            device.since = now
+        if event.state == "healthy":
+            device.failures = []
+        self.devices[event.device] = device
+
+        acts = event.state == "failed" or (
+            event.state == "degraded" and self.config.restart_on_degraded
+        )
+        if acts and workers:
+            self._restart_for_device(event, device, workers, now, out, reply)
+        else:
+            out.events.append(
+                ControllerEvent(
+                    kind=f"device_{event.state}",
+                    ts=now,
+                    device=event.device,
+                    detail=(event.reason or "") + ("" if workers else " (no replica uses it)"),
+                )
+            )
+        out.put_devices.append(device)
+        self._remember(reply)
+        return HealthResult(out, reply)
+
+    def _restart_for_device(
+        self,
+        event: DeviceHealth,
+        device: DeviceRecord,
+        workers: frozenset[WorkerKey],
+        now: float,
+        out: Outcome,
+        reply: HealthReply,
+    ) -> None:
+        scopes = sorted({self._epoch_key(w) for w in workers}, key=_scope_order)
+        fresh = [k for k in scopes if not self._pending(k, now)]
+        kind: CommandKind = "restart"
+        if fresh:
+            window = self.config.device_failure_window_s
+            device.failures = [t for t in device.failures if now - t < window] + [now]
+            if len(device.failures) > self.config.device_max_failures:
+                kind = "fail"
+        reason = f"device {event.device} {event.state}"
+        if event.reason:
+            reason += f": {event.reason}"
+        for ekey in scopes:
+            if ekey not in fresh:
+                state = self.epochs[ekey]
+                assert state.command is not None
+                reply.actions.append(
+                    Action(
+                        job=ekey.job,
+                        replica=ekey.replica,
+                        kind=state.command.kind,
+                        epoch=state.epoch,
+                        coalesced=True,
+                    )
+                )
+                out.events.append(
+                    ControllerEvent(
+                        kind="coalesced",
+                        ts=now,
+                        job=ekey.job,
+                        replica=ekey.replica,
+                        device=event.device,
+                        epoch=state.epoch,
+                        detail=f"restart at epoch {state.epoch} already in flight",
+                    )
+                )
+                continue
+            affected = sorted(w for w in workers if self._epoch_key(w) == ekey)
+            command = self._issue(ekey, kind, reason, [event.device], event.event_id, now, out)
+            reply.actions.append(
+                Action(job=ekey.job, replica=ekey.replica, kind=kind, epoch=command.epoch)
+            )
+            out.events.append(
+                ControllerEvent(
+                    kind=f"{kind}_issued",
+                    ts=now,
+                    job=ekey.job,
+                    replica=ekey.replica,
+                    device=event.device,
+                    epoch=command.epoch,
+                    detail=reason + f" (affects {', '.join(str(w) for w in affected)})",
+                )
+            )
+
+    def _issue(
+        self,
+        ekey: EpochKey,
+        kind: CommandKind,
+        reason: str,
+        devices: list[str],
+        cause: str,
+        now: float,
+        out: Outcome,
+    ) -> Command:
+        state = self.epochs.get(ekey) or EpochRecord(job=ekey.job, replica=ekey.replica)
+        epoch = state.epoch + 1
+        command = Command(
+            command_id=f"{ekey.job}/{ekey.replica or '*'}/{epoch}",
+            job=ekey.job,
+            replica=ekey.replica,
+            scope="job" if ekey.replica is None else "replica",
+            kind=kind,
+            epoch=epoch,
+            reason=reason,
+            devices=devices,
+            event_id=cause,
+            issued_at=now,
+        )
+        state.epoch, state.issued_at, state.command = epoch, now, command
+        self.epochs[ekey] = state
+        self._awaiting[ekey] = set(self._scope_workers(ekey))
+        out.commands.append(command)
+        out.put_epochs.append(state)
+        return command
+
+    def _pending(self, ekey: EpochKey, now: float) -> bool:
+        state = self.epochs.get(ekey)
+        if state is None or not self._awaiting.get(ekey):
+            return False
+        return now - state.issued_at < self.config.pending_timeout_s
+
+    def _remember(self, reply: HealthReply) -> None:
+        self._recent_events[reply.event_id] = reply
+        while len(self._recent_events) > self.config.dedup_capacity:
+            self._recent_events.popitem(last=False)
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _epoch_key(self, key: WorkerKey) -> EpochKey:
+        return self._epoch_key_of(self.workers[key])
+
+    @staticmethod
+    def _epoch_key_of(rec: WorkerRecord) -> EpochKey:
+        reg = rec.registration
+        return epoch_key_for(reg.job, reg.replica, reg.scope)
+
+    def _scope_workers(self, ekey: EpochKey) -> list[WorkerKey]:
+        if ekey.replica is None:
+            return sorted(self._job_workers.get(ekey.job, ()))
+        return sorted(self.drmap.workers_of_replica(ReplicaKey(ekey.job, ekey.replica)))
+
+    def epoch_of(self, ekey: EpochKey) -> int:
+        state = self.epochs.get(ekey)
+        return state.epoch if state else 0
+
+    def awaiting(self, ekey: EpochKey) -> frozenset[WorkerKey]:
+        return frozenset(self._awaiting.get(ekey, ()))
+
+    # --- views for queries -----------------------------------------------------------------------
+
+    def worker_infos(self, job: str | None = None) -> list[WorkerInfo]:
+        infos = []
+        for key in sorted(self.workers):
+            if job is not None and key.job != job:
+                continue
+            rec = self.workers[key]
+            reg = rec.registration
+            infos.append(
+                WorkerInfo(
+                    job=reg.job,
+                    replica=reg.replica,
+                    worker=reg.worker,
+                    host=reg.host,
+                    devices=sorted(reg.devices),
+                    scope=reg.scope,
+                    role=reg.role,
+                    pid=reg.pid,
+                    incarnation=reg.incarnation,
+                    applied_epoch=rec.applied_epoch,
+                    epoch=self.epoch_of(self._epoch_key_of(rec)),
+                    registered_at=rec.registered_at,
+                    updated_at=rec.updated_at,
+                )
+            )
+        return infos
+
+    def device_infos(self, job: str | None = None) -> list[DeviceInfo]:
+        names = set(self.drmap.devices()) | set(self.devices)
+        infos = []
+        for name in sorted(names):
+            replicas = sorted(
+                str(r) for r in self.drmap.replicas_for_device(name) if job is None or r.job == job
+            )
+            if job is not None and not replicas:
+                continue
+            rec = self.devices.get(name)
+            infos.append(
+                DeviceInfo(
+                    device=name,
+                    state=rec.state if rec else "healthy",
+                    reason=rec.reason if rec else "",
+                    since=rec.since if rec else 0.0,
+                    failures=len(rec.failures) if rec else 0,
+                    replicas=replicas,
+                )
+            )
+        return infos

@@ -1,0 +1,275 @@
+"""The wire contract: every message Marduk sends or receives, as msgspec Structs.
+
+JSON on the wire, so a monitor in any language can publish with a plain NATS client. Each message
+carries ``type`` (the tag) and ``v`` (the protocol version). Decoding is strict at the edge: types
+and bounds are checked, the version must be one we speak, and the payload size is capped. Unknown
+fields are ignored so that a newer peer may add optional fields without breaking an older one.
+
+``docs/protocol.md`` documents every subject and message with a JSON example; keep it in step.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import msgspec
+
+from marduk.errors import ProtocolError
+
+PROTOCOL_VERSION: Final = 1
+# Well under NATS's default max_payload (1 MiB). A registration of 4,096 devices fits.
+MAX_MESSAGE_BYTES: Final = 256 * 1024
+MAX_DEVICES_PER_WORKER: Final = 4096
+
+# --- field types -------------------------------------------------------------------------------
+
+Token = Annotated[
+    str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$", description="subject token")
+]
+DeviceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+ShortText = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Version = Annotated[int, msgspec.Meta(ge=1)]
+
+Scope = Literal["replica", "job"]
+HealthState = Literal["failed", "degraded", "healthy"]
+CommandKind = Literal["restart", "fail", "stop"]
+Role = Literal["library", "supervisor"]
+QueryWhat = Literal["map", "devices", "stats", "ping"]
+
+
+class Message(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=False):
+    """Base of every wire message: the tag ``type`` and the version ``v``."""
+
+    v: Version = PROTOCOL_VERSION
+
+
+# --- registration ------------------------------------------------------------------------------
+
+
+class Registration(Message, tag="register", kw_only=True):
+    """An agent (supervisor or library) announces one worker of a replica and its devices.
+
+    Idempotent: registering again (after a reconnect, a trainer restart) replaces the entry.
+    """
+
+    job: Token
+    replica: Token
+    worker: NonNegInt = 0
+    host: ShortText = ""
+    devices: Annotated[list[DeviceId], msgspec.Meta(max_length=MAX_DEVICES_PER_WORKER)]
+    scope: Scope = "replica"
+    pid: NonNegInt = 0
+    # Counts trainer starts under one supervisor; a library alone sends MARDUK_RESTART_COUNT or 0.
+    incarnation: NonNegInt = 0
+    # The restart epoch this worker has applied (0: none yet).
+    epoch: NonNegInt = 0
+    role: Role = "library"
+
+
+class Command(Message, tag="command", kw_only=True):
+    """A command to one replica (``replica`` set) or to every replica of a job (``replica`` null).
+
+    Agents apply each epoch once: a command whose epoch is not above the last one applied is
+    stale or a duplicate and is dropped.
+    """
+
+    command_id: ShortText
+    job: Token
+    replica: Token | None = None
+    scope: Scope = "replica"
+    kind: CommandKind
+    epoch: NonNegInt
+    reason: Text = ""
+    devices: list[DeviceId] = []
+    event_id: ShortText = ""
+    issued_at: float = 0.0
+
+
+class RegisterReply(Message, tag="register_reply", kw_only=True):
+    job: Token
+    replica: Token
+    worker: NonNegInt
+    outcome: Literal["new", "updated", "unchanged"]
+    # The current epoch of this worker's restart scope, and the command that set it (if any):
+    # an agent that missed a command converges by comparing this with what it applied.
+    epoch: NonNegInt
+    command: Command | None = None
+
+
+class Deregistration(Message, tag="deregister", kw_only=True):
+    job: Token
+    replica: Token
+    worker: NonNegInt = 0
+    reason: Text = ""
+
+
+class DeregisterReply(Message, tag="deregister_reply", kw_only=True):
+    known: bool
+
+
+class Ack(Message, tag="ack", kw_only=True):
+    """A worker applied (or has started applying) the command of ``epoch``."""
+
+    job: Token
+    replica: Token
+    worker: NonNegInt = 0
+    epoch: NonNegInt
+    command_id: ShortText = ""
+
+
+# --- device health -----------------------------------------------------------------------------
+
+
+class DeviceHealth(Message, tag="health", kw_only=True):
+    """A monitor's report about one physical device, keyed by its UUID."""
+
+    device: DeviceId
+    state: HealthState
+    reason: Text = ""
+    source: ShortText = ""
+    # Chosen by the monitor; the controller ignores a repeated id. Empty: the controller assigns.
+    event_id: ShortText = ""
+    # Unix seconds when the monitor observed it; 0: the controller uses its receive time.
+    timestamp: float = 0.0
+
+
+class Action(msgspec.Struct, kw_only=True):
+    """What the controller did for one restart scope in answer to an event."""
+
+    job: str
+    replica: str | None
+    kind: CommandKind
+    epoch: int
+    # True: a restart of this scope was already in flight, so no new command was sent.
+    coalesced: bool = False
+
+
+class HealthReply(Message, tag="health_reply", kw_only=True):
+    event_id: str
+    device: str
+    state: HealthState
+    known: bool
+    duplicate: bool = False
+    actions: list[Action] = []
+
+
+# --- observers ---------------------------------------------------------------------------------
+
+
+class ControllerEvent(Message, tag="event", kw_only=True):
+    """Something the controller decided or observed, for ``marduk monitor watch`` and logs."""
+
+    kind: ShortText
+    ts: float
+    job: str | None = None
+    replica: str | None = None
+    worker: int | None = None
+    device: str | None = None
+    epoch: int | None = None
+    detail: Text = ""
+
+
+class Hello(Message, tag="hello", kw_only=True):
+    """Published by a controller when it starts: agents re-register (level-triggered resync)."""
+
+    controller_id: ShortText
+    started_at: float
+
+
+# --- queries -----------------------------------------------------------------------------------
+
+
+class Query(Message, tag="query", kw_only=True):
+    what: QueryWhat = "map"
+    job: Token | None = None
+
+
+class WorkerInfo(msgspec.Struct, kw_only=True):
+    job: str
+    replica: str
+    worker: int
+    host: str
+    devices: list[str]
+    scope: Scope
+    role: Role
+    pid: int
+    incarnation: int
+    applied_epoch: int
+    epoch: int
+    registered_at: float
+    updated_at: float
+
+
+class DeviceInfo(msgspec.Struct, kw_only=True):
+    device: str
+    state: HealthState
+    reason: str = ""
+    since: float = 0.0
+    failures: int = 0
+    replicas: list[str] = []  # "job/replica"
+
+
+class ControllerInfo(msgspec.Struct, kw_only=True):
+    controller_id: str
+    version: str
+    pid: int
+    started_at: float
+    prefix: str
+
+
+class QueryReply(Message, tag="query_reply", kw_only=True):
+    controller: ControllerInfo
+    workers: list[WorkerInfo] = []
+    devices: list[DeviceInfo] = []
+    stats: dict[str, int] = {}
+
+
+class ErrorReply(Message, tag="error", kw_only=True):
+    """The answer to a request the controller could not serve."""
+
+    code: ShortText
+    message: Text
+
+
+# --- encoding and strict decoding --------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+T = TypeVar("T")
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -> T:
+    """Decode ``data`` as ``type_`` or raise ProtocolError with a reason and a clear message."""
+    if len(data) > max_bytes:
+        raise ProtocolError("oversized", f"message of {len(data)} bytes exceeds {max_bytes}")
+    if not data:
+        raise ProtocolError("empty", "empty message")
+    decoder = _decoders.get(type_)
+    if decoder is None:
+        decoder = _decoders[type_] = msgspec.json.Decoder(type_)
+    try:
+        msg = decoder.decode(data)
+    except msgspec.ValidationError as e:
+        raise ProtocolError("invalid", f"invalid {_name(type_)}: {e}") from None
+    except msgspec.DecodeError as e:
+        raise ProtocolError("malformed", f"malformed JSON: {e}") from None
+    version = getattr(msg, "v", PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "version", f"unsupported protocol version {version} (this side speaks 1)"
+        )
+    return msg  # type: ignore[no-any-return]
+
+
+def _name(type_: Any) -> str:
+    return getattr(type_, "__name__", None) or str(type_)
+
+
+def to_builtins(msg: msgspec.Struct) -> Any:
+    return msgspec.to_builtins(msg)

@@ -1,0 +1,123 @@
+"""NATS subjects. Every subject Marduk uses is built here, nowhere else.
+
+Layout (prefix ``marduk`` by default)::
+
+    marduk.health                          device health events (any monitor; job-agnostic)
+    marduk.ctl.query                       request/reply: map, replicas, devices, stats
+    marduk.ctl.hello                       the controller announces a (re)start; agents re-register
+    marduk.ctl.events                      controller events that belong to no job
+    marduk.<job>.register                  request/reply: agent registration
+    marduk.<job>.deregister                request/reply: agent deregistration
+    marduk.<job>.ack                       an agent applied a command's epoch
+    marduk.<job>.report                    agent status and failure reports
+    marduk.<job>.cmd.replica.<replica>     commands for one replica
+    marduk.<job>.cmd.job                   commands for every replica of the job
+    marduk.<job>.events                    controller events about the job
+
+Device health events carry no job: a device is physical and a monitor on a host does not know
+which jobs use it. The controller maps the device to the replicas of every job using it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "marduk"
+
+# Tokens that appear in subjects: no dots, no wildcards, no whitespace.
+TOKEN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+# Job names that would collide with the controller's own subjects.
+RESERVED_JOBS = frozenset({"ctl", "health"})
+
+
+def valid_token(value: str) -> bool:
+    return bool(TOKEN_RE.match(value))
+
+
+def check_job(job: str) -> str:
+    """Return ``job`` if it can be used as a subject token, else raise ValueError."""
+    if not valid_token(job):
+        raise ValueError(
+            f"invalid job name {job!r}: use 1-128 letters, digits, '_' or '-', "
+            "starting with a letter or digit"
+        )
+    if job in RESERVED_JOBS:
+        raise ValueError(f"job name {job!r} is reserved")
+    return job
+
+
+def check_replica(replica: str) -> str:
+    if not valid_token(replica):
+        raise ValueError(
+            f"invalid replica id {replica!r}: use 1-128 letters, digits, '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return replica
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    """Subjects under one prefix."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not PREFIX_RE.match(self.prefix):
+            raise ValueError(f"invalid subject prefix {self.prefix!r}")
+
+    # Job-agnostic subjects.
+    @property
+    def health(self) -> str:
+        return f"{self.prefix}.health"
+
+    @property
+    def query(self) -> str:
+        return f"{self.prefix}.ctl.query"
+
+    @property
+    def hello(self) -> str:
+        return f"{self.prefix}.ctl.hello"
+
+    @property
+    def ctl_events(self) -> str:
+        return f"{self.prefix}.ctl.events"
+
+    # Per-job subjects.
+    def register(self, job: str) -> str:
+        return f"{self.prefix}.{job}.register"
+
+    def deregister(self, job: str) -> str:
+        return f"{self.prefix}.{job}.deregister"
+
+    def ack(self, job: str) -> str:
+        return f"{self.prefix}.{job}.ack"
+
+    def report(self, job: str) -> str:
+        return f"{self.prefix}.{job}.report"
+
+    def replica_commands(self, job: str, replica: str) -> str:
+        return f"{self.prefix}.{job}.cmd.replica.{replica}"
+
+    def job_commands(self, job: str) -> str:
+        return f"{self.prefix}.{job}.cmd.job"
+
+    def events(self, job: str | None) -> str:
+        return self.ctl_events if job is None else f"{self.prefix}.{job}.events"
+
+    # Wildcards the controller and observers subscribe to.
+    def any_job(self, leaf: str) -> str:
+        return f"{self.prefix}.*.{leaf}"
+
+    @property
+    def all_events(self) -> str:
+        # ``ctl`` is reserved as a job name, so this also matches ``marduk.ctl.events``.
+        return f"{self.prefix}.*.events"
+
+    def job_of(self, subject: str) -> str | None:
+        """The job segment of a per-job subject, or None."""
+        parts = subject[len(self.prefix) + 1 :].split(".")
+        if not subject.startswith(self.prefix + ".") or len(parts) < 2:
+            return None
+        return parts[0]

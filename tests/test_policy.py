@@ -1,0 +1,177 @@
+"""The restart policy, pure: no server, time passed in."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from marduk.drmap import WorkerKey
+from marduk.policy import EpochKey, Policy, PolicyConfig, PolicyError
+from marduk.protocol import DeviceHealth, Registration
+
+
+def reg(replica: str, devices: list[str], *, worker: int = 0, scope: str = "replica", pid: int = 1,
+        incarnation: int = 0, epoch: int = 0, job: str = "j") -> Registration:
+    return Registration(job=job, replica=replica, worker=worker, host="h", devices=devices,
+                        scope=scope, pid=pid, incarnation=incarnation, epoch=epoch)  # type: ignore[arg-type]
+
+
+def failed(device: str, event_id: str, state: str = "failed") -> DeviceHealth:
+    return DeviceHealth(device=device, state=state, event_id=event_id)  # type: ignore[arg-type]
+
+
+def acceptance_map() -> Policy:
+    p = Policy()
+    p.register(reg("r1", ["d1", "d2"]), now=0)
+    p.register(reg("r2", ["d2", "d3"], pid=2), now=0)
+    return p
+
+
+def targets(result) -> set[tuple[str, str | None]]:
+    return {(c.job, c.replica) for c in result.outcome.commands}
+
+
+def test_failure_reaches_exactly_the_replicas_on_the_device() -> None:
+    p = acceptance_map()
+    r = p.on_health(failed("d3", "e1"), now=1)
+    assert targets(r) == {("j", "r2")}
+    assert r.reply.known and [a.replica for a in r.reply.actions] == ["r2"]
+    r = p.on_health(failed("d1", "e2"), now=2)
+    assert targets(r) == {("j", "r1")}
+
+
+def test_shared_device_reaches_both() -> None:
+    r = acceptance_map().on_health(failed("d2", "e1"), now=1)
+    assert targets(r) == {("j", "r1"), ("j", "r2")}
+    assert all(c.kind == "restart" and c.epoch == 1 for c in r.outcome.commands)
+
+
+def test_unknown_device_reaches_nobody_and_is_not_remembered() -> None:
+    p = acceptance_map()
+    r = p.on_health(failed("nope", "e1"), now=1)
+    assert not r.reply.known and not r.outcome.commands and not r.reply.actions
+    assert "nope" not in p.devices
+    assert r.outcome.events[0].kind == "unknown_device"
+
+
+def test_storm_of_events_gives_one_command_per_replica() -> None:
+    p = acceptance_map()
+    commands = []
+    for i in range(50):
+        commands += p.on_health(failed("d2", f"e{i}"), now=1 + i * 0.01).outcome.commands
+    assert sorted((c.replica, c.epoch) for c in commands) == [("r1", 1), ("r2", 1)]
+
+
+def test_duplicate_event_id_is_ignored_and_answers_the_same() -> None:
+    p = acceptance_map()
+    first = p.on_health(failed("d3", "same"), now=1)
+    second = p.on_health(failed("d3", "same"), now=100)
+    assert not second.outcome.commands and second.reply.duplicate
+    assert second.reply.actions == first.reply.actions
+
+
+def test_ack_ends_coalescing_and_next_failure_bumps_epoch() -> None:
+    p = acceptance_map()
+    p.on_health(failed("d3", "e1"), now=1)
+    assert p.awaiting(EpochKey("j", "r2")) == {WorkerKey("j", "r2", 0)}
+    p.ack(WorkerKey("j", "r2", 0), epoch=1, now=2)
+    assert not p.awaiting(EpochKey("j", "r2"))
+    r = p.on_health(failed("d3", "e2"), now=3)
+    assert [(c.replica, c.epoch) for c in r.outcome.commands] == [("r2", 2)]
+
+
+def test_fresh_process_registration_confirms_the_epoch() -> None:
+    p = acceptance_map()
+    p.on_health(failed("d3", "e1"), now=1)
+    out = p.register(reg("r2", ["d2", "d3"], pid=99, incarnation=1), now=2)
+    assert out.epoch == 1 and out.command is not None and out.command.epoch == 1
+    assert not p.awaiting(EpochKey("j", "r2"))
+    assert p.workers[WorkerKey("j", "r2", 0)].applied_epoch == 1
+
+
+def test_same_process_reregistering_without_applying_stays_awaited() -> None:
+    p = acceptance_map()
+    p.on_health(failed("d3", "e1"), now=1)
+    out = p.register(reg("r2", ["d2", "d3"], pid=2), now=2)  # same pid/incarnation, epoch 0
+    assert out.result == "unchanged" and out.epoch == 1
+    assert p.awaiting(EpochKey("j", "r2")) == {WorkerKey("j", "r2", 0)}
+
+
+def test_pending_restart_times_out() -> None:
+    p = Policy(PolicyConfig(pending_timeout_s=10))
+    p.register(reg("r1", ["d1"]), now=0)
+    assert len(p.on_health(failed("d1", "a"), now=1).outcome.commands) == 1
+    assert not p.on_health(failed("d1", "b"), now=5).outcome.commands
+    assert [c.epoch for c in p.on_health(failed("d1", "c"), now=12).outcome.commands] == [2]
+
+
+def test_job_scope_restarts_every_replica_with_one_command() -> None:
+    p = Policy()
+    for i, r in enumerate(["r1", "r2", "r3"]):
+        for w in range(2):
+            p.register(reg(r, [f"{r}-d{w}"], worker=w, scope="job", pid=10 * i + w), now=0)
+    res = p.on_health(failed("r2-d1", "e1"), now=1)
+    [cmd] = res.outcome.commands
+    assert (cmd.job, cmd.replica, cmd.scope, cmd.epoch) == ("j", None, "job", 1)
+    assert len(p.awaiting(EpochKey("j", None))) == 6
+
+
+def test_scope_conflict_is_refused() -> None:
+    p = Policy()
+    p.register(reg("r1", ["d1"], scope="job"), now=0)
+    with pytest.raises(PolicyError) as e:
+        p.register(reg("r2", ["d2"], scope="replica", pid=2), now=0)
+    assert e.value.code == "scope_conflict"
+    p.register(reg("r1", ["d1"], scope="replica"), now=1)  # the only worker may change its mind
+
+
+def test_degraded_is_reported_not_restarted_by_default() -> None:
+    p = acceptance_map()
+    r = p.on_health(failed("d1", "e1", state="degraded"), now=1)
+    assert not r.outcome.commands and p.devices["d1"].state == "degraded"
+    p2 = Policy(PolicyConfig(restart_on_degraded=True))
+    p2.register(reg("r1", ["d1"]), now=0)
+    assert p2.on_health(failed("d1", "e1", state="degraded"), now=1).outcome.commands
+
+
+def test_device_budget_escalates_to_fail_and_healthy_resets() -> None:
+    p = Policy(PolicyConfig(device_max_failures=2))
+    p.register(reg("r1", ["d1"]), now=0)
+    kinds = []
+    for i in range(4):
+        res = p.on_health(failed("d1", f"e{i}"), now=10 * i + 1)
+        kinds += [c.kind for c in res.outcome.commands]
+        p.ack(WorkerKey("j", "r1", 0), epoch=p.epoch_of(EpochKey("j", "r1")), now=10 * i + 2)
+    assert kinds == ["restart", "restart", "fail", "fail"]
+    p.on_health(failed("d1", "h", state="healthy"), now=50)
+    assert p.devices["d1"].failures == []
+    assert p.on_health(failed("d1", "e9"), now=60).outcome.commands[0].kind == "restart"
+
+
+def test_deregister_removes_and_drops_epoch_when_scope_empty() -> None:
+    p = acceptance_map()
+    p.on_health(failed("d3", "e1"), now=1)
+    out, known = p.deregister(WorkerKey("j", "r2", 0), "done", now=2)
+    assert known and out.deleted_epochs == [EpochKey("j", "r2")]
+    assert p.on_health(failed("d3", "e2"), now=3).reply.known is True  # device state remembered
+    assert not p.on_health(failed("d3", "e3"), now=3).outcome.commands
+    assert p.deregister(WorkerKey("j", "r2", 0), "again", now=4) == (out.__class__(), False)
+
+
+def test_restore_rebuilds_map_epochs_and_awaiting() -> None:
+    p = acceptance_map()
+    p.on_health(failed("d2", "e1"), now=1)
+    p.ack(WorkerKey("j", "r1", 0), 1, now=2)
+    # Round-trip through JSON as the store does.
+    enc = msgspec.json.encode
+    from marduk.policy import DeviceRecord, EpochRecord, WorkerRecord
+
+    w = [msgspec.json.decode(enc(x), type=WorkerRecord) for x in p.workers.values()]
+    e = [msgspec.json.decode(enc(x), type=EpochRecord) for x in p.epochs.values()]
+    d = [msgspec.json.decode(enc(x), type=DeviceRecord) for x in p.devices.values()]
+    q = Policy.restore(p.config, w, e, d)
+    assert q.drmap == p.drmap
+    assert q.awaiting(EpochKey("j", "r2")) == {WorkerKey("j", "r2", 0)}
+    assert not q.awaiting(EpochKey("j", "r1"))
+    r = q.on_health(failed("d1", "e2"), now=3)
+    assert [(c.replica, c.epoch) for c in r.outcome.commands] == [("r1", 2)]
