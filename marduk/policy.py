@@ -195,6 +195,13 @@ class Policy:
         ) != (reg.pid, reg.incarnation)
         ekey = epoch_key_for(reg.job, reg.replica, reg.scope)
         state = self.epochs.get(ekey)
+        if reg.epoch > (state.epoch if state else 0):
+            # The agent applied an epoch we do not know (a lost write, state restored from an
+            # older copy): adopt it, so the next command is above what agents have applied.
+            state = state or EpochRecord(job=ekey.job, replica=ekey.replica)
+            state.epoch = reg.epoch
+            self.epochs[ekey] = state
+            out.put_epochs.append(state)
         current = state.epoch if state else 0
         if fresh_process:
             # A new process starts after every restart commanded so far: it is current.
@@ -477,6 +484,10 @@ class Policy:
     def epoch_of(self, ekey: EpochKey) -> int:
         state = self.epochs.get(ekey)
         return state.epoch if state else 0
+
+    def epoch_of_worker(self, key: WorkerKey) -> int:
+        rec = self.workers.get(key)
+        return self.epoch_of(self._epoch_key_of(rec)) if rec else 0
 
     def awaiting(self, ekey: EpochKey) -> frozenset[WorkerKey]:
         return frozenset(self._awaiting.get(ekey, ()))

@@ -119,6 +119,12 @@ class Ack(Message, tag="ack", kw_only=True):
     command_id: ShortText = ""
 
 
+class AckReply(Message, tag="ack_reply", kw_only=True):
+    """The controller recorded the ack; ``epoch`` is the scope's current epoch."""
+
+    epoch: NonNegInt
+
+
 # --- device health -----------------------------------------------------------------------------
 
 

@@ -10,10 +10,28 @@ from marduk.policy import EpochKey, Policy, PolicyConfig, PolicyError
 from marduk.protocol import DeviceHealth, Registration
 
 
-def reg(replica: str, devices: list[str], *, worker: int = 0, scope: str = "replica", pid: int = 1,
-        incarnation: int = 0, epoch: int = 0, job: str = "j") -> Registration:
-    return Registration(job=job, replica=replica, worker=worker, host="h", devices=devices,
-                        scope=scope, pid=pid, incarnation=incarnation, epoch=epoch)  # type: ignore[arg-type]
+def reg(
+    replica: str,
+    devices: list[str],
+    *,
+    worker: int = 0,
+    scope: str = "replica",
+    pid: int = 1,
+    incarnation: int = 0,
+    epoch: int = 0,
+    job: str = "j",
+) -> Registration:
+    return Registration(
+        job=job,
+        replica=replica,
+        worker=worker,
+        host="h",
+        devices=devices,
+        scope=scope,
+        pid=pid,
+        incarnation=incarnation,
+        epoch=epoch,
+    )  # type: ignore[arg-type]
 
 
 def failed(device: str, event_id: str, state: str = "failed") -> DeviceHealth:
@@ -175,3 +193,12 @@ def test_restore_rebuilds_map_epochs_and_awaiting() -> None:
     assert not q.awaiting(EpochKey("j", "r1"))
     r = q.on_health(failed("d1", "e2"), now=3)
     assert [(c.replica, c.epoch) for c in r.outcome.commands] == [("r1", 2)]
+
+
+def test_registration_with_higher_applied_epoch_is_adopted() -> None:
+    """A controller that lost a write learns the epoch back from agents; no epoch is reused."""
+    p = Policy()
+    out = p.register(reg("r1", ["d1"], epoch=7), now=0)
+    assert out.epoch == 7 and out.outcome.put_epochs
+    [cmd] = p.on_health(failed("d1", "e1"), now=1).outcome.commands
+    assert cmd.epoch == 8

@@ -1,0 +1,555 @@
+"""The library a trainer imports: register with the controller, receive commands.
+
+``AsyncClient`` does the work on an asyncio loop; ``Client`` runs one on a background thread
+(named ``marduk-agent``) for synchronous training loops. Nothing here raises into the training
+loop after ``connect`` has returned: a lost connection is retried in the background (visible as
+``state``), bad messages are counted and recorded in ``errors``, and every wait has a timeout.
+
+Commands are fenced by epochs: a command whose epoch is not above the last one received is
+stale or a duplicate, and is dropped (``stats["dropped_stale"]``). After a reconnect, and
+whenever a controller announces it (re)started, the client registers again; the reply carries
+the current epoch and the command that set it, so a command missed while disconnected is
+delivered then (level-triggered).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from marduk import bus
+from marduk import protocol as wire
+from marduk.errors import MardukError, RequestRejected
+from marduk.subjects import Subjects, check_job, check_replica
+
+log = logging.getLogger("agent")
+
+State = Literal["connecting", "registered", "disconnected", "closed"]
+
+
+class AgentError(MardukError):
+    """Root of the errors the agent library raises (only from connect/close, never later)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A command for this replica, as the trainer sees it."""
+
+    kind: Literal["restart", "fail", "stop"]
+    epoch: int
+    reason: str
+    devices: tuple[str, ...]
+    job: str
+    replica: str | None  # None: sent to every replica of the job (scope "job")
+    scope: Literal["replica", "job"]
+    command_id: str
+    issued_at: float
+    received_at: float = field(compare=False)
+
+    @property
+    def is_failure(self) -> bool:
+        return self.kind in ("restart", "fail")
+
+    @classmethod
+    def from_wire(cls, c: wire.Command, received_at: float) -> Command:
+        return cls(
+            kind=c.kind,
+            epoch=c.epoch,
+            reason=c.reason,
+            devices=tuple(c.devices),
+            job=c.job,
+            replica=c.replica,
+            scope=c.scope,
+            command_id=c.command_id,
+            issued_at=c.issued_at,
+            received_at=received_at,
+        )
+
+
+@dataclass(slots=True)
+class Options:
+    """Everything ``connect`` resolves from arguments, MARDUK_* variables and defaults."""
+
+    job: str
+    replica: str
+    worker: int
+    devices: list[str]
+    addr: str
+    prefix: str
+    scope: Literal["replica", "job"]
+    timeout: float
+    incarnation: int
+    epoch: int
+    role: Literal["library", "supervisor"] = "library"
+    resync_interval: float = 30.0
+    host: str = field(default_factory=socket.gethostname)
+
+
+def resolve_options(
+    replica_id: str | None,
+    devices: list[str] | None,
+    job: str | None,
+    addr: str | None,
+    scope: str | None,
+    *,
+    worker: int | None = None,
+    prefix: str | None = None,
+    timeout: float = 30.0,
+    role: Literal["library", "supervisor"] = "library",
+) -> Options:
+    env = os.environ
+    replica = replica_id or env.get("MARDUK_REPLICA_ID")
+    if not replica:
+        raise AgentError("replica_id is required (or set MARDUK_REPLICA_ID)")
+    job = job or env.get("MARDUK_JOB") or "default"
+    scope = scope or env.get("MARDUK_SCOPE") or "replica"
+    if scope not in ("replica", "job"):
+        raise AgentError(f"scope must be 'replica' or 'job', not {scope!r}")
+    try:
+        check_job(job)
+        check_replica(replica)
+        worker = worker if worker is not None else int(env.get("MARDUK_WORKER", "0"))
+        incarnation = int(env.get("MARDUK_RESTART_COUNT", "0"))
+        epoch = int(env.get("MARDUK_EPOCH", "0"))
+    except ValueError as e:
+        raise AgentError(str(e)) from None
+    if devices is None:
+        from agent.devices import local_device_uuids
+
+        devices = local_device_uuids()
+    return Options(
+        job=job,
+        replica=replica,
+        worker=worker,
+        devices=list(devices),
+        addr=addr or bus.default_addr(),
+        prefix=prefix or env.get("MARDUK_PREFIX") or "marduk",
+        scope=scope,  # type: ignore[arg-type]
+        timeout=timeout,
+        incarnation=incarnation,
+        epoch=epoch,
+        role=role,
+    )
+
+
+OnCommand = Callable[[Command], Any]
+
+
+class AsyncClient:
+    """Registered membership of one worker in a replica, on the current asyncio loop."""
+
+    def __init__(
+        self,
+        opts: Options,
+        on_command: OnCommand | None = None,
+        *,
+        deliver: Callable[[Command], None] | None = None,
+    ) -> None:
+        self.opts = opts
+        self.subjects = Subjects(opts.prefix)
+        self.state: State = "connecting"
+        self.stats: Counter[str] = Counter()
+        self.errors: deque[str] = deque(maxlen=50)
+        self._on_command = on_command
+        self._deliver = deliver
+        self._queue: asyncio.Queue[Command] = asyncio.Queue()
+        self._nc: NATS | None = None
+        self._received_epoch = opts.epoch
+        self._acked_epoch = opts.epoch
+        self._pending_failure: Command | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._register_lock = asyncio.Lock()
+        self._registered_once = False
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and register; raise AgentError when that fails within ``opts.timeout``."""
+        o = self.opts
+        deadline = time.monotonic() + o.timeout
+        try:
+            self._nc = await bus.connect(
+                o.addr,
+                name=f"marduk-agent {o.job}/{o.replica}/{o.worker}",
+                timeout=o.timeout,
+                reconnect=True,
+                on_disconnected=self._on_disconnected,
+                on_reconnected=self._on_reconnected,
+            )
+            nc = self._nc
+            await nc.subscribe(self.subjects.replica_commands(o.job, o.replica), cb=self._on_msg)
+            await nc.subscribe(self.subjects.job_commands(o.job), cb=self._on_msg)
+            await nc.subscribe(self.subjects.hello, cb=self._on_hello)
+            await self._register(timeout=max(0.5, deadline - time.monotonic()), retry=True)
+        except MardukError as e:
+            await self.close(deregister=False)
+            raise AgentError(str(e)) from None
+        self._spawn(self._resync_loop())
+
+    async def close(self, *, deregister: bool = True, reason: str = "closed") -> None:
+        """Deregister (best effort) and disconnect. Safe to call twice."""
+        if self.state == "closed":
+            return
+        was_registered = self._registered_once
+        self.state = "closed"
+        for task in list(self._tasks):
+            task.cancel()
+        if self._nc is not None:
+            if deregister and was_registered and self._nc.is_connected:
+                o = self.opts
+                with contextlib.suppress(Exception):
+                    await bus.request(
+                        self._nc,
+                        self.subjects.deregister(o.job),
+                        wire.Deregistration(
+                            job=o.job, replica=o.replica, worker=o.worker, reason=reason
+                        ),
+                        wire.DeregisterReply,
+                        timeout=2.0,
+                    )
+            await bus.close(self._nc)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _record(self, message: str) -> None:
+        self.errors.append(f"{time.strftime('%H:%M:%S')} {message}")
+        log.warning("%s", message)
+
+    # --- registration ----------------------------------------------------------------------------
+
+    async def _register(self, *, timeout: float, retry: bool = False) -> None:
+        """Register (again). With ``retry``, keep trying until ``timeout`` runs out."""
+        o = self.opts
+        reg = wire.Registration(
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            host=o.host,
+            devices=o.devices,
+            scope=o.scope,
+            pid=os.getpid(),
+            incarnation=o.incarnation,
+            epoch=self._acked_epoch,
+            role=o.role,
+        )
+        deadline = time.monotonic() + timeout
+        async with self._register_lock:
+            while True:
+                assert self._nc is not None
+                left = deadline - time.monotonic()
+                try:
+                    reply = await bus.request(
+                        self._nc,
+                        self.subjects.register(o.job),
+                        reg,
+                        wire.RegisterReply,
+                        timeout=max(0.2, min(left, 5.0)),
+                        addr=o.addr,
+                    )
+                    break
+                except MardukError as e:
+                    # A controller restarting answers nothing for a moment; retry till the end.
+                    out_of_time = time.monotonic() + 0.2 >= deadline
+                    if not retry or out_of_time or isinstance(e, RequestRejected):
+                        raise
+                    await asyncio.sleep(0.2)
+        self.stats["registrations"] += 1
+        first = not self._registered_once
+        self._registered_once = True
+        if self.state != "closed":
+            self.state = "registered"
+        if first and o.epoch == 0:
+            # A fresh process starts after every restart commanded so far.
+            self._received_epoch = self._acked_epoch = max(self._acked_epoch, reply.epoch)
+        elif reply.command is not None and reply.command.epoch > self._received_epoch:
+            self.stats["converged"] += 1
+            self._accept(reply.command)
+        else:
+            self._received_epoch = max(self._received_epoch, reply.epoch)
+
+    async def reregister(self) -> None:
+        try:
+            await self._register(timeout=5.0)
+        except MardukError as e:
+            self._record(f"re-registration failed: {e}")
+
+    async def _on_disconnected(self) -> None:
+        if self.state != "closed":
+            self.state = "disconnected"
+            self.stats["disconnects"] += 1
+
+    async def _on_reconnected(self) -> None:
+        if self.state != "closed":
+            self._spawn(self.reregister())
+
+    async def _on_hello(self, msg: Msg) -> None:
+        if self.state != "closed" and self._registered_once:
+            self._spawn(self.reregister())
+
+    async def _resync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.opts.resync_interval)
+            if self._nc is not None and self._nc.is_connected:
+                await self.reregister()
+
+    # --- commands --------------------------------------------------------------------------------
+
+    async def _on_msg(self, msg: Msg) -> None:
+        try:
+            command = wire.decode(msg.data, wire.Command)
+        except ValueError as e:
+            self.stats["bad_commands"] += 1
+            self._record(f"dropped an undecodable command on {msg.subject}: {e}")
+            return
+        self._accept(command)
+
+    def _accept(self, c: wire.Command) -> None:
+        if c.epoch <= self._received_epoch:
+            self.stats["dropped_stale"] += 1
+            return
+        self._received_epoch = c.epoch
+        command = Command.from_wire(c, time.time())
+        self.stats[f"commands.{c.kind}"] += 1
+        if command.is_failure:
+            self._pending_failure = command
+        if self._deliver is not None:
+            self._deliver(command)
+        else:
+            self._queue.put_nowait(command)
+        if self._on_command is not None:
+            try:
+                result = self._on_command(command)
+                if asyncio.iscoroutine(result):
+                    self._spawn(self._guard(result))
+            except Exception as e:  # a callback's bug must not kill the client
+                self._record(f"on_command callback raised {type(e).__name__}: {e}")
+
+    async def _guard(self, coro: Any) -> None:
+        try:
+            await coro
+        except Exception as e:
+            self._record(f"on_command callback raised {type(e).__name__}: {e}")
+
+    async def wait(self, timeout: float | None = None) -> Command | None:
+        """The next command for this replica, or None after ``timeout`` seconds."""
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    @property
+    def failed(self) -> bool:
+        """A restart or fail command has arrived and has not been acknowledged."""
+        return self._pending_failure is not None
+
+    @property
+    def last_failure(self) -> Command | None:
+        return self._pending_failure
+
+    @property
+    def epoch(self) -> int:
+        """The last epoch received."""
+        return self._received_epoch
+
+    async def ack(self, command: Command | None = None) -> None:
+        """Acknowledge ``command`` (default: the pending failure): clears ``failed`` and tells
+        the controller this worker applied the epoch (waits for its confirmation, 5 s at most;
+        a failure is recorded in ``errors``, never raised)."""
+        command = command or self._pending_failure
+        if command is None:
+            return
+        if self._pending_failure is not None and command.epoch >= self._pending_failure.epoch:
+            self._pending_failure = None
+        self._acked_epoch = max(self._acked_epoch, command.epoch)
+        o = self.opts
+        ack = wire.Ack(
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            epoch=command.epoch,
+            command_id=command.command_id,
+        )
+        try:
+            assert self._nc is not None
+            await bus.request(
+                self._nc, self.subjects.ack(o.job), ack, wire.AckReply, timeout=5.0, addr=o.addr
+            )
+        except MardukError as e:
+            self._record(f"ack not confirmed ({e}); the next registration reports the epoch")
+
+
+async def connect_async(
+    replica_id: str | None = None,
+    devices: list[str] | None = None,
+    job: str | None = None,
+    addr: str | None = None,
+    scope: str | None = None,
+    on_command: OnCommand | None = None,
+    *,
+    worker: int | None = None,
+    prefix: str | None = None,
+    timeout: float = 30.0,
+) -> AsyncClient:
+    """Register this worker and return once registered; raise AgentError after ``timeout``.
+
+    Arguments left out come from MARDUK_REPLICA_ID, MARDUK_JOB (default ``default``),
+    MARDUK_ADDR, MARDUK_SCOPE (default ``replica``), MARDUK_WORKER, MARDUK_PREFIX; ``devices``
+    from MARDUK_DEVICES or ``local_device_uuids()``.
+    """
+    opts = resolve_options(
+        replica_id, devices, job, addr, scope, worker=worker, prefix=prefix, timeout=timeout
+    )
+    client = AsyncClient(opts, on_command)
+    await client.start()
+    return client
+
+
+class Client:
+    """Synchronous facade: one background thread runs an AsyncClient on its own loop.
+
+    ``on_command`` callbacks run on that thread (``marduk-agent``), never on the training thread;
+    keep them short and thread-safe, or use ``wait()``/``failed`` from the training loop.
+    """
+
+    def __init__(self, opts: Options, on_command: OnCommand | None = None) -> None:
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="marduk-agent")
+        self._thread.daemon = True
+        self._thread.start()
+        self._closed = False
+
+        async def make() -> AsyncClient:
+            client = AsyncClient(opts, on_command, deliver=self._commands.put_nowait)
+            await client.start()
+            return client
+
+        try:
+            self._async: AsyncClient = self._call(make(), timeout=opts.timeout + 5.0)
+        except BaseException:
+            self._stop_loop()
+            raise
+        # A script that ends without close() still deregisters (a crash does not, by design).
+        atexit.register(self.close, "exited")
+
+    def _call(self, coro: Any, timeout: float) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise AgentError(f"no answer from the agent thread within {timeout:g}s") from None
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    @property
+    def opts(self) -> Options:
+        return self._async.opts
+
+    @property
+    def state(self) -> State:
+        return self._async.state
+
+    @property
+    def stats(self) -> Counter[str]:
+        return self._async.stats
+
+    @property
+    def errors(self) -> list[str]:
+        return list(self._async.errors)
+
+    @property
+    def failed(self) -> bool:
+        return self._async.failed
+
+    @property
+    def last_failure(self) -> Command | None:
+        return self._async.last_failure
+
+    @property
+    def epoch(self) -> int:
+        return self._async.epoch
+
+    def wait(self, timeout: float | None = None) -> Command | None:
+        """The next command for this replica, or None after ``timeout`` seconds."""
+        try:
+            return self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def poll(self) -> Command | None:
+        """The next command if one is waiting, else None; never blocks."""
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def ack(self, command: Command | None = None) -> None:
+        if self._closed:
+            return
+        try:
+            self._call(self._async.ack(command), timeout=5.0)
+        except AgentError as e:
+            self._async._record(str(e))
+
+    def close(self, reason: str = "closed") -> None:
+        """Deregister and disconnect. Safe to call twice; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self._call(self._async.close(reason=reason), timeout=6.0)
+        except Exception as e:
+            log.debug("close: %s", e)
+        self._stop_loop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(
+    replica_id: str | None = None,
+    devices: list[str] | None = None,
+    job: str | None = None,
+    addr: str | None = None,
+    scope: str | None = None,
+    on_command: OnCommand | None = None,
+    *,
+    worker: int | None = None,
+    prefix: str | None = None,
+    timeout: float = 30.0,
+) -> Client:
+    """Register this worker with the controller and return a ``Client``.
+
+    Returns once registered, or raises AgentError with one clear line after ``timeout``
+    seconds. See ``connect_async`` for where arguments left out come from.
+    """
+    opts = resolve_options(
+        replica_id, devices, job, addr, scope, worker=worker, prefix=prefix, timeout=timeout
+    )
+    return Client(opts, on_command)

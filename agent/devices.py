@@ -1,0 +1,104 @@
+"""Stable identifiers for this process's accelerators.
+
+Order of precedence:
+
+1. ``MARDUK_DEVICES`` (comma-separated), when set: used as given.
+2. NVIDIA GPUs: the NVML UUID (``GPU-8e1a...``; ``MIG-...`` for MIG instances), the id that
+   ``nvidia-smi -L``, DCGM and Kubernetes' device plugin use, so a health monitor on the node can
+   publish events keyed by the same string. jax's ``local_hardware_id`` is the CUDA ordinal;
+   it is mapped through ``CUDA_VISIBLE_DEVICES`` (indices or UUIDs) to an NVML handle. Needs the
+   ``nvidia-ml-py`` package and a driver; without them, the fallback below is used.
+3. Everything else (TPU, CPU, GPUs without NVML): ``<host>:<platform>:<local_hardware_id>``,
+   e.g. ``worker-3:tpu:0``. Stable across restarts of the process on the same host.
+
+Note: CUDA orders devices fastest-first by default, NVML by PCI bus id. On nodes of identical
+GPUs (every training node we know of) the two agree; on mixed nodes set
+``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or pass ``devices=`` / ``MARDUK_DEVICES`` explicitly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+log = logging.getLogger("agent.devices")
+
+
+def devices_from_env() -> list[str] | None:
+    raw = os.environ.get("MARDUK_DEVICES")
+    if raw is None or not raw.strip():
+        return None
+    return [d.strip() for d in raw.split(",") if d.strip()]
+
+
+def local_device_uuids(backend: str | None = None) -> list[str]:
+    """UUIDs of the accelerators this process uses (see the module docstring for the format)."""
+    env = devices_from_env()
+    if env is not None:
+        return env
+    import jax  # deferred: importing jax costs about a second
+
+    devices = jax.local_devices(backend=backend)
+    return device_ids(devices, host=socket.gethostname(), nvml_uuid=nvml_uuid_for_ordinal)
+
+
+def device_ids(
+    devices: Sequence[Any],
+    *,
+    host: str,
+    nvml_uuid: Callable[[int], str | None],
+) -> list[str]:
+    """Ids for jax devices; ``nvml_uuid(ordinal)`` gives a GPU's NVML UUID or None."""
+    out = []
+    for d in devices:
+        platform = str(getattr(d, "platform", "unknown")).lower()
+        hw = getattr(d, "local_hardware_id", None)
+        local = hw if isinstance(hw, int) and hw >= 0 else d.id
+        uuid = nvml_uuid(local) if platform in ("gpu", "cuda") else None
+        out.append(uuid or f"{host}:{platform}:{local}")
+    return out
+
+
+_nvml_state: dict[str, Any] = {}
+
+
+def nvml_uuid_for_ordinal(ordinal: int) -> str | None:
+    """NVML UUID of the GPU with this CUDA ordinal, or None when NVML is unavailable."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entry: str | None = None
+    if visible is not None and visible.strip():
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        if ordinal >= len(entries):
+            return None
+        entry = entries[ordinal]
+        if entry.startswith(("GPU-", "MIG-")):
+            return entry
+    pynvml = _nvml()
+    if pynvml is None:
+        return None
+    try:
+        index = int(entry) if entry is not None else ordinal
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        uuid = pynvml.nvmlDeviceGetUUID(handle)
+    except Exception as e:  # NVMLError, ValueError (a non-numeric entry)
+        log.debug("NVML lookup for CUDA ordinal %d failed: %s", ordinal, e)
+        return None
+    return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+
+
+def _nvml() -> Any:
+    if "module" in _nvml_state:
+        return _nvml_state["module"]
+    module = None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        module = pynvml
+    except Exception as e:  # ImportError, NVMLError_LibraryNotFound, driver not loaded
+        log.debug("NVML unavailable: %s", e)
+    _nvml_state["module"] = module
+    return module

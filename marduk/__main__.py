@@ -1,0 +1,3 @@
+from marduk.cli import main
+
+main()

@@ -1,0 +1,148 @@
+"""The ``marduk`` command: ``controller``, and the mounted ``monitor`` and ``agent`` commands."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from marduk import options
+
+app = typer.Typer(
+    name="marduk",
+    help="Marduk: restart only the trainers a device failure touches.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+@app.command()
+def controller(
+    addr: options.Addr = options.DEFAULTS["addr"],
+    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    embedded: Annotated[
+        bool,
+        typer.Option(
+            "--embedded/--no-embedded",
+            envvar="MARDUK_EMBEDDED",
+            help="Start a nats-server with JetStream when nothing listens at a local --addr.",
+        ),
+    ] = True,
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--state-dir",
+            envvar="MARDUK_STATE_DIR",
+            help="Embedded server's store, log and pid file "
+            "[default: $XDG_STATE_HOME/marduk or ~/.local/state/marduk].",
+            show_default=False,
+        ),
+    ] = None,
+    kv_replicas: Annotated[
+        int,
+        typer.Option(
+            "--kv-replicas",
+            envvar="MARDUK_KV_REPLICAS",
+            min=1,
+            help="Replicas of the JetStream state bucket (3 on a NATS cluster).",
+        ),
+    ] = 1,
+    pending_timeout: Annotated[
+        float,
+        typer.Option(
+            "--pending-timeout",
+            envvar="MARDUK_PENDING_TIMEOUT",
+            min=0.0,
+            help="Seconds a restart stays in flight (coalescing further events) "
+            "unless every worker confirms it sooner.",
+        ),
+    ] = 60.0,
+    restart_on_degraded: Annotated[
+        bool,
+        typer.Option(
+            "--restart-on-degraded",
+            envvar="MARDUK_RESTART_ON_DEGRADED",
+            help="Restart replicas on 'degraded' events too (default: report only).",
+        ),
+    ] = False,
+    device_max_failures: Annotated[
+        int,
+        typer.Option(
+            "--device-max-failures",
+            envvar="MARDUK_DEVICE_MAX_FAILURES",
+            min=0,
+            help="Restarts one device may cause per window before replicas get 'fail'.",
+        ),
+    ] = 3,
+    device_failure_window: Annotated[
+        float,
+        typer.Option(
+            "--device-failure-window",
+            envvar="MARDUK_DEVICE_FAILURE_WINDOW",
+            min=1.0,
+            help="Seconds of the device failure budget's window.",
+        ),
+    ] = 3600.0,
+    json_logs: options.JsonLogs = False,
+    log_level: options.LogLevel = "info",
+) -> None:
+    """Run the controller: keep the device<->replica map and send targeted restarts.
+
+    Starts an embedded nats-server (JetStream) when nothing listens at a local --addr.
+    Stops cleanly on SIGINT/SIGTERM.
+    """
+    from marduk.controller import ControllerSettings, run_controller
+    from marduk.logs import setup_logging
+    from marduk.policy import PolicyConfig
+    from marduk.runtime import run
+
+    setup_logging(json_logs=json_logs, level=log_level)
+    settings = ControllerSettings(
+        addr=addr,
+        prefix=prefix,
+        embedded=embedded,
+        kv_replicas=kv_replicas,
+        policy=PolicyConfig(
+            pending_timeout_s=pending_timeout,
+            restart_on_degraded=restart_on_degraded,
+            device_max_failures=device_max_failures,
+            device_failure_window_s=device_failure_window,
+        ),
+    )
+    if state_dir is not None:
+        settings.state_dir = state_dir
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        return await run_controller(settings, stop)
+
+    raise typer.Exit(run(main()))
+
+
+def _mount() -> None:
+    from monitor_cli.cli import app as monitor_app
+
+    app.add_typer(monitor_app, name="monitor")
+
+
+_mount()
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

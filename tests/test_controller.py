@@ -1,0 +1,294 @@
+"""The controller shell against a real nats-server: routing, bad input, persistence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import nats
+import pytest
+
+from agent.client import AsyncClient, connect_async
+from marduk import protocol as wire
+from marduk.controller import Controller
+from marduk.protocol import decode, encode
+from marduk.subjects import Subjects
+from tests.conftest import NatsServer, controller_settings, eventually
+
+S = Subjects()
+
+
+async def agent(server: NatsServer, replica: str, devices: list[str], **kw: object) -> AsyncClient:
+    return await connect_async(replica, devices, addr=server.url, timeout=10, **kw)  # type: ignore[arg-type]
+
+
+async def health(nc, device: str, state: str = "failed", event_id: str = "") -> wire.HealthReply:  # type: ignore[no-untyped-def]
+    msg = await nc.request(
+        S.health,
+        encode(wire.DeviceHealth(device=device, state=state, event_id=event_id)),  # type: ignore[arg-type]
+        timeout=5,
+    )
+    return decode(msg.data, wire.HealthReply)
+
+
+async def drain_commands(client: AsyncClient) -> list[tuple[str, int]]:
+    out = []
+    while (c := await client.wait(0.3)) is not None:
+        out.append((c.kind, c.epoch))
+    return out
+
+
+async def test_failure_reaches_exactly_the_affected_replicas(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    r1 = await agent(nats_server, "r1", ["d1", "d2"])
+    r2 = await agent(nats_server, "r2", ["d2", "d3"])
+    nc = await nats.connect(nats_server.url)
+    try:
+        reply = await health(nc, "d3")
+        assert reply.known and [(a.replica, a.epoch) for a in reply.actions] == [("r2", 1)]
+        assert await drain_commands(r2) == [("restart", 1)]
+        assert await drain_commands(r1) == []
+        assert r2.failed and not r1.failed
+        await r2.ack()
+        assert not r2.failed
+
+        reply = await health(nc, "d2")
+        assert sorted(a.replica or "" for a in reply.actions) == ["r1", "r2"]
+        assert await drain_commands(r1) == [("restart", 1)]
+        assert await drain_commands(r2) == [("restart", 2)]
+
+        reply = await health(nc, "nope")
+        assert not reply.known and not reply.actions
+        assert await drain_commands(r1) == [] and await drain_commands(r2) == []
+    finally:
+        await nc.close()
+        await r1.close()
+        await r2.close()
+
+
+async def test_event_storm_yields_one_command_per_replica(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    r1 = await agent(nats_server, "r1", ["d1", "d2"])
+    r2 = await agent(nats_server, "r2", ["d2"])
+    nc = await nats.connect(nats_server.url)
+    try:
+        for i in range(100):
+            await nc.publish(
+                S.health,
+                encode(wire.DeviceHealth(device="d2", state="failed", event_id=f"storm-{i % 40}")),
+            )
+        await nc.flush()
+        await eventually(lambda: controller.stats["received.devicehealth"] >= 100)
+        assert await drain_commands(r1) == [("restart", 1)]
+        assert await drain_commands(r2) == [("restart", 1)]
+        assert controller.stats["health.duplicates"] == 60
+    finally:
+        await nc.close()
+        await r1.close()
+        await r2.close()
+
+
+async def test_job_scope_sends_one_command_every_replica_receives(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    agents = [
+        await agent(nats_server, f"r{i}", [f"dev{i}-{w}"], worker=w, scope="job", job="mesh")
+        for i in range(2)
+        for w in range(2)
+    ]
+    nc = await nats.connect(nats_server.url)
+    try:
+        reply = await health(nc, "dev1-0")
+        assert [(a.job, a.replica, a.epoch) for a in reply.actions] == [("mesh", None, 1)]
+        for a in agents:
+            assert await drain_commands(a) == [("restart", 1)]
+        assert controller.stats["commands.restart"] == 1
+    finally:
+        await nc.close()
+        for a in agents:
+            await a.close()
+
+
+async def test_scope_conflict_is_a_clear_error(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    a = await agent(nats_server, "r1", ["d1"], scope="job")
+    from agent.client import AgentError
+
+    with pytest.raises(AgentError, match="scope_conflict"):
+        await agent(nats_server, "r2", ["d2"], scope="replica")
+    await a.close()
+    assert controller.stats["rejected.scope_conflict"] == 1
+
+
+BAD_INPUTS = [
+    (S.health, b"{not json", "malformed"),
+    (S.health, b"", "empty"),
+    (S.health, b'{"device": 42, "state": "failed"}', "invalid"),
+    (S.health, b'{"device": "d1", "state": "exploded"}', "invalid"),
+    (S.health, b'{"device": "has space", "state": "failed"}', "invalid"),
+    (S.health, b'{"type": "register", "device": "d1", "state": "failed"}', "invalid"),
+    (S.health, b'{"v": 2, "device": "d1", "state": "failed"}', "version"),
+    (S.health, b"[1, 2, 3]", "invalid"),
+    (
+        S.health,
+        b'{"device": "d1", "state": "failed", "pad": "' + b"x" * 300_000 + b'"}',
+        "oversized",
+    ),
+    (S.register("j"), b'{"job": "j", "replica": "r.1", "devices": []}', "invalid"),
+    (S.register("j"), b'{"job": "other", "replica": "r1", "devices": []}', "subject_mismatch"),
+    (S.register("j"), b'{"job": "j", "replica": "r1", "worker": -1, "devices": []}', "invalid"),
+    (S.query, b'{"what": "everything"}', "invalid"),
+    (S.deregister("j"), b"null", "invalid"),
+]
+
+
+@pytest.mark.parametrize(("subject", "payload", "code"), BAD_INPUTS)
+async def test_bad_input_gets_an_error_reply_and_a_counter(
+    controller: Controller, nats_server: NatsServer, subject: str, payload: bytes, code: str
+) -> None:
+    r1 = await agent(nats_server, "r1", ["d1"])
+    nc = await nats.connect(nats_server.url)
+    try:
+        msg = await nc.request(subject, payload, timeout=5)
+        reply = decode(msg.data, wire.ErrorReply)
+        assert reply.code == code and reply.message
+        assert controller.stats[f"rejected.{code}"] == 1
+        # Still serving, nothing lost: the map is intact and a real event works.
+        ok = await health(nc, "d1")
+        assert [a.replica for a in ok.actions] == ["r1"]
+        assert await drain_commands(r1) == [("restart", 1)]
+    finally:
+        await nc.close()
+        await r1.close()
+
+
+async def test_bad_input_without_reply_is_counted(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    await nc.publish(S.health, b"garbage")
+    await nc.publish(S.ack("j"), b'{"job": "j"}')
+    await nc.flush()
+    await eventually(lambda: controller.stats["rejected"] == 2)
+    await nc.close()
+
+
+async def test_plain_publish_from_any_client_is_acted_on(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    """A monitor in another language publishes minimal JSON, no reply inbox, no type/v/id."""
+    r1 = await agent(nats_server, "r1", ["GPU-1234"])
+    nc = await nats.connect(nats_server.url)
+    await nc.publish(
+        "marduk.health",
+        json.dumps({"device": "GPU-1234", "state": "failed", "reason": "XID 79"}).encode(),
+    )
+    await nc.flush()
+    c = await r1.wait(5)
+    assert c is not None and c.kind == "restart" and c.devices == ("GPU-1234",)
+    assert "XID 79" in c.reason
+    await nc.close()
+    await r1.close()
+
+
+async def test_query_lists_map_and_devices(controller: Controller, nats_server: NatsServer) -> None:
+    r1 = await agent(nats_server, "r1", ["d1", "d2"], job="a")
+    r2 = await agent(nats_server, "r2", ["d2"], job="b")
+    nc = await nats.connect(nats_server.url)
+    try:
+        msg = await nc.request(S.query, encode(wire.Query(what="map")), timeout=5)
+        reply = decode(msg.data, wire.QueryReply)
+        assert [(w.job, w.replica, w.devices) for w in reply.workers] == [
+            ("a", "r1", ["d1", "d2"]),
+            ("b", "r2", ["d2"]),
+        ]
+        d2 = next(d for d in reply.devices if d.device == "d2")
+        assert d2.replicas == ["a/r1", "b/r2"]
+        msg = await nc.request(S.query, encode(wire.Query(what="map", job="b")), timeout=5)
+        assert [w.replica for w in decode(msg.data, wire.QueryReply).workers] == ["r2"]
+    finally:
+        await nc.close()
+        await r1.close()
+        await r2.close()
+
+
+async def test_deregister_on_close(controller: Controller, nats_server: NatsServer) -> None:
+    r1 = await agent(nats_server, "r1", ["d1"])
+    assert controller.policy.drmap.has_device("d1")
+    await r1.close()
+    await r1.close()  # twice is fine
+    assert not controller.policy.drmap.has_device("d1")
+
+
+async def test_state_survives_a_controller_restart(nats_server: NatsServer, tmp_path: Path) -> None:
+    c1 = Controller(controller_settings(nats_server, tmp_path))
+    await c1.start()
+    r1 = await agent(nats_server, "r1", ["d1", "d2"])
+    r2 = await agent(nats_server, "r2", ["d2", "d3"])
+    nc = await nats.connect(nats_server.url)
+    try:
+        await health(nc, "d3")
+        assert await drain_commands(r2) == [("restart", 1)]
+        await c1.stop()  # gone: as if killed; the store holds the state
+
+        c2 = Controller(controller_settings(nats_server, tmp_path))
+        await c2.start()
+        assert c2.policy.drmap == c1.policy.drmap
+        await r2.ack()
+        await eventually(lambda: not c2.policy.awaiting(("default", "r2")))  # type: ignore[arg-type]
+        reply = await health(nc, "d3")
+        assert [(a.replica, a.epoch) for a in reply.actions] == [("r2", 2)]  # no epoch reuse
+        assert await drain_commands(r2) == [("restart", 2)]
+        assert await drain_commands(r1) == []
+        await c2.stop()
+    finally:
+        await nc.close()
+        await r1.close(deregister=False)
+        await r2.close(deregister=False)
+
+
+async def test_agent_that_missed_a_command_converges_on_reregistration(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    r1 = await agent(nats_server, "r1", ["d1"])
+    assert r1._nc is not None
+    for sub in list(r1._nc._subs.values()):  # lose the command subscription, as in a partition
+        if ".cmd." in sub.subject:
+            await sub.unsubscribe()
+    nc = await nats.connect(nats_server.url)
+    await health(nc, "d1")
+    assert await r1.wait(0.3) is None
+    await r1.reregister()
+    c = await r1.wait(2)
+    assert c is not None and (c.kind, c.epoch) == ("restart", 1)
+    assert r1.stats["converged"] == 1
+    await nc.close()
+    await r1.close()
+
+
+async def test_stale_and_duplicate_commands_are_dropped(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    r1 = await agent(nats_server, "r1", ["d1"])
+    nc = await nats.connect(nats_server.url)
+    subject = S.replica_commands("default", "r1")
+
+    def cmd(epoch: int) -> bytes:
+        return encode(
+            wire.Command(
+                command_id=f"x{epoch}", job="default", replica="r1", kind="restart", epoch=epoch
+            )
+        )
+
+    for epoch in (3, 3, 2, 4, 1):
+        await nc.publish(subject, cmd(epoch))
+    await nc.publish(subject, b"junk")
+    await nc.flush()
+    assert await drain_commands(r1) == [("restart", 3), ("restart", 4)]
+    assert r1.stats["dropped_stale"] == 3 and r1.stats["bad_commands"] == 1
+    assert r1.errors
+    await nc.close()
+    await r1.close()
