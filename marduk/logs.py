@@ -1,4 +1,4 @@
-"""Logging for the processes Marduk runs: readable (rich) by default, JSON lines for machines."""
+"""Logging: rich on a terminal, one plain line per record when piped, JSON lines on request."""
 
 from __future__ import annotations
 
@@ -37,6 +37,10 @@ def setup_logging(*, json_logs: bool = False, level: str = "info") -> None:
     if json_logs:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter())
+    elif not sys.stderr.isatty():
+        # Piped to a file or a log collector: one unwrapped line per record.
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: %(message)s"))
     else:
         from rich.console import Console
         from rich.logging import RichHandler

@@ -218,7 +218,12 @@ def watch(
 
     async def loop() -> None:
         seen = 0
-        async for e in client.events(addr, prefix, job, timeout):
+
+        def ready() -> None:
+            if not as_json:
+                err.print("watching controller events (Ctrl-C to stop)")
+
+        async for e in client.events(addr, prefix, job, timeout, on_ready=ready):
             if isinstance(e, bytes):
                 err.print(f"[yellow]undecodable event:[/yellow] {e[:200]!r}")
                 continue
@@ -232,8 +237,6 @@ def watch(
             if count and seen >= count:
                 return
 
-    if not as_json:
-        err.print("watching controller events (Ctrl-C to stop)")
     _run(loop)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from marduk import bus
 from marduk.protocol import (
@@ -70,13 +70,20 @@ async def query(
 
 
 async def events(
-    addr: str, prefix: str, job: str | None = None, timeout: float = 5.0
+    addr: str,
+    prefix: str,
+    job: str | None = None,
+    timeout: float = 5.0,
+    on_ready: Callable[[], None] | None = None,
 ) -> AsyncIterator[ControllerEvent | bytes]:
     """Controller events as they happen; undecodable payloads are yielded raw."""
     s = Subjects(prefix)
     nc = await bus.connect(addr, name="marduk-monitor-watch", timeout=timeout, reconnect=True)
     try:
         sub = await nc.subscribe(s.all_events if job is None else s.events(job))
+        await nc.flush()
+        if on_ready is not None:
+            on_ready()
         async for msg in sub.messages:
             try:
                 yield decode(msg.data, ControllerEvent)

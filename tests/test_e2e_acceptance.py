@@ -1,0 +1,242 @@
+"""Issue 2's acceptance scenario with real processes, as a new user would run it.
+
+``marduk controller`` on its embedded NATS; two demo trainers register r1 on d1,d2 and r2 on
+d2,d3; the real ``marduk monitor`` CLI injects failures; then the controller is SIGKILLed and
+started again.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, free_port, marduk_cli
+
+pytestmark = pytest.mark.e2e
+
+
+class Proc:
+    """A child process whose output lines are collected by a thread."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        import os
+
+        self.proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            env={**os.environ, **env},
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.all: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.all.append(line)
+            self.lines.put(line)
+
+    def expect(self, text: str, timeout: float = 20) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if text in line:
+                return line
+        raise AssertionError(f"{text!r} not seen; output so far:\n{''.join(self.all)}")
+
+    def drain(self) -> list[str]:
+        out = []
+        while True:
+            try:
+                out.append(self.lines.get_nowait())
+            except queue.Empty:
+                return out
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    yield {
+        "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
+        "MARDUK_STATE_DIR": str(tmp_path / "state"),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def controller(env: dict[str, str]) -> Proc:
+    p = Proc([sys.executable, "-m", "marduk", "controller"], env)
+    p.expect("serving prefix")
+    return p
+
+
+def trainer(env: dict[str, str], replica: str, devices: str) -> Proc:
+    p = Proc(
+        [
+            sys.executable,
+            "examples/demo_trainer.py",
+            "--replica",
+            replica,
+            "--devices",
+            devices,
+            "--step-seconds",
+            "0.05",
+        ],
+        env,
+    )
+    p.expect(f"[{replica}] registered")
+    return p
+
+
+def status(env: dict[str, str]) -> dict:  # type: ignore[type-arg]
+    r = marduk_cli("monitor", "status", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)  # type: ignore[no-any-return]
+
+
+def inject(env: dict[str, str], device: str) -> str:
+    r = marduk_cli("monitor", "inject-failure", device, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_acceptance_targeted_notices_and_restart(env: dict[str, str]) -> None:
+    ctl = controller(env)
+    r1 = trainer(env, "r1", "d1,d2")
+    r2 = trainer(env, "r2", "d2,d3")
+    try:
+        workers = {(w["replica"], tuple(w["devices"])) for w in status(env)["workers"]}
+        assert workers == {("r1", ("d1", "d2")), ("r2", ("d2", "d3"))}
+
+        out = inject(env, "d3")
+        assert "r2" in out and "r1" not in out
+        r2.expect("COMMAND restart epoch=1 devices=d3")
+        time.sleep(0.5)
+        assert not any("COMMAND" in line for line in r1.drain())
+
+        out = inject(env, "d2")
+        assert "r1" in out and "r2" in out
+        r1.expect("COMMAND restart epoch=1 devices=d2")
+        r2.expect("COMMAND restart epoch=2 devices=d2")
+
+        out = inject(env, "d-unknown")
+        assert "unknown" in out
+        time.sleep(0.5)
+        assert not any("COMMAND" in line for p in (r1, r2) for line in p.drain())
+
+        # SIGKILL the controller (and so its embedded NATS): no orphaned server is left.
+        server_pids = [
+            c.pid for c in psutil.Process(ctl.proc.pid).children() if "nats-server" in c.name()
+        ]
+        assert server_pids
+        ctl.stop(signal.SIGKILL)
+        for pid in server_pids:
+            try:
+                psutil.Process(pid).wait(10)
+            except psutil.NoSuchProcess:
+                pass
+
+        ctl = controller(env)
+        workers = {(w["replica"], tuple(w["devices"])) for w in status(env)["workers"]}
+        assert workers == {("r1", ("d1", "d2")), ("r2", ("d2", "d3"))}
+        out = inject(env, "d1")
+        assert "r1" in out and "r2" not in out
+        r1.expect("COMMAND restart epoch=2 devices=d1")
+        out = inject(env, "d3")
+        r2.expect("COMMAND restart epoch=3 devices=d3")
+    finally:
+        r1.stop()
+        r2.stop()
+        ctl.stop()
+    assert ctl.proc.returncode == 0, "".join(ctl.all)
+
+
+def test_cli_errors_are_one_line_without_traceback(tmp_path: Path) -> None:
+    env = {"MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}"}
+    for args in (
+        ["monitor", "status"],
+        ["monitor", "inject-failure", "d1"],
+        ["monitor", "watch", "--count", "1"],
+    ):
+        r = marduk_cli(*args, env=env)
+        assert r.returncode == 1
+        assert "Traceback" not in r.stderr
+        assert r.stderr.strip().startswith("error: cannot connect to NATS")
+
+
+def test_cli_without_controller_says_so(tmp_path: Path) -> None:
+    from tests.conftest import NatsServer
+
+    server = NatsServer(tmp_path / "js").start()
+    try:
+        r = marduk_cli(
+            "monitor", "inject-failure", "d1", "--timeout", "1", env={"MARDUK_ADDR": server.url}
+        )
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert "no Marduk controller answered" in r.stderr
+    finally:
+        server.stop()
+
+
+def test_controller_refuses_remote_address_without_server(tmp_path: Path) -> None:
+    r = marduk_cli(
+        "controller",
+        env={"MARDUK_ADDR": "nats://192.0.2.1:4222", "MARDUK_STATE_DIR": str(tmp_path)},
+        timeout=30,
+    )
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "not on this machine" in r.stderr
+
+
+def test_controller_no_embedded_and_second_controller_on_same_state(env: dict[str, str]) -> None:
+    r = marduk_cli("controller", "--no-embedded", env=env)
+    assert r.returncode == 1 and "--no-embedded" in r.stderr
+    ctl = controller(env)
+    try:
+        # Same address now answers: a second controller joins that server (no second embedded).
+        second = Proc([sys.executable, "-m", "marduk", "controller"], env)
+        second.expect("using the NATS server")
+        second.stop()
+    finally:
+        ctl.stop()
+
+
+def test_watch_streams_registrations_and_restarts(env: dict[str, str]) -> None:
+    ctl = controller(env)
+    watch = Proc(
+        [sys.executable, "-m", "marduk", "monitor", "watch", "--json", "--count", "2"], env
+    )
+    time.sleep(1.5)  # let it subscribe; events before that are not replayed
+    r1 = trainer(env, "r1", "d1")
+    try:
+        inject(env, "d1")
+        assert watch.proc.wait(20) == 0
+        kinds = [json.loads(line)["kind"] for line in watch.all if line.startswith("{")]
+        assert kinds == ["registered", "restart_issued"]
+    finally:
+        r1.stop()
+        watch.stop()
+        ctl.stop()
