@@ -247,6 +247,7 @@ class AsyncClient:
             pid=os.getpid(),
             incarnation=o.incarnation,
             epoch=self._acked_epoch,
+            seen_epoch=self._received_epoch,
             role=o.role,
         )
         deadline = time.monotonic() + timeout
@@ -368,13 +369,13 @@ class AsyncClient:
         """The last epoch received."""
         return self._received_epoch
 
-    async def ack(self, command: Command | None = None) -> None:
+    async def ack(self, command: Command | None = None) -> bool:
         """Acknowledge ``command`` (default: the pending failure): clears ``failed`` and tells
-        the controller this worker applied the epoch (waits for its confirmation, 5 s at most;
-        a failure is recorded in ``errors``, never raised)."""
+        the controller this worker applied the epoch. Returns True once the controller
+        confirmed (5 s at most); False is recorded in ``errors``, never raised."""
         command = command or self._pending_failure
         if command is None:
-            return
+            return True
         if self._pending_failure is not None and command.epoch >= self._pending_failure.epoch:
             self._pending_failure = None
         self._acked_epoch = max(self._acked_epoch, command.epoch)
@@ -393,6 +394,8 @@ class AsyncClient:
             )
         except MardukError as e:
             self._record(f"ack not confirmed ({e}); the next registration reports the epoch")
+            return False
+        return True
 
 
 async def connect_async(
@@ -505,13 +508,15 @@ class Client:
         except queue.Empty:
             return None
 
-    def ack(self, command: Command | None = None) -> None:
+    def ack(self, command: Command | None = None) -> bool:
+        """Acknowledge a command (default: the pending failure); see ``AsyncClient.ack``."""
         if self._closed:
-            return
+            return False
         try:
-            self._call(self._async.ack(command), timeout=5.0)
+            return bool(self._call(self._async.ack(command), timeout=7.0))
         except AgentError as e:
             self._async._record(str(e))
+            return False
 
     def close(self, reason: str = "closed") -> None:
         """Deregister and disconnect. Safe to call twice; never raises."""

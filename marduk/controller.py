@@ -2,8 +2,9 @@
 
 Every inbound message goes the same way: size check and strict decode (a bad one is counted,
 logged and answered with an error, never raised), a synchronous call into ``Policy`` (the
-decision), then ``_commit``: persist the records, publish the commands, publish the events.
-Commits run one at a time, in decision order, so the store never goes backwards.
+decision), then ``_commit``: persist the write-ahead records (epoch ceilings, rarely any),
+publish the commands, persist the other records, publish the events. Commits run one at a time,
+in decision order, so the store never goes backwards.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from marduk.policy import Outcome, Policy, PolicyConfig, PolicyError
 from marduk.protocol import (
     MAX_MESSAGE_BYTES,
     Ack,
+    AckReply,
     Command,
     ControllerEvent,
     ControllerInfo,
@@ -320,12 +322,12 @@ class Controller:
         await self._commit(outcome)
         return DeregisterReply(known=known)
 
-    async def _on_ack(self, ack: Ack, msg: Msg) -> None:
+    async def _on_ack(self, ack: Ack, msg: Msg) -> AckReply:
         self._check_subject_job(ack.job, msg)
-        outcome = self.policy.ack(
-            WorkerKey(ack.job, ack.replica, ack.worker), ack.epoch, time.time()
-        )
+        key = WorkerKey(ack.job, ack.replica, ack.worker)
+        outcome = self.policy.ack(key, ack.epoch, time.time())
         await self._commit(outcome)
+        return AckReply(epoch=self.policy.epoch_of_worker(key))
 
     async def _on_health(self, event: DeviceHealth, msg: Msg) -> msgspec.Struct:
         now = time.time()
@@ -361,21 +363,26 @@ class Controller:
 
     async def _commit(self, outcome: Outcome) -> None:
         async with self._commit_lock:
-            await self._persist(outcome)
+            if outcome.write_ahead:
+                await self._persist(outcome, write_ahead=True)
             assert self.nc is not None
             for command in outcome.commands:
                 await self.nc.publish(self._command_subject(command), encode(command))
                 self.stats[f"commands.{command.kind}"] += 1
+            await self._persist(outcome)
             for event in outcome.events:
                 self._log_event(event)
                 await self.nc.publish(self.subjects.events(event.job), encode(event))
 
-    async def _persist(self, outcome: Outcome) -> None:
-        if self.store is None or not _has_writes(outcome):
+    async def _persist(self, outcome: Outcome, *, write_ahead: bool = False) -> None:
+        if self.store is None or not (write_ahead or _has_writes(outcome)):
             return
         for attempt in range(3):
             try:
-                await self.store.apply(outcome)
+                if write_ahead:
+                    await self.store.write_ahead(outcome)
+                else:
+                    await self.store.apply(outcome)
                 return
             except Exception as e:
                 self.stats["store.errors"] += 1

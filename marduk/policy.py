@@ -62,6 +62,8 @@ class PolicyConfig:
     """The window of the device failure budget."""
     dedup_capacity: int = 10_000
     """How many recent event ids are remembered to drop repeated events."""
+    epoch_block: int = 100
+    """Epochs reserved per write-ahead (see ``EpochRecord.ceiling``)."""
 
 
 class EpochKey(NamedTuple):
@@ -90,6 +92,10 @@ class EpochRecord(msgspec.Struct, kw_only=True):
     epoch: int = 0
     issued_at: float = 0.0
     command: Command | None = None
+    # Epochs up to the ceiling may be issued without a write: the ceiling is persisted before
+    # any command above the previous one goes out, and a restored controller issues above it.
+    # Epochs must only increase; gaps are harmless.
+    ceiling: int = 0
 
 
 class DeviceRecord(msgspec.Struct, kw_only=True):
@@ -105,10 +111,13 @@ class DeviceRecord(msgspec.Struct, kw_only=True):
 
 @dataclass(slots=True)
 class Outcome:
-    """What the shell must do, in order: persist, then publish commands, then events."""
+    """What the shell does, in order: persist ``write_ahead``, publish the commands, persist the
+    other records, publish the events."""
 
     commands: list[Command] = field(default_factory=list)
     events: list[ControllerEvent] = field(default_factory=list)
+    # Must be durable before the commands are published (epoch ceilings).
+    write_ahead: list[EpochRecord] = field(default_factory=list)
     put_workers: list[WorkerRecord] = field(default_factory=list)
     deleted_workers: list[WorkerKey] = field(default_factory=list)
     put_epochs: list[EpochRecord] = field(default_factory=list)
@@ -154,6 +163,7 @@ class Policy:
         # Workers that have not confirmed the current epoch of their scope (derived, not stored).
         self._awaiting: dict[EpochKey, set[WorkerKey]] = {}
         self._job_workers: dict[str, set[WorkerKey]] = {}
+        self._floor: dict[EpochKey, int] = {}
         self._recent_events: OrderedDict[str, HealthReply] = OrderedDict()
 
     # --- restore ---------------------------------------------------------------------------------
@@ -168,7 +178,10 @@ class Policy:
     ) -> Policy:
         policy = cls(config)
         for epoch in epochs:
-            policy.epochs[EpochKey(epoch.job, epoch.replica)] = epoch
+            ekey = EpochKey(epoch.job, epoch.replica)
+            policy.epochs[ekey] = epoch
+            # Commands up to the ceiling may have gone out after the last exact write.
+            policy._floor[ekey] = max(epoch.epoch, epoch.ceiling)
         for device in devices:
             policy.devices[device.device] = device
         for rec in workers:
@@ -195,14 +208,20 @@ class Policy:
         ) != (reg.pid, reg.incarnation)
         ekey = epoch_key_for(reg.job, reg.replica, reg.scope)
         state = self.epochs.get(ekey)
-        if reg.epoch > (state.epoch if state else 0):
-            # The agent applied an epoch we do not know (a lost write, state restored from an
-            # older copy): adopt it, so the next command is above what agents have applied.
-            state = state or EpochRecord(job=ekey.job, replica=ekey.replica)
-            state.epoch = reg.epoch
+        if state is None:
+            # Reserve the first block now, off the failure path.
+            state = EpochRecord(job=ekey.job, replica=ekey.replica, ceiling=self.config.epoch_block)
             self.epochs[ekey] = state
             out.put_epochs.append(state)
-        current = state.epoch if state else 0
+        seen = max(reg.epoch, reg.seen_epoch)
+        if seen > state.epoch:
+            # The agent saw an epoch we do not know (a lost write, state restored from an older
+            # copy): adopt it, so the next command is above anything agents have seen.
+            state.epoch = seen
+            state.ceiling = max(state.ceiling, seen + self.config.epoch_block)
+            if state not in out.put_epochs:
+                out.put_epochs.append(state)
+        current = state.epoch
         if fresh_process:
             # A new process starts after every restart commanded so far: it is current.
             applied = max(reg.epoch, current)
@@ -227,7 +246,7 @@ class Policy:
         self.drmap.set_worker(key, reg.devices)
         if applied >= current:
             self._confirm(ekey, key)
-        elif state is not None:
+        else:
             self._awaiting.setdefault(ekey, set()).add(key)
         if result != "unchanged":
             out.put_workers.append(rec)
@@ -243,7 +262,7 @@ class Policy:
                 f"{len(reg.devices)} device(s), scope {reg.scope}",
             )
         )
-        return Registered(out, result, current, state.command if state else None)
+        return Registered(out, result, current, state.command)
 
     def _check_scope(self, reg: Registration) -> None:
         for key in self._job_workers.get(reg.job, ()):
@@ -273,6 +292,7 @@ class Policy:
         self._confirm(ekey, key)
         # Nobody left in this restart scope: a fresh process adopts epoch 0 again.
         if not self._scope_workers(ekey) and self.epochs.pop(ekey, None) is not None:
+            self._floor.pop(ekey, None)
             out.deleted_epochs.append(ekey)
         out.events.append(
             ControllerEvent(
@@ -293,7 +313,9 @@ class Policy:
             return out
         rec.applied_epoch = epoch
         rec.updated_at = now
-        out.put_workers.append(rec)
+        # Not persisted: after a controller restart agents re-register (on its hello) with the
+        # epoch they acknowledged, which rebuilds this. Acks of a job-wide restart arrive by the
+        # thousand at once; they must not queue a write each.
         ekey = self._epoch_key_of(rec)
         state = self.epochs.get(ekey)
         if state is not None and epoch >= state.epoch:
@@ -435,7 +457,10 @@ class Policy:
         out: Outcome,
     ) -> Command:
         state = self.epochs.get(ekey) or EpochRecord(job=ekey.job, replica=ekey.replica)
-        epoch = state.epoch + 1
+        epoch = max(state.epoch, self._floor.pop(ekey, 0)) + 1
+        if epoch > state.ceiling:
+            state.ceiling = epoch + self.config.epoch_block - 1
+            out.write_ahead.append(state)
         command = Command(
             command_id=f"{ekey.job}/{ekey.replica or '*'}/{epoch}",
             job=ekey.job,
@@ -452,7 +477,8 @@ class Policy:
         self.epochs[ekey] = state
         self._awaiting[ekey] = set(self._scope_workers(ekey))
         out.commands.append(command)
-        out.put_epochs.append(state)
+        if state not in out.write_ahead:
+            out.put_epochs.append(state)
         return command
 
     def _pending(self, ekey: EpochKey, now: float) -> bool:

@@ -63,8 +63,10 @@ class Registration(Message, tag="register", kw_only=True):
     pid: NonNegInt = 0
     # Counts trainer starts under one supervisor; a library alone sends MARDUK_RESTART_COUNT or 0.
     incarnation: NonNegInt = 0
-    # The restart epoch this worker has applied (0: none yet).
+    # The restart epoch this worker has applied (acknowledged); 0: none yet.
     epoch: NonNegInt = 0
+    # The highest epoch it has received, applied or not: the controller never reissues it.
+    seen_epoch: NonNegInt = 0
     role: Role = "library"
 
 

@@ -8,8 +8,9 @@ Keys (the bucket is ``<prefix>_state`` with dots replaced by ``_``)::
     d.<base64url(device)>        DeviceRecord   (health state, failure history)
 
 A controller killed with SIGKILL and started again reads the bucket and has the same map and
-epochs. Writes happen before the commands they justify are published (write-ahead): a restarted
-controller never reissues an epoch an agent has already applied.
+epochs. Epochs are reserved in blocks: an epoch record's ``ceiling`` is written before any
+command above the previous ceiling is published (write-ahead), so a restarted controller issues
+above every epoch that may have gone out, and most restarts need no write before their command.
 """
 
 from __future__ import annotations
@@ -104,8 +105,15 @@ class StateStore:
             await watcher.stop()  # type: ignore[no-untyped-call]
         return out
 
+    async def write_ahead(self, outcome: Outcome) -> None:
+        """Persist the epoch ceilings that must be durable before commands go out."""
+        for epoch in outcome.write_ahead:
+            await self.kv.put(
+                epoch_kv_key(EpochKey(epoch.job, epoch.replica)), self._enc.encode(epoch)
+            )
+
     async def apply(self, outcome: Outcome) -> None:
-        """Persist what an outcome changed. Raises on failure: the caller must not publish."""
+        """Persist the other records an outcome changed."""
         for rec in outcome.put_workers:
             reg = rec.registration
             await self.kv.put(

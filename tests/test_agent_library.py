@@ -48,9 +48,9 @@ async def test_sync_client_wait_failed_ack_close(
         assert cmd is not None and (cmd.kind, cmd.epoch, cmd.devices) == ("restart", 1, ("d2",))
         assert client.failed and client.last_failure == cmd
         assert seen == [("restart", "marduk-agent")]  # callbacks never on the caller's thread
-        await asyncio.to_thread(client.ack)
-        assert not client.failed
-        await eventually(lambda: controller.policy.workers[("train", "r1", 0)].applied_epoch == 1)  # type: ignore[index]
+        assert await asyncio.to_thread(client.ack) is True
+        assert not client.failed and not client.errors
+        assert controller.policy.workers[("train", "r1", 0)].applied_epoch == 1  # type: ignore[index]
     finally:
         await asyncio.to_thread(client.close)
         await asyncio.to_thread(client.close)

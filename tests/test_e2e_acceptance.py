@@ -164,9 +164,10 @@ def test_acceptance_targeted_notices_and_restart(env: dict[str, str]) -> None:
         assert workers == {("r1", ("d1", "d2")), ("r2", ("d2", "d3"))}
         out = inject(env, "d1")
         assert "r1" in out and "r2" not in out
-        r1.expect("COMMAND restart epoch=2 devices=d1")
+        # Epochs continue above the block reserved before the kill (no reuse, gaps allowed).
+        r1.expect("COMMAND restart epoch=101 devices=d1")
         out = inject(env, "d3")
-        r2.expect("COMMAND restart epoch=3 devices=d3")
+        r2.expect("COMMAND restart epoch=101 devices=d3")
     finally:
         r1.stop()
         r2.stop()

@@ -1,0 +1,303 @@
+"""Benchmark: health event publish -> each affected replica's library receiving its command.
+
+Setup (all on loopback): one nats-server with JetStream; ``marduk controller`` as its own
+process; ``--replicas`` agent clients (one NATS connection each, the real ``agent`` library)
+spread over ``--procs`` processes, each replica registering ``--devices-per-replica`` devices.
+
+Measured:
+* notify latency, scope replica: one failed device -> its one replica (a new replica each
+  trial, so no coalescing), from the monitor's publish to the library's receipt of the command;
+* the same for scope job (``--scope job``): one command fanned out to every replica; the
+  latency of the last replica to receive it;
+* a one-hop nats-py publish -> subscriber baseline in the same setup, for context;
+* registration time for all replicas, and the controller's peak RSS (VmHWM).
+
+Timestamps are CLOCK_MONOTONIC (time.monotonic_ns), shared by all processes on Linux.
+
+    .venv/bin/python bench/bench_notify.py                      # 1,000 replicas x 8 devices
+    .venv/bin/python bench/bench_notify.py --scope job --trials 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import nats
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from marduk import protocol as wire
+from marduk.embedded import find_binary, listening
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# --- agent side (runs in child processes) --------------------------------------------------------
+
+
+async def agents_main(url: str, first: int, count: int, dpr: int, scope: str) -> None:
+    from agent.client import AsyncClient, Options
+
+    received: list[tuple[str, int, int]] = []  # (event_id, epoch, recv_ns)
+    pings: list[tuple[int, int]] = []
+    clients = []
+
+    def make_cb(idx: int):  # type: ignore[no-untyped-def]
+        def cb(cmd) -> None:  # type: ignore[no-untyped-def]
+            received.append((f"{cmd.command_id}|{idx}", cmd.epoch, time.monotonic_ns()))
+
+        return cb
+
+    t0 = time.monotonic()
+    sem = asyncio.Semaphore(50)
+
+    async def one(i: int) -> None:
+        opts = Options(
+            job="bench",
+            replica=f"r{i}",
+            worker=0,
+            devices=[f"gpu-{i}-{d}" for d in range(dpr)],
+            addr=url,
+            prefix="marduk",
+            scope=scope,
+            timeout=60,
+            incarnation=0,
+            epoch=0,  # type: ignore[arg-type]
+            resync_interval=3600,
+        )
+        async with sem:
+            c = AsyncClient(opts, make_cb(i), deliver=lambda _c: None)
+            await c.start()
+            clients.append(c)
+
+    await asyncio.gather(*(one(i) for i in range(first, first + count)))
+    reg_s = time.monotonic() - t0
+    nc = await nats.connect(url)
+    done = asyncio.Event()
+
+    async def on_ping(msg) -> None:  # type: ignore[no-untyped-def]
+        pings.append((int(msg.data), time.monotonic_ns()))
+
+    async def on_done(msg) -> None:  # type: ignore[no-untyped-def]
+        done.set()
+
+    if first == 0:
+        await nc.subscribe("bench.ping", cb=on_ping)
+    await nc.subscribe("bench.done", cb=on_done)
+    await nc.flush()
+    print(json.dumps({"ready": True, "registration_s": reg_s}), flush=True)
+    await done.wait()
+    print(json.dumps({"received": received, "pings": pings}), flush=True)
+    for c in clients:
+        await c.close(deregister=False)
+    await nc.close()
+
+
+# --- driver ------------------------------------------------------------------------------------
+
+
+def pct(values: list[float], p: float) -> float:
+    values = sorted(values)
+    k = max(0, min(len(values) - 1, round(p / 100 * (len(values) - 1))))
+    return values[k]
+
+
+def summary(name: str, values_ms: list[float]) -> dict[str, float | int | str]:
+    return {
+        "metric": name,
+        "n": len(values_ms),
+        "p50_ms": round(pct(values_ms, 50), 3),
+        "p99_ms": round(pct(values_ms, 99), 3),
+        "max_ms": round(max(values_ms), 3),
+        "mean_ms": round(statistics.fmean(values_ms), 3),
+    }
+
+
+def vm_hwm_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+async def driver(args: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="marduk-bench-"))
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [find_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(tmp / "js")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    while not listening("127.0.0.1", port, 0.1):
+        time.sleep(0.01)
+    env = {**os.environ, "MARDUK_ADDR": url}
+    ctl = subprocess.Popen(
+        [sys.executable, "-m", "marduk", "controller", "--no-embedded", "--log-level", "warning"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp / "controller.log", "w"),  # noqa: SIM115
+        text=True,
+    )
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        nc = await nats.connect(url)
+        for _ in range(100):  # wait for the controller
+            try:
+                await nc.request(
+                    "marduk.ctl.query", wire.encode(wire.Query(what="ping")), timeout=0.5
+                )
+                break
+            except Exception:
+                await asyncio.sleep(0.1)
+        per = args.replicas // args.procs
+        t0 = time.monotonic()
+        for p in range(args.procs):
+            count = per if p < args.procs - 1 else args.replicas - per * (args.procs - 1)
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--agents",
+                        url,
+                        str(p * per),
+                        str(count),
+                        str(args.devices_per_replica),
+                        args.scope,
+                    ],
+                    cwd=ROOT,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        for p in procs:
+            assert p.stdout is not None
+            json.loads(p.stdout.readline())
+        reg_all_s = time.monotonic() - t0
+        rss_after_reg = vm_hwm_mib(ctl.pid)
+
+        # One-hop baseline: publish -> a plain nats-py subscriber in an agent process.
+        for _ in range(args.trials):
+            await nc.publish("bench.ping", str(time.monotonic_ns()).encode())
+            await nc.flush()
+            await asyncio.sleep(args.gap)
+
+        sent: dict[str, int] = {}
+        trials = args.trials if args.scope == "replica" else min(args.trials, 200)
+        for i in range(trials):
+            r = i % args.replicas if args.scope == "replica" else 0
+            device = f"gpu-{r}-{i % args.devices_per_replica}"
+            event = wire.DeviceHealth(device=device, state="failed", event_id=f"bench-{i}")
+            key = f"bench/{'r' + str(r) if args.scope == 'replica' else '*'}/"
+            t = time.monotonic_ns()
+            await nc.publish("marduk.health", wire.encode(event))
+            await nc.flush()
+            sent[f"{key}{i // args.replicas + 1 if args.scope == 'replica' else i + 1}"] = t
+            if args.scope == "job":
+                await asyncio.sleep(max(args.gap, 0.05))
+                # Confirm the epoch for every worker so the next event is not coalesced.
+                await nc.request(
+                    "marduk.ctl.query", wire.encode(wire.Query(what="ping")), timeout=5
+                )
+                await ack_all(nc, args.replicas, i + 1)
+            else:
+                await asyncio.sleep(args.gap)
+        await asyncio.sleep(1.0)
+        rss_peak = vm_hwm_mib(ctl.pid)
+        await nc.publish("bench.done", b"")
+        await nc.flush()
+        received: list[tuple[str, int, int]] = []
+        pings: list[tuple[int, int]] = []
+        for p in procs:
+            out, _ = p.communicate(timeout=120)
+            data = json.loads(out.strip().splitlines()[-1])
+            received += [tuple(x) for x in data["received"]]  # type: ignore[misc]
+            pings += [tuple(x) for x in data["pings"]]  # type: ignore[misc]
+        await nc.close()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        ctl.terminate()
+        ctl.wait(10)
+        server.terminate()
+        server.wait(10)
+
+    one_hop = [(recv - sent_ns) / 1e6 for sent_ns, recv in pings]
+    by_command: dict[str, list[int]] = {}
+    for tag, _epoch, recv in received:
+        command_id = tag.split("|")[0]
+        by_command.setdefault(command_id, []).append(recv)
+    notify, last = [], []
+    for command_id, t in sent.items():
+        recvs = by_command.get(command_id)
+        if not recvs:
+            continue
+        notify += [(r - t) / 1e6 for r in recvs]
+        last.append((max(recvs) - t) / 1e6)
+    results = [summary("one-hop nats-py publish->subscriber", one_hop)]
+    if args.scope == "replica":
+        results.append(summary("event publish -> library receives command (scope replica)", notify))
+    else:
+        results.append(summary("event publish -> every replica received (scope job), last", last))
+        results.append(summary("event publish -> each replica received (scope job)", notify))
+    report = {
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu "
+        f"python {platform.python_version()}",
+        "replicas": args.replicas,
+        "devices": args.replicas * args.devices_per_replica,
+        "scope": args.scope,
+        "commands_sent": len(sent),
+        "commands_received": sum(len(v) for v in by_command.values()),
+        "registration_all_s": round(reg_all_s, 2),
+        "controller_peak_rss_mib_after_registration": round(rss_after_reg, 1),
+        "controller_peak_rss_mib": round(rss_peak, 1),
+        "results": results,
+    }
+    print(json.dumps(report, indent=2))
+    print(f"controller log: {tmp / 'controller.log'}", file=sys.stderr)
+
+
+async def ack_all(nc, replicas: int, epoch: int) -> None:  # type: ignore[no-untyped-def]
+    async def one(i: int) -> None:
+        ack = wire.Ack(job="bench", replica=f"r{i}", worker=0, epoch=epoch)
+        await nc.request("marduk.bench.ack", wire.encode(ack), timeout=10)
+
+    await asyncio.gather(*(one(i) for i in range(replicas)))
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--agents":
+        url, first, count, dpr, scope = sys.argv[2:7]
+        asyncio.run(agents_main(url, int(first), int(count), int(dpr), scope))
+        return
+    p = argparse.ArgumentParser(description="Marduk notify-latency benchmark")
+    p.add_argument("--replicas", type=int, default=1000)
+    p.add_argument("--devices-per-replica", type=int, default=8)
+    p.add_argument("--procs", type=int, default=4, help="processes hosting the agent clients")
+    p.add_argument("--trials", type=int, default=1000)
+    p.add_argument("--gap", type=float, default=0.005, help="seconds between events")
+    p.add_argument("--scope", choices=["replica", "job"], default="replica")
+    asyncio.run(driver(p.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
