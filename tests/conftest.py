@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 import subprocess
@@ -117,26 +116,3 @@ def marduk_cli(
         timeout=timeout,
         cwd=ROOT,
     )
-
-
-@contextlib.contextmanager
-def popen(
-    args: list[str], env: dict[str, str] | None = None, **kw: object
-) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(
-        args,
-        env={**os.environ, **(env or {})},
-        cwd=ROOT,
-        text=True,
-        **kw,  # type: ignore[call-overload]
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
