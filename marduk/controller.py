@@ -55,6 +55,8 @@ from marduk.protocol import (
     QueryReply,
     RegisterReply,
     Registration,
+    Report,
+    ReportReply,
     decode,
     encode,
 )
@@ -148,6 +150,7 @@ class Controller:
             await self._serve(s.any_job("register"), Registration, self._on_register),
             await self._serve(s.any_job("deregister"), Deregistration, self._on_deregister),
             await self._serve(s.any_job("ack"), Ack, self._on_ack),
+            await self._serve(s.any_job("report"), Report, self._on_report),
             await self._serve(s.health, DeviceHealth, self._on_health),
             await self._serve(s.query, Query, self._on_query),
         ]
@@ -329,6 +332,13 @@ class Controller:
         await self._commit(outcome)
         return AckReply(epoch=self.policy.epoch_of_worker(key))
 
+    async def _on_report(self, report: Report, msg: Msg) -> ReportReply:
+        self._check_subject_job(report.job, msg)
+        result = self.policy.on_report(report, time.time())
+        self.stats[f"reports.{report.status}"] += 1
+        await self._commit(result.outcome)
+        return ReportReply(actions=result.actions)
+
     async def _on_health(self, event: DeviceHealth, msg: Msg) -> msgspec.Struct:
         now = time.time()
         if not event.event_id:
@@ -405,8 +415,13 @@ class Controller:
         line = " ".join(p for p in parts if p)
         if event.detail:
             line += f" - {event.detail}"
-        level = logging.WARNING if event.kind in ("unknown_device", "fail_issued") else logging.INFO
+        level = logging.WARNING if event.kind in _WARN_EVENTS else logging.INFO
         log.log(level, "%s", line)
+
+
+_WARN_EVENTS = frozenset(
+    {"unknown_device", "fail_issued", "worker_crashed", "worker_hung", "worker_gave_up"}
+)
 
 
 def _has_writes(o: Outcome) -> bool:

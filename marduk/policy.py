@@ -35,9 +35,13 @@ from marduk.protocol import (
     HealthReply,
     HealthState,
     Registration,
+    Report,
     Scope,
     WorkerInfo,
 )
+
+# Reports that make the controller restart the worker's restart scope.
+FAILURE_STATUSES = frozenset({"crashed", "hung", "gave_up", "preempted"})
 
 
 class PolicyError(Exception):
@@ -134,6 +138,12 @@ class Registered:
 
 
 @dataclass(slots=True)
+class ReportResult:
+    outcome: Outcome
+    actions: list[Action]
+
+
+@dataclass(slots=True)
 class HealthResult:
     outcome: Outcome
     reply: HealthReply
@@ -164,6 +174,8 @@ class Policy:
         self._awaiting: dict[EpochKey, set[WorkerKey]] = {}
         self._job_workers: dict[str, set[WorkerKey]] = {}
         self._floor: dict[EpochKey, int] = {}
+        # The latest report of each worker (status, step, failure): shown, not persisted.
+        self.reports: dict[WorkerKey, Report] = {}
         self._recent_events: OrderedDict[str, HealthReply] = OrderedDict()
 
     # --- restore ---------------------------------------------------------------------------------
@@ -383,6 +395,85 @@ class Policy:
         out.put_devices.append(device)
         self._remember(reply)
         return HealthResult(out, reply)
+
+    # --- agent reports ---------------------------------------------------------------------------
+
+    def on_report(self, report: Report, now: float) -> ReportResult:
+        """A supervisor reports its trainer's status; a failure restarts the worker's scope."""
+        key = WorkerKey(report.job, report.replica, report.worker)
+        rec = self.workers.get(key)
+        if rec is None:
+            raise PolicyError("unknown_worker", f"worker {key} is not registered; register first")
+        self.reports[key] = report
+        out = Outcome()
+        if report.status == "running":
+            out = self.ack(key, report.epoch, now)
+            if report.step is None:  # first report of an incarnation, not a progress update
+                out.events.append(self._worker_event("trainer_started", key, report, now))
+            return ReportResult(out, [])
+        if report.status not in FAILURE_STATUSES:
+            out.events.append(self._worker_event(f"trainer_{report.status}", key, report, now))
+            return ReportResult(out, [])
+
+        out.events.append(self._worker_event(f"worker_{report.status}", key, report, now))
+        ekey = self._epoch_key_of(rec)
+        state = self.epochs.get(ekey)
+        current = state.epoch if state else 0
+        if report.epoch < current or self._pending(ekey, now):
+            # A restart that covers this failure is already under way.
+            assert state is not None
+            kind = state.command.kind if state.command else "restart"
+            return ReportResult(
+                out,
+                [
+                    Action(
+                        job=key.job, replica=ekey.replica, kind=kind, epoch=current, coalesced=True
+                    )
+                ],
+            )
+        what = report.failure_class or report.status
+        reason = f"worker {key} {report.status}"
+        if report.summary:
+            reason += f" ({what}: {report.summary})"
+        command = self._issue(ekey, "restart", reason, [], f"report:{key}", now, out)
+        out.events.append(
+            ControllerEvent(
+                kind="restart_issued",
+                ts=now,
+                job=key.job,
+                replica=ekey.replica,
+                epoch=command.epoch,
+                detail=reason,
+            )
+        )
+        action = Action(job=key.job, replica=ekey.replica, kind="restart", epoch=command.epoch)
+        return ReportResult(out, [action])
+
+    @staticmethod
+    def _worker_event(kind: str, key: WorkerKey, r: Report, now: float) -> ControllerEvent:
+        parts = []
+        if r.exit_code is not None:
+            parts.append(f"exit code {r.exit_code}")
+        if r.signal:
+            parts.append(f"signal {r.signal}")
+        if r.step is not None:
+            parts.append(f"last step {r.step}")
+        if r.failure_class:
+            parts.append(f"{r.failure_class} ({r.action or '?'})")
+        if r.summary:
+            parts.append(r.summary)
+        detail = "; ".join(parts)
+        if r.lines:
+            detail += " | " + " | ".join(r.lines[-3:])
+        return ControllerEvent(
+            kind=kind,
+            ts=now,
+            job=key.job,
+            replica=key.replica,
+            worker=key.worker,
+            epoch=r.epoch,
+            detail=detail[:4000],
+        )
 
     def _restart_for_device(
         self,

@@ -127,6 +127,49 @@ class AckReply(Message, tag="ack_reply", kw_only=True):
     epoch: NonNegInt
 
 
+class Action(msgspec.Struct, kw_only=True):
+    """What the controller did for one restart scope in answer to an event."""
+
+    job: str
+    replica: str | None
+    kind: CommandKind
+    epoch: int
+    # True: a restart of this scope was already in flight, so no new command was sent.
+    coalesced: bool = False
+
+
+# --- agent reports ------------------------------------------------------------------------------
+
+ReportStatus = Literal["running", "restarting", "crashed", "hung", "gave_up", "preempted", "exited"]
+
+
+class Report(Message, tag="report", kw_only=True):
+    """A supervisor's report about its trainer: status, progress, and what went wrong.
+
+    ``crashed``, ``hung``, ``gave_up`` and ``preempted`` make the controller restart the
+    worker's restart scope (as for a device failure); ``running`` at an epoch confirms it.
+    """
+
+    job: Token
+    replica: Token
+    worker: NonNegInt = 0
+    status: ReportStatus
+    epoch: NonNegInt = 0  # the epoch the trainer was started for
+    incarnation: NonNegInt = 0
+    step: int | None = None
+    step_at: float = 0.0
+    exit_code: int | None = None
+    signal: ShortText = ""
+    failure_class: ShortText = ""
+    action: ShortText = ""
+    summary: Text = ""
+    lines: Annotated[list[Text], msgspec.Meta(max_length=20)] = []
+
+
+class ReportReply(Message, tag="report_reply", kw_only=True):
+    actions: list[Action] = []
+
+
 # --- device health -----------------------------------------------------------------------------
 
 
@@ -141,17 +184,6 @@ class DeviceHealth(Message, tag="health", kw_only=True):
     event_id: ShortText = ""
     # Unix seconds when the monitor observed it; 0: the controller uses its receive time.
     timestamp: float = 0.0
-
-
-class Action(msgspec.Struct, kw_only=True):
-    """What the controller did for one restart scope in answer to an event."""
-
-    job: str
-    replica: str | None
-    kind: CommandKind
-    epoch: int
-    # True: a restart of this scope was already in flight, so no new command was sent.
-    coalesced: bool = False
 
 
 class HealthReply(Message, tag="health_reply", kw_only=True):

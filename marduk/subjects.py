@@ -9,6 +9,7 @@ Layout (prefix ``marduk`` by default)::
     marduk.<job>.register                  request/reply: agent registration
     marduk.<job>.deregister                request/reply: agent deregistration
     marduk.<job>.ack                       an agent applied a command's epoch
+    marduk.<job>.report                    request/reply: a supervisor's status or failure report
     marduk.<job>.cmd.replica.<replica>     commands for one replica
     marduk.<job>.cmd.job                   commands for every replica of the job
     marduk.<job>.events                    controller events about the job
@@ -92,6 +93,9 @@ class Subjects:
 
     def ack(self, job: str) -> str:
         return f"{self.prefix}.{job}.ack"
+
+    def report(self, job: str) -> str:
+        return f"{self.prefix}.{job}.report"
 
     def replica_commands(self, job: str, replica: str) -> str:
         return f"{self.prefix}.{job}.cmd.replica.{replica}"

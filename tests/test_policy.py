@@ -227,3 +227,40 @@ def test_epoch_ceiling_is_written_ahead_only_when_a_block_runs_out() -> None:
         (6, False),
         (7, True),
     ]
+
+
+def report(replica: str, status: str, *, worker: int = 0, epoch: int = 0, **kw: object):  # type: ignore[no-untyped-def]
+    from marduk.protocol import Report
+
+    return Report(job="j", replica=replica, worker=worker, status=status, epoch=epoch, **kw)  # type: ignore[arg-type]
+
+
+def test_crash_report_restarts_the_workers_scope_once() -> None:
+    p = Policy()
+    for w in range(2):
+        p.register(reg("r1", [f"d{w}"], worker=w, scope="job", pid=w), now=0)
+        p.register(reg("r2", [f"e{w}"], worker=w, scope="job", pid=10 + w), now=0)
+    res = p.on_report(report("r1", "crashed", failure_class="cuda_error", summary="boom"), now=1)
+    [cmd] = res.outcome.commands
+    assert (cmd.replica, cmd.epoch, cmd.kind) == (None, 1, "restart")
+    assert "cuda_error" in cmd.reason and res.actions[0].epoch == 1
+    # The mesh broke: the other workers crash too, still at epoch 0 -> covered, no new command.
+    for r, w in [("r1", 1), ("r2", 0), ("r2", 1)]:
+        res = p.on_report(report(r, "crashed", worker=w), now=1.1)
+        assert not res.outcome.commands and res.actions[0].coalesced
+    # All restart at epoch 1 and say so; the next crash is a new restart.
+    for r in ("r1", "r2"):
+        for w in range(2):
+            p.on_report(report(r, "running", worker=w, epoch=1), now=2)
+    assert not p.awaiting(EpochKey("j", None))
+    [cmd] = p.on_report(report("r2", "hung", worker=1, epoch=1), now=3).outcome.commands
+    assert cmd.epoch == 2
+
+
+def test_report_from_unknown_worker_is_refused_and_clean_exit_restarts_nothing() -> None:
+    p = acceptance_map()
+    with pytest.raises(PolicyError) as e:
+        p.on_report(report("nobody", "crashed"), now=1)
+    assert e.value.code == "unknown_worker"
+    res = p.on_report(report("r1", "exited", exit_code=0), now=1)
+    assert not res.outcome.commands and res.outcome.events[0].kind == "trainer_exited"
