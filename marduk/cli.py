@@ -129,9 +129,11 @@ def controller(
 
 
 def _mount() -> None:
+    from agent.cli import app as agent_app
     from monitor_cli.cli import app as monitor_app
 
     app.add_typer(monitor_app, name="monitor")
+    app.add_typer(agent_app, name="agent")
 
 
 _mount()

@@ -1,0 +1,132 @@
+"""``marduk agent run -- CMD``: supervise the trainer as the pod's main process."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from marduk import options
+
+app = typer.Typer(
+    help="The in-pod agent: spawn, watch and restart the trainer.", no_args_is_help=True
+)
+
+
+def _opt(envvar: str, help: str, **kw: object) -> typer.models.OptionInfo:
+    info: typer.models.OptionInfo = typer.Option(envvar=envvar, help=help, **kw)  # type: ignore[arg-type]
+    return info
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    cmd: Annotated[list[str], typer.Argument(help="The trainer command, after --.")],
+    job: Annotated[str, _opt("MARDUK_JOB", "Job name.")] = "default",
+    replica: Annotated[str, _opt("MARDUK_REPLICA_ID", "Replica id of this worker.")] = "",
+    worker: Annotated[
+        int, _opt("MARDUK_WORKER", "Index of this worker in its replica.", min=0)
+    ] = 0,
+    devices: Annotated[
+        str,
+        _opt("MARDUK_DEVICES", "Comma-separated device UUIDs (default: discovered through jax)."),
+    ] = "",
+    scope: Annotated[
+        str,
+        _opt(
+            "MARDUK_SCOPE",
+            "replica: restart this replica only; job: "
+            "restart every replica together (one jax mesh).",
+        ),
+    ] = "replica",
+    max_restarts: Annotated[
+        int,
+        _opt(
+            "MARDUK_MAX_RESTARTS",
+            "Restarts after local crashes "
+            "or hangs within --restart-window before giving up "
+            "(exit 70).",
+            min=0,
+        ),
+    ] = 3,
+    restart_window: Annotated[
+        float, _opt("MARDUK_RESTART_WINDOW", "Seconds the restart budget counts over.", min=1.0)
+    ] = 3600.0,
+    hang_timeout: Annotated[
+        float,
+        _opt(
+            "MARDUK_HANG_TIMEOUT",
+            "Seconds without a new step before the trainer counts as hung.",
+            min=0.1,
+        ),
+    ] = 600.0,
+    startup_timeout: Annotated[
+        float,
+        _opt(
+            "MARDUK_STARTUP_TIMEOUT",
+            "Seconds until the first step (imports, compilation).",
+            min=0.1,
+        ),
+    ] = 1800.0,
+    step_regex: Annotated[
+        str,
+        _opt(
+            "MARDUK_STEP_REGEX",
+            "Regex whose first group is the step number in the trainer's output.",
+        ),
+    ] = r"\bstep[\s:=#]+(\d+)",
+    grace: Annotated[
+        float, _opt("MARDUK_GRACE", "Seconds between SIGTERM and SIGKILL.", min=0.0)
+    ] = 30.0,
+    cleanup_cmd: Annotated[
+        str, _opt("MARDUK_CLEANUP_CMD", "Shell command run between incarnations.")
+    ] = "",
+    addr: options.Addr = options.DEFAULTS["addr"],
+    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    connect_timeout: Annotated[
+        float, _opt("MARDUK_CONNECT_TIMEOUT", "Seconds to register with the controller at start.")
+    ] = 60.0,
+    json_logs: options.JsonLogs = False,
+    log_level: options.LogLevel = "info",
+) -> None:
+    """Run CMD as the trainer: restart it on crashes, hangs and controller commands.
+
+    Exit codes: 0 the trainer finished; 1 setup error; 70 gave up after --max-restarts;
+    71 the controller sent 'fail' (a bad device); 143 SIGTERM (preemption).
+    """
+    import re
+
+    from agent.client import AgentError, resolve_options
+    from agent.supervisor import Supervisor, SupervisorConfig
+    from marduk.logs import setup_logging
+    from marduk.runtime import run as run_loop
+
+    setup_logging(json_logs=json_logs, level=log_level)
+    err = typer.echo
+    try:
+        re.compile(step_regex)
+        opts = resolve_options(
+            replica or None,
+            [d.strip() for d in devices.split(",") if d.strip()] if devices else None,
+            job,
+            addr,
+            scope,
+            worker=worker,
+            prefix=prefix,
+            timeout=connect_timeout,
+            role="supervisor",
+        )
+    except (AgentError, re.error) as e:
+        err(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    config = SupervisorConfig(
+        cmd=cmd,
+        opts=opts,
+        max_restarts=max_restarts,
+        restart_window_s=restart_window,
+        hang_timeout_s=hang_timeout,
+        startup_timeout_s=startup_timeout,
+        step_regex=step_regex,
+        grace_s=grace,
+        cleanup_cmd=cleanup_cmd,
+    )
+    raise typer.Exit(run_loop(Supervisor(config).run()))

@@ -1,0 +1,393 @@
+"""``marduk agent run``: the pod's main process. Spawns the trainer, watches it, restarts it.
+
+The pod survives when the trainer dies: this process registers the worker's devices with the
+controller itself (so the registration outlives trainer restarts), runs the trainer in its own
+process group, passes its output through line by line, and
+
+* on a crash (exit code or signal) or a hang (no step for ``hang_timeout_s``; before the first
+  step, ``startup_timeout_s``) reports it with a diagnosis and restarts it at the epoch the
+  controller answers with;
+* on a ``restart`` command (a device failure, another worker's crash in scope ``job``) restarts
+  it at the command's epoch, once per epoch;
+* after ``max_restarts`` restarts caused by local failures within ``restart_window_s``, or on a
+  ``fail`` command, reports that it gives up and exits non-zero so the scheduler replaces the pod;
+* on SIGTERM/SIGINT (eviction, preemption) forwards SIGTERM to the trainer, gives it the grace
+  period to checkpoint, reports ``preempted`` and exits.
+
+Exit codes: see ``ExitCode``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import enum
+import logging
+import os
+import re
+import shlex
+import signal
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from agent.client import AsyncClient, Command, Options
+from agent.signatures import Diagnosis, diagnose
+from marduk import bus
+from marduk import protocol as wire
+from marduk.errors import MardukError
+
+log = logging.getLogger("agent.supervisor")
+
+DEFAULT_STEP_REGEX = r"\bstep[\s:=#]+(\d+)"
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0  # the trainer finished (exit 0), or a stop command
+    SETUP = 1  # could not register with the controller, or could not start the trainer
+    GAVE_UP = 70  # restarted max_restarts times within the window: replace the pod
+    DEVICE_FAILED = 71  # the controller sent `fail`: a device of this pod is bad
+    PREEMPTED = 143  # SIGTERM/SIGINT (128 + 15): the trainer got the grace period
+
+
+@dataclass(slots=True)
+class SupervisorConfig:
+    cmd: list[str]
+    opts: Options
+    max_restarts: int = 3
+    restart_window_s: float = 3600.0
+    hang_timeout_s: float = 600.0
+    startup_timeout_s: float = 1800.0
+    step_regex: str = DEFAULT_STEP_REGEX
+    grace_s: float = 30.0
+    tail_lines: int = 200
+    cleanup_cmd: str = ""
+    stale_files: list[str] = field(default_factory=lambda: ["/tmp/libtpu_lockfile"])
+
+
+@dataclass(slots=True)
+class Exit:
+    """Why one incarnation of the trainer ended."""
+
+    reason: str  # exited | crashed | hung | command | signal
+    returncode: int | None = None
+    command: Command | None = None
+    diagnosis: Diagnosis | None = None
+
+
+def _die_with_parent() -> None:  # in the child, between fork and exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
+    os.setsid()
+
+
+def describe_returncode(code: int) -> tuple[int | None, str]:
+    """(exit code, signal name) of an asyncio returncode (negative: killed by a signal)."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return None, name
+    return code, ""
+
+
+class Supervisor:
+    def __init__(self, config: SupervisorConfig) -> None:
+        self.config = config
+        self.opts = config.opts
+        self.step_re = re.compile(config.step_regex)
+        self.tail: deque[str] = deque(maxlen=config.tail_lines)
+        self.commands: asyncio.Queue[Command] = asyncio.Queue()
+        self.stop_signal: asyncio.Event = asyncio.Event()
+        self.client: AsyncClient | None = None
+        self.epoch = self.opts.epoch
+        self.incarnation = 0
+        self.local_restarts: deque[float] = deque()
+        self.step: int | None = None
+        self.step_at = 0.0
+        self.started_at = 0.0
+        self.proc: asyncio.subprocess.Process | None = None
+
+    # --- top level -------------------------------------------------------------------------------
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_signal.set)
+        self.client = AsyncClient(
+            self.opts, on_command=self.commands.put_nowait, deliver=lambda _c: None
+        )
+        try:
+            await self.client.start()
+        except MardukError as e:
+            log.error("cannot register with the controller: %s", e)
+            return ExitCode.SETUP
+        self.epoch = max(self.epoch, self.client.epoch)
+        try:
+            return await self._loop()
+        finally:
+            await self.client.close(deregister=False)
+
+    async def _loop(self) -> int:
+        while True:
+            try:
+                await self._spawn()
+            except OSError as e:
+                log.error("cannot start the trainer %s: %s", shlex.join(self.config.cmd), e)
+                await self._report("gave_up", summary=f"cannot start: {e}")
+                return ExitCode.SETUP
+            ended = await self._watch()
+            if ended.reason == "exited":
+                log.info("trainer finished (exit 0)")
+                await self._report("exited", exit_code=0)
+                assert self.client is not None
+                await self.client.close(deregister=True, reason="trainer exited 0")
+                return ExitCode.OK
+            if ended.reason == "signal":
+                await self._report("preempted", summary="SIGTERM to the agent")
+                return ExitCode.PREEMPTED
+            if ended.reason == "command":
+                assert ended.command is not None
+                cmd = ended.command
+                if cmd.kind == "stop":
+                    log.info("stop command: %s", cmd.reason)
+                    return ExitCode.OK
+                if cmd.kind == "fail":
+                    log.error("fail command (epoch %d): %s; giving up", cmd.epoch, cmd.reason)
+                    await self._report("gave_up", summary=f"fail command: {cmd.reason}")
+                    return ExitCode.DEVICE_FAILED
+                log.warning("restart command epoch %d: %s", cmd.epoch, cmd.reason)
+                self.epoch = cmd.epoch
+                if self.client is not None:
+                    await self.client.ack(cmd)
+            else:  # crashed or hung: a local failure, counted against the budget
+                if not self._within_budget():
+                    log.error(
+                        "restarted %d times within %gs; giving up",
+                        self.config.max_restarts,
+                        self.config.restart_window_s,
+                    )
+                    await self._report_failure("gave_up", ended)
+                    return ExitCode.GAVE_UP
+                self.epoch = await self._report_failure(ended.reason, ended)
+            await self._cleanup()
+
+    def _within_budget(self) -> bool:
+        now = time.monotonic()
+        window = self.config.restart_window_s
+        while self.local_restarts and now - self.local_restarts[0] > window:
+            self.local_restarts.popleft()
+        if len(self.local_restarts) >= self.config.max_restarts:
+            return False
+        self.local_restarts.append(now)
+        return True
+
+    # --- one incarnation -------------------------------------------------------------------------
+
+    async def _spawn(self) -> None:
+        o = self.opts
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "MARDUK_JOB": o.job,
+            "MARDUK_REPLICA_ID": o.replica,
+            "MARDUK_WORKER": str(o.worker),
+            "MARDUK_EPOCH": str(self.epoch),
+            "MARDUK_RESTART_COUNT": str(self.incarnation),
+            "MARDUK_DEVICES": ",".join(o.devices),
+            "MARDUK_SCOPE": o.scope,
+            "MARDUK_ADDR": o.addr,
+            "MARDUK_SUPERVISOR_PID": str(os.getpid()),
+        }
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.config.cmd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+        self.started_at = time.monotonic()
+        self.step, self.step_at = None, 0.0
+        self.tail.clear()
+        log.info(
+            "trainer started: pid %d, epoch %d, incarnation %d",
+            self.proc.pid,
+            self.epoch,
+            self.incarnation,
+        )
+        await self._report("running")
+        self.incarnation += 1
+
+    async def _watch(self) -> Exit:
+        assert self.proc is not None
+        proc = self.proc
+        pumps = [
+            asyncio.create_task(self._pump(proc.stdout, sys.stdout.buffer)),
+            asyncio.create_task(self._pump(proc.stderr, sys.stderr.buffer)),
+        ]
+        waiter = asyncio.create_task(proc.wait())
+        stop = asyncio.create_task(self.stop_signal.wait())
+        hang = asyncio.create_task(self._hang_watch())
+        try:
+            while True:
+                next_cmd = asyncio.create_task(self.commands.get())
+                done, _ = await asyncio.wait(
+                    {waiter, stop, hang, next_cmd}, return_when=asyncio.FIRST_COMPLETED
+                )
+                if next_cmd in done:
+                    cmd = next_cmd.result()
+                    if cmd.kind == "restart" and cmd.epoch <= self.epoch:
+                        continue  # this incarnation already runs at (or after) that epoch
+                    await self._terminate(f"{cmd.kind} command, epoch {cmd.epoch}")
+                    return Exit("command", command=cmd)
+                next_cmd.cancel()
+                if waiter in done:
+                    await asyncio.gather(*pumps)  # nothing lost at exit
+                    code = proc.returncode
+                    assert code is not None
+                    if code == 0:
+                        return Exit("exited", 0)
+                    return Exit("crashed", code, diagnosis=diagnose(self.tail))
+                if stop in done:
+                    await self._terminate("SIGTERM to the agent (preemption or eviction)")
+                    return Exit("signal")
+                if hang in done:
+                    await self._terminate(hang.result())
+                    return Exit("hung", proc.returncode, diagnosis=diagnose(self.tail))
+        finally:
+            for t in (waiter, stop, hang, *pumps):
+                t.cancel()
+
+    async def _pump(self, stream: asyncio.StreamReader | None, out: object) -> None:
+        """Pass the trainer's output through line by line; keep the tail; parse steps."""
+        if stream is None:
+            return
+        while True:
+            line = await stream.readline()
+            if not line:
+                return
+            out.write(line)  # type: ignore[attr-defined]
+            out.flush()  # type: ignore[attr-defined]
+            text = line.decode(errors="replace").rstrip()
+            self.tail.append(text)
+            m = self.step_re.search(text)
+            if m:
+                with contextlib.suppress(ValueError, IndexError):
+                    self.step = int(m.group(1))
+                    self.step_at = time.monotonic()
+
+    async def _hang_watch(self) -> str:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.hang_timeout_s / 4))
+            now = time.monotonic()
+            if self.step is None:
+                if now - self.started_at > self.config.startup_timeout_s:
+                    return f"no first step within {self.config.startup_timeout_s:g}s"
+            elif now - self.step_at > self.config.hang_timeout_s:
+                return f"no step after {self.step} for {self.config.hang_timeout_s:g}s"
+
+    async def _terminate(self, why: str) -> None:
+        """SIGTERM the trainer's process group, wait the grace period, SIGKILL, wait it out."""
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            await self._wait_group_gone()
+            return
+        log.warning("stopping the trainer (pid %d): %s", proc.pid, why)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self.config.grace_s)
+        except TimeoutError:
+            log.warning("trainer ignored SIGTERM for %gs; SIGKILL", self.config.grace_s)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        await self._wait_group_gone()
+
+    async def _wait_group_gone(self, timeout: float = 10.0) -> None:
+        """Until no process of the trainer's group is left (children it forked included)."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            except PermissionError:
+                return
+            await asyncio.sleep(0.01)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+    async def _cleanup(self) -> None:
+        """Between incarnations: remove stale lockfiles, run the user's cleanup command."""
+        for path in self.config.stale_files:
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                await asyncio.to_thread(os.unlink, path)
+                log.info("removed stale %s", path)
+        if self.config.cleanup_cmd:
+            proc = await asyncio.create_subprocess_shell(self.config.cleanup_cmd)
+            try:
+                code = await asyncio.wait_for(proc.wait(), 60)
+            except TimeoutError:
+                proc.kill()
+                code = -9
+            if code != 0:
+                log.warning("cleanup command exited %s", code)
+
+    # --- reports ---------------------------------------------------------------------------------
+
+    async def _report_failure(self, status: str, ended: Exit) -> int:
+        """Report a crash or hang; return the epoch to restart at (the controller's answer)."""
+        code, sig = (
+            describe_returncode(ended.returncode) if ended.returncode is not None else (None, "")
+        )
+        d = ended.diagnosis
+        where = f"exit code {code}" if code is not None else (sig or "killed")
+        log.error(
+            "trainer %s (%s)%s", status, where, f": {d.failure_class} - {d.summary}" if d else ""
+        )
+        reply = await self._report(
+            status,  # type: ignore[arg-type]
+            exit_code=code,
+            signal=sig,
+            failure_class=d.failure_class if d else "",
+            action=d.action if d else "",
+            summary=d.summary if d else "",
+            lines=list(d.lines) if d else list(self.tail)[-5:],
+        )
+        epochs = [a.epoch for a in reply.actions] if reply else []
+        return max([self.epoch, *epochs])
+
+    async def _report(self, status: wire.ReportStatus, **fields: object) -> wire.ReportReply | None:
+        if self.client is None or self.client._nc is None:
+            return None
+        o = self.opts
+        report = wire.Report(
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            status=status,
+            epoch=self.epoch,
+            incarnation=self.incarnation,
+            step=self.step if status != "running" else None,
+            **fields,  # type: ignore[arg-type]
+        )
+        try:
+            return await bus.request(
+                self.client._nc,
+                self.client.subjects.report(o.job),
+                report,
+                wire.ReportReply,
+                timeout=5.0,
+                addr=o.addr,
+            )
+        except MardukError as e:
+            log.warning("report %s not delivered: %s", status, e)
+            return None

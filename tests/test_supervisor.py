@@ -1,0 +1,185 @@
+"""``marduk agent run`` with real processes: restarts, hangs, give-up, targeted and job restarts."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agent.supervisor import ExitCode
+from tests.conftest import NatsServer, free_port
+from tests.test_e2e_acceptance import Proc, controller, inject
+
+pytestmark = pytest.mark.e2e
+TOY = [sys.executable, "tests/trainers/toy.py"]
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    e = {
+        "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
+        "MARDUK_STATE_DIR": str(tmp_path / "state"),
+        "PYTHONUNBUFFERED": "1",
+    }
+    ctl = controller(e)
+    yield e
+    ctl.stop()
+
+
+def agent(
+    env: dict[str, str],
+    replica: str,
+    devices: str,
+    *trainer: str,
+    worker: int = 0,
+    extra: tuple[str, ...] = (),
+) -> Proc:
+    return Proc(
+        [
+            sys.executable,
+            "-m",
+            "marduk",
+            "agent",
+            "run",
+            "--replica",
+            replica,
+            "--worker",
+            str(worker),
+            "--devices",
+            devices,
+            "--grace",
+            "5",
+            *extra,
+            "--",
+            *TOY,
+            *trainer,
+        ],
+        env,
+    )
+
+
+def test_crash_is_diagnosed_restarted_at_a_new_epoch_then_clean_exit(env: dict[str, str]) -> None:
+    a = agent(env, "r1", "d1", "--crash-at", "2", "--steps", "3")
+    a.expect("START r1/0 epoch=0 inc=0")
+    a.expect("python_exception - ValueError: toy crash")
+    a.expect("START r1/0 epoch=1 inc=1")
+    a.expect("DONE r1/0")
+    assert a.proc.wait(20) == ExitCode.OK
+
+
+def test_keeps_crashing_gives_up_with_documented_code(env: dict[str, str]) -> None:
+    a = agent(
+        env,
+        "r1",
+        "d1",
+        "--crash-at",
+        "1",
+        "--crash-incarnations",
+        "99",
+        extra=("--max-restarts", "2"),
+    )
+    assert a.proc.wait(30) == ExitCode.GAVE_UP
+    assert sum("START r1/0" in line for line in a.all) == 3  # first run + 2 restarts
+    assert any("giving up" in line for line in a.all)
+
+
+def test_hang_is_caught_and_restarted(env: dict[str, str]) -> None:
+    a = agent(env, "r1", "d1", "--hang-at", "2", "--steps", "4", extra=("--hang-timeout", "1"))
+    a.expect("no step after 2 for 1s")
+    a.expect("START r1/0 epoch=1 inc=1")
+    a.expect("DONE r1/0")
+    assert a.proc.wait(20) == ExitCode.OK
+
+
+def test_device_failure_restarts_only_the_replica_on_it(env: dict[str, str]) -> None:
+    r1 = agent(env, "r1", "d1,d2")
+    r2 = agent(env, "r2", "d3")
+    try:
+        r1.expect("START r1/0 epoch=0")
+        r2.expect("START r2/0 epoch=0")
+        r1.expect("step 3")
+        inject(env, "d2")
+        r1.expect("SIGTERM r1/0: checkpointing")  # the trainer got its grace period
+        r1.expect("START r1/0 epoch=1 inc=1")
+        r1.expect("step 2")
+        assert not any("START r2/0 epoch=1" in line for line in r2.all)
+    finally:
+        r1.stop()
+        r2.stop()
+
+
+def test_job_scope_restarts_every_worker_once(env: dict[str, str]) -> None:
+    agents = [
+        agent(env, f"r{r}", f"dev{r}{w}", worker=w, extra=("--scope", "job"))
+        for r in range(2)
+        for w in range(2)
+    ]
+    try:
+        for a in agents:
+            a.expect("step 2")
+        inject(env, "dev01")
+        for a in agents:
+            a.expect("epoch=1 inc=1")
+        for a in agents:
+            a.expect("step 3")
+        starts = [sum("START" in line for line in a.all) for a in agents]
+        assert starts == [2, 2, 2, 2]
+    finally:
+        for a in agents:
+            a.stop()
+
+
+def test_sigterm_is_forwarded_and_reported_as_preemption(env: dict[str, str]) -> None:
+    a = agent(env, "r1", "d1")
+    a.expect("step 2")
+    a.proc.send_signal(signal.SIGTERM)
+    a.expect("SIGTERM r1/0: checkpointing")
+    assert a.proc.wait(20) == ExitCode.PREEMPTED
+
+
+def test_unreachable_controller_is_a_setup_error(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path / "js").start()
+    try:
+        a = Proc(
+            [
+                sys.executable,
+                "-m",
+                "marduk",
+                "agent",
+                "run",
+                "--replica",
+                "r1",
+                "--devices",
+                "d1",
+                "--connect-timeout",
+                "1",
+                "--",
+                *TOY,
+            ],
+            {"MARDUK_ADDR": server.url},
+        )
+        assert a.proc.wait(30) == ExitCode.SETUP
+        assert any("cannot register" in line for line in a.all)
+        assert not any("Traceback" in line for line in a.all)
+    finally:
+        server.stop()
+
+
+def test_fail_command_makes_the_agent_exit_for_pod_replacement(tmp_path: Path) -> None:
+    env = {
+        "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
+        "MARDUK_STATE_DIR": str(tmp_path / "state"),
+        "MARDUK_DEVICE_MAX_FAILURES": "0",
+    }
+    ctl = controller(env)
+    try:
+        a = agent(env, "r1", "d1")
+        a.expect("step 2")
+        inject(env, "d1")
+        assert a.proc.wait(20) == ExitCode.DEVICE_FAILED
+        assert any("fail command" in line for line in a.all)
+    finally:
+        ctl.stop()
