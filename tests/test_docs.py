@@ -18,6 +18,8 @@ TAGGED = (
     | wire.DeregisterReply
     | wire.Ack
     | wire.AckReply
+    | wire.Report
+    | wire.ReportReply
     | wire.DeviceHealth
     | wire.HealthReply
     | wire.Command
@@ -32,7 +34,7 @@ TAGGED = (
 def test_every_json_example_in_protocol_md_decodes() -> None:
     text = (ROOT / "docs" / "protocol.md").read_text()
     blocks = re.findall(r"^```json\n(.*?)^```$", text, flags=re.S | re.M)
-    assert len(blocks) >= 13
+    assert len(blocks) >= 15
     types = set()
     for block in blocks:
         msg = wire.decode(block.encode(), TAGGED)  # type: ignore[arg-type]
@@ -58,6 +60,7 @@ def test_every_subject_in_code_is_documented() -> None:
         s.register("<job>"),
         s.deregister("<job>"),
         s.ack("<job>"),
+        s.report("<job>"),
         s.events("<job>"),
         s.replica_commands("<job>", "<replica>"),
         s.job_commands("<job>"),
