@@ -1,0 +1,123 @@
+"""A real JAX training loop for Marduk's end-to-end tests and demos.
+
+A small MLP fitted to synthetic data from a fixed seed, on whatever devices jax has (CPU works;
+several CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N). It logs
+``step N loss X``, checkpoints every ``--ckpt-every`` steps and on SIGTERM (the grace period
+``marduk agent run`` gives before a restart or on preemption), and resumes from the latest
+checkpoint at start, so a restarted trainer continues where it left off.
+
+    marduk agent run --replica r1 --devices d1 -- python examples/jax_trainer.py --steps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def init_params(key: jax.Array, sizes: list[int]) -> list[tuple[jax.Array, jax.Array]]:
+    params = []
+    for n_in, n_out in itertools.pairwise(sizes):
+        key, sub = jax.random.split(key)
+        params.append((jax.random.normal(sub, (n_in, n_out)) / jnp.sqrt(n_in), jnp.zeros(n_out)))
+    return params
+
+
+def forward(params: list[tuple[jax.Array, jax.Array]], x: jax.Array) -> jax.Array:
+    for w, b in params[:-1]:
+        x = jnp.tanh(x @ w + b)
+    w, b = params[-1]
+    return x @ w + b
+
+
+def loss_fn(params: list[tuple[jax.Array, jax.Array]], x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((forward(params, x) - y) ** 2)
+
+
+@jax.jit
+def train_step(params, x, y, lr):  # type: ignore[no-untyped-def]
+    loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    params = jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads)
+    return params, loss
+
+
+def save(ckpt_dir: Path, step: int, params: list[tuple[jax.Array, jax.Array]]) -> None:
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    flat = {f"p{i}": np.asarray(a) for i, a in enumerate(jax.tree_util.tree_leaves(params))}
+    tmp = ckpt_dir / f".ckpt-{step}.npz"
+    np.savez(tmp, step=step, **flat)
+    tmp.rename(ckpt_dir / f"ckpt-{step:08d}.npz")  # atomic: a crash never leaves half a file
+
+
+def restore(ckpt_dir: Path, params):  # type: ignore[no-untyped-def]
+    ckpts = sorted(ckpt_dir.glob("ckpt-*.npz"))
+    if not ckpts:
+        return 0, params
+    data = np.load(ckpts[-1])
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    restored = [jnp.asarray(data[f"p{i}"]) for i in range(len(leaves))]
+    return int(data["step"]), jax.tree_util.tree_unflatten(treedef, restored)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="JAX example trainer")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--ckpt-every", type=int, default=10)
+    p.add_argument("--ckpt-dir", default=None)
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (demos)")
+    p.add_argument("--lr", type=float, default=0.05)
+    args = p.parse_args()
+    who = "-".join(
+        os.environ.get(k, d)
+        for k, d in (
+            ("MARDUK_JOB", "default"),
+            ("MARDUK_REPLICA_ID", "solo"),
+            ("MARDUK_WORKER", "0"),
+        )
+    )
+    ckpt_dir = Path(args.ckpt_dir or os.environ.get("MARDUK_CKPT_DIR", ".marduk/ckpt")) / who
+
+    key = jax.random.PRNGKey(0)  # fixed seed: every incarnation sees the same data
+    kx, kw, kp = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (256, 8))
+    y = jnp.sin(x @ jax.random.normal(kw, (8, 1)))
+    params = init_params(kp, [8, 32, 1])
+    start, params = restore(ckpt_dir, params)
+    print(
+        f"{who}: {len(jax.devices())} device(s) {jax.devices()[0].platform}, "
+        f"epoch {os.environ.get('MARDUK_EPOCH', '-')}, resuming at step {start}",
+        flush=True,
+    )
+
+    state = {"step": start, "params": params}
+
+    def on_sigterm(*_: object) -> None:
+        save(ckpt_dir, state["step"], state["params"])
+        print(f"checkpointed step {state['step']} on SIGTERM", flush=True)
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    for step in range(start + 1, args.steps + 1):
+        params, loss = train_step(params, x, y, args.lr)
+        state["step"], state["params"] = step, params
+        print(f"step {step} loss {float(loss):.6f}", flush=True)
+        if step % args.ckpt_every == 0:
+            save(ckpt_dir, step, params)
+        if args.step_seconds:
+            time.sleep(args.step_seconds)
+    save(ckpt_dir, args.steps, params)
+    print(f"finished {args.steps} steps", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
