@@ -80,6 +80,23 @@ def run(
     cleanup_cmd: Annotated[
         str, _opt("MARDUK_CLEANUP_CMD", "Shell command run between incarnations.")
     ] = "",
+    prespawn: Annotated[
+        bool,
+        typer.Option(
+            "--prespawn/--no-prespawn",
+            envvar="MARDUK_PRESPAWN",
+            help="Keep the next trainer process started ahead of time, its framework imported "
+            "(python SCRIPT or python -m MODULE commands only).",
+        ),
+    ] = True,
+    preload: Annotated[
+        str,
+        _opt(
+            "MARDUK_PRELOAD",
+            "Modules the pre-spawned trainer imports while it waits, comma-separated "
+            "(default: jax when installed; 'none' for nothing; e.g. torch).",
+        ),
+    ] = "",
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
     connect_timeout: Annotated[
@@ -96,7 +113,7 @@ def run(
     import re
 
     from agent.client import AgentError, resolve_options
-    from agent.supervisor import Supervisor, SupervisorConfig
+    from agent.supervisor import Supervisor, SupervisorConfig, default_preload
     from marduk.logs import setup_logging
     from marduk.runtime import run as run_loop
 
@@ -128,5 +145,11 @@ def run(
         step_regex=step_regex,
         grace_s=grace,
         cleanup_cmd=cleanup_cmd,
+        prespawn=prespawn,
+        preload=(
+            default_preload()
+            if not preload
+            else [m.strip() for m in preload.split(",") if m.strip() and m.strip() != "none"]
+        ),
     )
     raise typer.Exit(run_loop(Supervisor(config).run()))

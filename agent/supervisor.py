@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import ctypes
 import enum
+import json
 import logging
 import os
 import re
@@ -65,6 +66,9 @@ class SupervisorConfig:
     tail_lines: int = 200
     cleanup_cmd: str = ""
     stale_files: list[str] = field(default_factory=lambda: ["/tmp/libtpu_lockfile"])
+    # Keep the next trainer process started ahead of time with these modules imported.
+    prespawn: bool = True
+    preload: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -81,6 +85,24 @@ def _die_with_parent() -> None:  # in the child, between fork and exec
     with contextlib.suppress(Exception):
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
     os.setsid()
+
+
+def standby_command(cmd: list[str], preload: list[str]) -> list[str] | None:
+    """The pre-spawn form of ``cmd`` (``python SCRIPT ...`` or ``python -m MODULE ...``), or
+    None when ``cmd`` is not a plain Python trainer (then it is started directly)."""
+    if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
+        return None
+    rest = cmd[1:]
+    if (rest[0] == "-m" and len(rest) >= 2) or not rest[0].startswith("-"):
+        return [cmd[0], "-m", "agent.standby", "--preload", ",".join(preload), "--", *rest]
+    return None
+
+
+def default_preload() -> list[str]:
+    """jax, when this interpreter has it: the import that dominates a JAX trainer's start."""
+    import importlib.util
+
+    return ["jax"] if importlib.util.find_spec("jax") is not None else []
 
 
 def describe_returncode(code: int) -> tuple[int | None, str]:
@@ -110,6 +132,8 @@ class Supervisor:
         self.step_at = 0.0
         self.started_at = 0.0
         self.proc: asyncio.subprocess.Process | None = None
+        self.standby: asyncio.subprocess.Process | None = None
+        self.standby_cmd = standby_command(config.cmd, config.preload) if config.prespawn else None
 
     # --- top level -------------------------------------------------------------------------------
 
@@ -129,6 +153,7 @@ class Supervisor:
         try:
             return await self._loop()
         finally:
+            await self._discard_standby()
             await self.client.close(deregister=False)
 
     async def _loop(self) -> int:
@@ -188,8 +213,64 @@ class Supervisor:
     # --- one incarnation -------------------------------------------------------------------------
 
     async def _spawn(self) -> None:
+        env = self._trainer_env()
+        if self.standby_cmd is None:
+            self.proc = await self._exec(self.config.cmd, env, stdin=False)
+        else:
+            self.proc = await self._activate_standby(env)
+            # The next one starts now, while this trainer gets going.
+            self.standby = await self._exec(self.standby_cmd, env, stdin=True)
+        self.started_at = time.monotonic()
+        self.step, self.step_at = None, 0.0
+        self.tail.clear()
+        log.info(
+            "trainer started: pid %d, epoch %d, incarnation %d%s",
+            self.proc.pid,
+            self.epoch,
+            self.incarnation,
+            " (pre-spawned)" if self.standby_cmd else "",
+        )
+        await self._report("running")
+        self.incarnation += 1
+
+    async def _activate_standby(self, env: dict[str, str]) -> asyncio.subprocess.Process:
+        assert self.standby_cmd is not None
+        proc, self.standby = self.standby, None
+        if proc is None or proc.returncode is not None:
+            proc = await self._exec(self.standby_cmd, env, stdin=True)
+        order = {"env": {k: env[k] for k in ("MARDUK_EPOCH", "MARDUK_RESTART_COUNT")}}
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(order).encode() + b"\n")
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            log.warning("the pre-spawned trainer died; starting one directly")
+            return await self._exec(self.config.cmd, env, stdin=False)
+        return proc
+
+    async def _discard_standby(self) -> None:
+        proc, self.standby = self.standby, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+    async def _exec(
+        self, cmd: list[str], env: dict[str, str], *, stdin: bool
+    ) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
+
+    def _trainer_env(self) -> dict[str, str]:
         o = self.opts
-        env = {
+        return {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "MARDUK_JOB": o.job,
@@ -202,25 +283,6 @@ class Supervisor:
             "MARDUK_ADDR": o.addr,
             "MARDUK_SUPERVISOR_PID": str(os.getpid()),
         }
-        self.proc = await asyncio.create_subprocess_exec(
-            *self.config.cmd,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            preexec_fn=_die_with_parent,
-        )
-        self.started_at = time.monotonic()
-        self.step, self.step_at = None, 0.0
-        self.tail.clear()
-        log.info(
-            "trainer started: pid %d, epoch %d, incarnation %d",
-            self.proc.pid,
-            self.epoch,
-            self.incarnation,
-        )
-        await self._report("running")
-        self.incarnation += 1
 
     async def _watch(self) -> Exit:
         assert self.proc is not None

@@ -52,6 +52,8 @@ def agent(
             devices,
             "--grace",
             "5",
+            "--preload",
+            "none",
             *extra,
             "--",
             *TOY,
@@ -79,7 +81,7 @@ def test_keeps_crashing_gives_up_with_documented_code(env: dict[str, str]) -> No
         "1",
         "--crash-incarnations",
         "99",
-        extra=("--max-restarts", "2"),
+        extra=("--max-restarts", "2", "--no-prespawn"),
     )
     assert a.proc.wait(30) == ExitCode.GAVE_UP
     assert sum("START r1/0" in line for line in a.all) == 3  # first run + 2 restarts
@@ -183,3 +185,82 @@ def test_fail_command_makes_the_agent_exit_for_pod_replacement(tmp_path: Path) -
         assert any("fail command" in line for line in a.all)
     finally:
         ctl.stop()
+
+
+def test_prespawned_trainer_has_its_modules_imported_before_it_runs(env: dict[str, str]) -> None:
+    """The standby imports --preload while it waits; the trainer finds it in sys.modules."""
+    probe = "import sys; print('PRELOADED', 'email.mime.text' in sys.modules)"
+    # `python -c` cannot be pre-spawned: it runs directly, nothing preloaded.
+    a = Proc(
+        [
+            sys.executable,
+            "-m",
+            "marduk",
+            "agent",
+            "run",
+            "--replica",
+            "r1",
+            "--devices",
+            "d1",
+            "--preload",
+            "email.mime.text",
+            "--",
+            sys.executable,
+            "-c",
+            probe,
+        ],
+        env,
+    )
+    a.expect("PRELOADED False")
+    assert a.proc.wait(20) == ExitCode.OK
+    script = Path(env["MARDUK_STATE_DIR"]).parent / "probe.py"
+    script.write_text(probe + "\n")
+    b = Proc(
+        [
+            sys.executable,
+            "-m",
+            "marduk",
+            "agent",
+            "run",
+            "--replica",
+            "r2",
+            "--devices",
+            "d2",
+            "--preload",
+            "email.mime.text",
+            "--",
+            sys.executable,
+            str(script),
+        ],
+        env,
+    )
+    b.expect("(pre-spawned)")
+    b.expect("PRELOADED True")
+    assert b.proc.wait(20) == ExitCode.OK
+
+
+def test_standby_command_forms() -> None:
+    from agent.supervisor import standby_command
+
+    assert standby_command(["python3", "t.py", "-x"], ["jax"]) == [
+        "python3",
+        "-m",
+        "agent.standby",
+        "--preload",
+        "jax",
+        "--",
+        "t.py",
+        "-x",
+    ]
+    assert standby_command(["python", "-m", "pkg.train"], []) == [
+        "python",
+        "-m",
+        "agent.standby",
+        "--preload",
+        "",
+        "--",
+        "-m",
+        "pkg.train",
+    ]
+    assert standby_command(["python", "-u", "t.py"], []) is None
+    assert standby_command(["bash", "run.sh"], []) is None
