@@ -97,6 +97,23 @@ def run(
             "(default: jax when installed; 'none' for nothing; e.g. torch).",
         ),
     ] = "",
+    reclaim_timeout: Annotated[
+        float,
+        _opt(
+            "MARDUK_RECLAIM_TIMEOUT",
+            "Seconds to wait between incarnations for this worker's NVIDIA GPUs to release "
+            "their memory (0: do not wait).",
+            min=0.0,
+        ),
+    ] = 50.0,
+    reclaim_tolerance: Annotated[
+        float,
+        _opt(
+            "MARDUK_RECLAIM_TOLERANCE_MIB",
+            "GPU memory (MiB) still in use that counts as released.",
+            min=0.0,
+        ),
+    ] = 512.0,
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
     connect_timeout: Annotated[
@@ -146,6 +163,8 @@ def run(
         grace_s=grace,
         cleanup_cmd=cleanup_cmd,
         prespawn=prespawn,
+        reclaim_timeout_s=reclaim_timeout,
+        reclaim_tolerance_mib=reclaim_tolerance,
         preload=(
             default_preload()
             if not preload

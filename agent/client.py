@@ -24,7 +24,7 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -174,6 +174,8 @@ class AsyncClient:
         self._tasks: set[asyncio.Task[None]] = set()
         self._register_lock = asyncio.Lock()
         self._registered_once = False
+        self.last_step: int | None = None
+        self.last_progress = 0.0
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -369,6 +371,17 @@ class AsyncClient:
         """The last epoch received."""
         return self._received_epoch
 
+    # Progress. Under ``marduk agent run`` these feed its hang detection (agent/local.py);
+    # a standalone client only records them (``last_step``): nothing watches for hangs then.
+    async def step(self, step: int) -> None:
+        self.last_step, self.last_progress = step, time.time()
+
+    async def heartbeat(self) -> None:
+        self.last_progress = time.time()
+
+    async def section(self, name: str, open_: bool, timeout: float | None = None) -> None:
+        self.last_progress = time.time()
+
     async def ack(self, command: Command | None = None) -> bool:
         """Acknowledge ``command`` (default: the pending failure): clears ``failed`` and tells
         the controller this worker applied the epoch. Returns True once the controller
@@ -419,9 +432,21 @@ async def connect_async(
     opts = resolve_options(
         replica_id, devices, job, addr, scope, worker=worker, prefix=prefix, timeout=timeout
     )
-    client = AsyncClient(opts, on_command)
+    client = _make_async(opts, on_command, None)
     await client.start()
     return client
+
+
+def _make_async(
+    opts: Options, on_command: OnCommand | None, deliver: Callable[[Command], None] | None
+) -> AsyncClient:
+    """Under ``marduk agent run`` (MARDUK_AGENT_SOCKET set), talk to it; else to the controller."""
+    socket_path = os.environ.get("MARDUK_AGENT_SOCKET")
+    if socket_path:
+        from agent.local import LocalAsyncClient
+
+        return LocalAsyncClient(opts, socket_path, on_command, deliver=deliver)  # type: ignore[return-value]
+    return AsyncClient(opts, on_command, deliver=deliver)
 
 
 class Client:
@@ -440,7 +465,7 @@ class Client:
         self._closed = False
 
         async def make() -> AsyncClient:
-            client = AsyncClient(opts, on_command, deliver=self._commands.put_nowait)
+            client = _make_async(opts, on_command, self._commands.put_nowait)
             await client.start()
             return client
 
@@ -507,6 +532,33 @@ class Client:
             return self._commands.get_nowait()
         except queue.Empty:
             return None
+
+    def step(self, step: int) -> None:
+        """Report training progress (feeds ``marduk agent run``'s hang detection). Never blocks."""
+        self._fire(self._async.step(step))
+
+    def heartbeat(self) -> None:
+        """Report liveness without a step number. Never blocks."""
+        self._fire(self._async.heartbeat())
+
+    @contextlib.contextmanager
+    def section(self, name: str, timeout: float | None = None) -> Iterator[None]:
+        """A named part of the loop; open longer than ``timeout`` s, the trainer counts as hung.
+
+        with client.section("checkpoint", timeout=120):
+            save()
+        """
+        self._fire(self._async.section(name, True, timeout))
+        try:
+            yield
+        finally:
+            self._fire(self._async.section(name, False))
+
+    def _fire(self, coro: Any) -> None:
+        if self._closed:
+            coro.close()
+            return
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def ack(self, command: Command | None = None) -> bool:
         """Acknowledge a command (default: the pending failure); see ``AsyncClient.ack``."""

@@ -30,11 +30,13 @@ import re
 import shlex
 import signal
 import sys
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from agent.client import AsyncClient, Command, Options
+from agent.reclaim import wait_for_release
 from agent.signatures import Diagnosis, diagnose
 from marduk import bus
 from marduk import protocol as wire
@@ -69,6 +71,11 @@ class SupervisorConfig:
     # Keep the next trainer process started ahead of time with these modules imported.
     prespawn: bool = True
     preload: list[str] = field(default_factory=list)
+    # How often a running trainer's progress (last step and when) is reported.
+    status_interval_s: float = 15.0
+    # Between incarnations, wait for the GPUs' memory to drop below this (0 s: don't wait).
+    reclaim_timeout_s: float = 50.0
+    reclaim_tolerance_mib: float = 512.0
 
 
 @dataclass(slots=True)
@@ -133,6 +140,15 @@ class Supervisor:
         self.started_at = 0.0
         self.proc: asyncio.subprocess.Process | None = None
         self.standby: asyncio.subprocess.Process | None = None
+        self._standby_task: asyncio.Task[None] | None = None
+        self._first_step = asyncio.Event()
+        self.progress_at = 0.0  # monotonic time of the last step or heartbeat; 0: none yet
+        self.sections: dict[str, tuple[float, float | None]] = {}
+        self.socket_path = os.path.join(
+            os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(),
+            f"marduk-agent-{os.getpid()}.sock",
+        )
+        self._trainers: set[asyncio.StreamWriter] = set()
         self.standby_cmd = standby_command(config.cmd, config.preload) if config.prespawn else None
 
     # --- top level -------------------------------------------------------------------------------
@@ -150,9 +166,16 @@ class Supervisor:
             log.error("cannot register with the controller: %s", e)
             return ExitCode.SETUP
         self.epoch = max(self.epoch, self.client.epoch)
+        server = await asyncio.start_unix_server(self._serve_trainer, self.socket_path)
+        os.chmod(self.socket_path, 0o600)
+        status = asyncio.create_task(self._status_loop())
         try:
             return await self._loop()
         finally:
+            status.cancel()
+            server.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
             await self._discard_standby()
             await self.client.close(deregister=False)
 
@@ -218,10 +241,14 @@ class Supervisor:
             self.proc = await self._exec(self.config.cmd, env, stdin=False)
         else:
             self.proc = await self._activate_standby(env)
-            # The next one starts now, while this trainer gets going.
-            self.standby = await self._exec(self.standby_cmd, env, stdin=True)
+            # The next one starts once this trainer has made its first step (or after a
+            # minute): importing a framework meanwhile would slow the restart it waits for.
+            self._first_step.clear()
+            task = asyncio.create_task(self._prepare_standby(env))
+            self._standby_task = task
         self.started_at = time.monotonic()
-        self.step, self.step_at = None, 0.0
+        self.step, self.step_at, self.progress_at = None, 0.0, 0.0
+        self.sections.clear()
         self.tail.clear()
         log.info(
             "trainer started: pid %d, epoch %d, incarnation %d%s",
@@ -235,6 +262,8 @@ class Supervisor:
 
     async def _activate_standby(self, env: dict[str, str]) -> asyncio.subprocess.Process:
         assert self.standby_cmd is not None
+        if self._standby_task is not None:
+            self._standby_task.cancel()
         proc, self.standby = self.standby, None
         if proc is None or proc.returncode is not None:
             proc = await self._exec(self.standby_cmd, env, stdin=True)
@@ -249,7 +278,18 @@ class Supervisor:
             return await self._exec(self.config.cmd, env, stdin=False)
         return proc
 
+    async def _prepare_standby(self, env: dict[str, str]) -> None:
+        assert self.standby_cmd is not None
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._first_step.wait(), 60.0)
+        if self.standby is None:
+            self.standby = await self._exec(self.standby_cmd, env, stdin=True)
+
     async def _discard_standby(self) -> None:
+        if self._standby_task is not None:
+            self._standby_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._standby_task
         proc, self.standby = self.standby, None
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
@@ -282,6 +322,7 @@ class Supervisor:
             "MARDUK_SCOPE": o.scope,
             "MARDUK_ADDR": o.addr,
             "MARDUK_SUPERVISOR_PID": str(os.getpid()),
+            "MARDUK_AGENT_SOCKET": self.socket_path,
         }
 
     async def _watch(self) -> Exit:
@@ -304,6 +345,7 @@ class Supervisor:
                     cmd = next_cmd.result()
                     if cmd.kind == "restart" and cmd.epoch <= self.epoch:
                         continue  # this incarnation already runs at (or after) that epoch
+                    await self._forward(cmd)
                     await self._terminate(f"{cmd.kind} command, epoch {cmd.epoch}")
                     return Exit("command", command=cmd)
                 next_cmd.cancel()
@@ -324,6 +366,72 @@ class Supervisor:
             for t in (waiter, stop, hang, *pumps):
                 t.cancel()
 
+    # --- the trainer's library (agent/local.py) ---------------------------------------------------
+
+    async def _serve_trainer(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        self._trainers.add(writer)
+        try:
+            while line := await reader.readline():
+                try:
+                    msg = json.loads(line)
+                    op = msg.get("op")
+                    if op == "hello":
+                        writer.write(
+                            json.dumps({"op": "welcome", "epoch": self.epoch}).encode() + b"\n"
+                        )
+                        await writer.drain()
+                    elif op == "step":
+                        self._progress(int(msg["step"]))
+                    elif op == "heartbeat":
+                        self._progress(None)
+                    elif op == "section":
+                        name = str(msg["name"])
+                        if msg.get("open"):
+                            timeout = msg.get("timeout")
+                            self.sections[name] = (
+                                time.monotonic(),
+                                float(timeout) if timeout else None,
+                            )
+                        else:
+                            self.sections.pop(name, None)
+                        self._progress(None)
+                except (ValueError, KeyError, TypeError) as e:
+                    log.warning("bad message from the trainer's library: %s", e)
+        except (OSError, ValueError):
+            pass
+        finally:
+            self._trainers.discard(writer)
+            writer.close()
+
+    async def _forward(self, cmd: Command) -> None:
+        """Tell the trainer's library (if it connected) why it is about to be stopped."""
+        wire_cmd = {
+            "command_id": cmd.command_id,
+            "job": cmd.job,
+            "replica": cmd.replica,
+            "scope": cmd.scope,
+            "kind": cmd.kind,
+            "epoch": cmd.epoch,
+            "reason": cmd.reason,
+            "devices": list(cmd.devices),
+            "issued_at": cmd.issued_at,
+        }
+        line = json.dumps({"op": "command", "command": wire_cmd}).encode() + b"\n"
+        for writer in list(self._trainers):
+            with contextlib.suppress(OSError, RuntimeError):
+                writer.write(line)
+                await asyncio.wait_for(writer.drain(), 1.0)
+
+    async def _status_loop(self) -> None:
+        """Report progress (last step and when) while the trainer runs."""
+        while True:
+            await asyncio.sleep(self.config.status_interval_s)
+            if self.proc is not None and self.proc.returncode is None and self.step is not None:
+                age = time.monotonic() - self.step_at
+                await self._report("running", step=self.step, step_at=time.time() - age)
+
     async def _pump(self, stream: asyncio.StreamReader | None, out: object) -> None:
         """Pass the trainer's output through line by line; keep the tail; parse steps."""
         if stream is None:
@@ -339,18 +447,28 @@ class Supervisor:
             m = self.step_re.search(text)
             if m:
                 with contextlib.suppress(ValueError, IndexError):
-                    self.step = int(m.group(1))
-                    self.step_at = time.monotonic()
+                    self._progress(int(m.group(1)))
+
+    def _progress(self, step: int | None) -> None:
+        now = time.monotonic()
+        if step is not None:
+            self.step, self.step_at = step, now
+        self.progress_at = now
+        self._first_step.set()
 
     async def _hang_watch(self) -> str:
         while True:
             await asyncio.sleep(min(1.0, self.config.hang_timeout_s / 4))
             now = time.monotonic()
-            if self.step is None:
+            for name, (opened, timeout) in self.sections.items():
+                if timeout is not None and now - opened > timeout:
+                    return f"section {name!r} open for more than {timeout:g}s"
+            if not self.progress_at:
                 if now - self.started_at > self.config.startup_timeout_s:
                     return f"no first step within {self.config.startup_timeout_s:g}s"
-            elif now - self.step_at > self.config.hang_timeout_s:
-                return f"no step after {self.step} for {self.config.hang_timeout_s:g}s"
+            elif now - self.progress_at > self.config.hang_timeout_s:
+                last = f"after {self.step} " if self.step is not None else ""
+                return f"no step {last}for {self.config.hang_timeout_s:g}s"
 
     async def _terminate(self, why: str) -> None:
         """SIGTERM the trainer's process group, wait the grace period, SIGKILL, wait it out."""
@@ -388,7 +506,8 @@ class Supervisor:
             os.killpg(pgid, signal.SIGKILL)
 
     async def _cleanup(self) -> None:
-        """Between incarnations: remove stale lockfiles, run the user's cleanup command."""
+        """Between incarnations: remove stale lockfiles, run the user's cleanup command, wait
+        for the GPUs' memory to be released."""
         for path in self.config.stale_files:
             with contextlib.suppress(FileNotFoundError, PermissionError):
                 await asyncio.to_thread(os.unlink, path)
@@ -402,6 +521,12 @@ class Supervisor:
                 code = -9
             if code != 0:
                 log.warning("cleanup command exited %s", code)
+        if self.config.reclaim_timeout_s > 0:
+            await wait_for_release(
+                self.opts.devices,
+                tolerance_mib=self.config.reclaim_tolerance_mib,
+                timeout_s=self.config.reclaim_timeout_s,
+            )
 
     # --- reports ---------------------------------------------------------------------------------
 
@@ -431,6 +556,8 @@ class Supervisor:
         if self.client is None or self.client._nc is None:
             return None
         o = self.opts
+        # A first "running" report has no step: the controller tells it from progress reports.
+        fields.setdefault("step", self.step if status != "running" else None)
         report = wire.Report(
             job=o.job,
             replica=o.replica,
@@ -438,7 +565,6 @@ class Supervisor:
             status=status,
             epoch=self.epoch,
             incarnation=self.incarnation,
-            step=self.step if status != "running" else None,
             **fields,  # type: ignore[arg-type]
         )
         try:

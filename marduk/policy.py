@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -404,6 +404,10 @@ class Policy:
         rec = self.workers.get(key)
         if rec is None:
             raise PolicyError("unknown_worker", f"worker {key} is not registered; register first")
+        previous = self.reports.get(key)
+        if previous is not None and previous.failure_class and not report.failure_class:
+            # Keep the last failure's class visible in status while the trainer runs again.
+            report = msgspec.structs.replace(report, failure_class=previous.failure_class)
         self.reports[key] = report
         out = Outcome()
         if report.status == "running":
@@ -633,9 +637,21 @@ class Policy:
                     epoch=self.epoch_of(self._epoch_key_of(rec)),
                     registered_at=rec.registered_at,
                     updated_at=rec.updated_at,
+                    **self._report_fields(key),
                 )
             )
         return infos
+
+    def _report_fields(self, key: WorkerKey) -> dict[str, Any]:
+        r = self.reports.get(key)
+        if r is None:
+            return {}
+        return {
+            "status": r.status,
+            "step": r.step,
+            "step_at": r.step_at,
+            "failure_class": r.failure_class,
+        }
 
     def device_infos(self, job: str | None = None) -> list[DeviceInfo]:
         names = set(self.drmap.devices()) | set(self.devices)

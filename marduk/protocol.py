@@ -240,6 +240,11 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     epoch: int
     registered_at: float
     updated_at: float
+    # From the supervisor's latest report (empty for a library-only worker).
+    status: str = ""
+    step: int | None = None
+    step_at: float = 0.0
+    failure_class: str = ""  # of the last failure reported
 
 
 class DeviceInfo(msgspec.Struct, kw_only=True):

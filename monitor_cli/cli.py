@@ -138,7 +138,19 @@ def _ts(t: float) -> str:
 
 def _status_tables(reply: QueryReply) -> list[Table]:
     workers = Table(title="replicas", title_justify="left")
-    for col in ("job", "replica", "worker", "host", "devices", "scope", "epoch", "role", "pid"):
+    for col in (
+        "job",
+        "replica",
+        "worker",
+        "host",
+        "devices",
+        "scope",
+        "epoch",
+        "role",
+        "pid",
+        "status",
+        "step",
+    ):
         workers.add_column(col)
     for w in reply.workers:
         epoch = str(w.epoch) if w.applied_epoch >= w.epoch else f"{w.applied_epoch}->{w.epoch}"
@@ -152,6 +164,8 @@ def _status_tables(reply: QueryReply) -> list[Table]:
             epoch,
             w.role,
             str(w.pid),
+            w.status + (f" ({w.failure_class})" if w.failure_class else ""),
+            "-" if w.step is None else f"{w.step} at {_ts(w.step_at)}",
         )
     devices = Table(title="devices", title_justify="left")
     for col in ("device", "state", "since", "failures", "replicas", "reason"):

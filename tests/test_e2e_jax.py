@@ -1,5 +1,6 @@
-"""The JAX example under ``marduk agent run``: a device failure restarts exactly the right
-trainer, which resumes from its checkpoint (the step continues, the loss stays sane)."""
+"""The JAX example under ``marduk agent run``, two replicas x two workers: a device failure
+restarts exactly the right trainers, which resume from their checkpoints (the step continues,
+the loss stays sane); with scope job all four restart, once."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.test_e2e_acceptance import Proc, controller, inject
 pytestmark = pytest.mark.e2e
 
 
-def jax_agent(env: dict[str, str], replica: str, devices: str) -> Proc:
+def jax_agent(env: dict[str, str], job: str, replica: str, worker: int, scope: str) -> Proc:
     return Proc(
         [
             sys.executable,
@@ -24,14 +25,22 @@ def jax_agent(env: dict[str, str], replica: str, devices: str) -> Proc:
             "marduk",
             "agent",
             "run",
+            "--job",
+            job,
             "--replica",
             replica,
+            "--worker",
+            str(worker),
+            "--scope",
+            scope,
             "--devices",
-            devices,
+            f"{job}-{replica}-d{worker}",
             "--grace",
             "10",
             "--startup-timeout",
-            "120",
+            "180",
+            "--preload",
+            "none",
             "--",
             sys.executable,
             "examples/jax_trainer.py",
@@ -46,39 +55,67 @@ def jax_agent(env: dict[str, str], replica: str, devices: str) -> Proc:
     )
 
 
-def last_step(p: Proc) -> int:
-    steps = [int(m.group(1)) for line in p.all if (m := re.match(r"step (\d+) loss", line))]
-    return steps[-1] if steps else 0
+def losses(p: Proc) -> list[tuple[int, float]]:
+    out = []
+    for line in p.all:
+        m = re.match(r"step (\d+) loss ([0-9.eE+-]+)", line)
+        if m:
+            out.append((int(m.group(1)), float(m.group(2))))
+    return out
 
 
-def test_device_failure_restarts_one_jax_trainer_which_resumes(tmp_path: Path) -> None:
-    env = {
+def assert_resumed(p: Proc, epoch: int) -> None:
+    saved = int(p.expect("checkpointed step", timeout=60).split()[2])
+    resumed = p.expect("resuming at step", timeout=120)
+    assert f"epoch {epoch}" in resumed and int(resumed.split()[-1]) == saved >= 10
+    p.expect(f"step {saved + 2} loss", timeout=120)
+    first_loss = losses(p)[0][1]
+    after = [loss for step, loss in losses(p) if step == saved + 1][-1]
+    assert after < first_loss  # continued training, not from scratch
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return {
         "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
         "MARDUK_STATE_DIR": str(tmp_path / "state"),
         "MARDUK_CKPT_DIR": str(tmp_path / "ckpt"),
         "JAX_PLATFORMS": "cpu",
         "PYTHONUNBUFFERED": "1",
     }
+
+
+def test_replica_scope_restarts_exactly_the_failed_replica(env: dict[str, str]) -> None:
     ctl = controller(env)
-    r1 = jax_agent(env, "r1", "d1,d2")
-    r2 = jax_agent(env, "r2", "d3")
+    agents = {(r, w): jax_agent(env, "rep", r, w, "replica") for r in ("r1", "r2") for w in (0, 1)}
     try:
-        r1.expect("step 12 loss", timeout=90)
-        r2.expect("step 12 loss", timeout=90)
-        first_loss = float(next(ln for ln in r1.all if ln.startswith("step 1 loss")).split()[-1])
-        inject(env, "d2")
-        line = r1.expect("checkpointed step", timeout=30)
-        saved = int(line.split()[2])
-        resumed = r1.expect("resuming at step", timeout=90)
-        assert "epoch 1" in resumed
-        assert int(resumed.split()[-1]) == saved >= 12
-        r1.expect(f"step {saved + 3} loss", timeout=90)
-        losses = [float(ln.split()[-1]) for ln in r1.all if ln.startswith(f"step {saved + 1} loss")]
-        assert losses and losses[0] < first_loss  # continued training, not from scratch
+        for a in agents.values():
+            a.expect("step 12 loss", timeout=120)
+        inject(env, "rep-r1-d1")  # a device of r1's worker 1: both workers of r1 restart
+        assert_resumed(agents[("r1", 0)], epoch=1)
+        assert_resumed(agents[("r1", 1)], epoch=1)
         time.sleep(1)
-        assert sum("resuming at step" in ln for ln in r2.all) == 1  # r2 never restarted
-        assert last_step(r2) > 12
+        for w in (0, 1):
+            r2 = agents[("r2", w)]
+            assert sum("resuming at step" in ln for ln in r2.all) == 1  # never restarted
     finally:
-        r1.stop()
-        r2.stop()
+        for a in agents.values():
+            a.stop()
+        ctl.stop()
+
+
+def test_job_scope_restarts_all_four_once(env: dict[str, str]) -> None:
+    ctl = controller(env)
+    agents = [jax_agent(env, "mesh", r, w, "job") for r in ("r1", "r2") for w in (0, 1)]
+    try:
+        for a in agents:
+            a.expect("step 12 loss", timeout=120)
+        inject(env, "mesh-r2-d0")
+        for a in agents:
+            assert_resumed(a, epoch=1)
+        time.sleep(1)
+        assert [sum("resuming at step" in ln for ln in a.all) for a in agents] == [2, 2, 2, 2]
+    finally:
+        for a in agents:
+            a.stop()
         ctl.stop()

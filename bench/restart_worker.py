@@ -1,0 +1,55 @@
+"""The trivial worker every contender in bench_restart.py runs (torch + a gloo group).
+
+Records, as JSON lines in $BENCH_DIR/events-<rank>.jsonl: ``start`` (the first statement of the
+process: the trainer is running), ``ready`` (first step done: imports, backend and rendezvous
+included) and ``crash`` (rank 0 exits 1 when $BENCH_DIR/crash-<incarnation> appears).
+"""
+
+import time
+
+T_START = time.time()
+
+import json
+import os
+import sys
+
+env = os.environ
+bench_dir = env["BENCH_DIR"]
+if "TORCHELASTIC_RUN_ID" in env or "BENCH_PLAIN" in env:  # torchrun or the plain supervisor
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    inc = int(env.get("TORCHELASTIC_RESTART_COUNT") or env.get("BENCH_INCARNATION") or 0)
+    init = "env://"
+else:  # marduk agent run: replicas r0..rN-1 x workers
+    replica, worker = int(env["MARDUK_REPLICA_ID"][1:]), int(env["MARDUK_WORKER"])
+    per = int(env["BENCH_WORKERS_PER_REPLICA"])
+    rank, world = replica * per + worker, int(env["BENCH_WORLD"])
+    inc = int(env["MARDUK_RESTART_COUNT"])
+    # A fresh rendezvous port per epoch: the previous one may linger in TIME_WAIT.
+    init = f"tcp://127.0.0.1:{int(env['BENCH_PORT']) + int(env['MARDUK_EPOCH'])}"
+
+log_path = os.path.join(bench_dir, f"events-{rank}.jsonl")
+
+
+def log(ev: str, t: float) -> None:
+    with open(log_path, "a") as f:
+        f.write(json.dumps({"ev": ev, "t": t, "rank": rank, "inc": inc}) + "\n")
+
+
+log("start", T_START)
+import torch
+import torch.distributed as dist
+
+kw = {"rank": rank, "world_size": world} if init != "env://" else {}
+dist.init_process_group("gloo", init_method=init, **kw)
+t = torch.ones(1)
+dist.all_reduce(t)  # the first step: every rank is in the group
+log("ready", time.time())
+step = 0
+while True:
+    step += 1
+    print(f"step {step}", flush=True)
+    if rank == 0 and os.path.exists(os.path.join(bench_dir, f"crash-{inc}")):
+        log("crash", time.time())
+        sys.stdout.flush()
+        os._exit(1)
+    time.sleep(0.02)

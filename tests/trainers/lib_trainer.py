@@ -1,0 +1,47 @@
+"""A supervised trainer that uses the agent library: steps, sections, commands via its agent."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+
+import agent
+
+p = argparse.ArgumentParser()
+p.add_argument("--mode", choices=["steps-then-stall", "long-section", "wait-command"])
+args = p.parse_args()
+
+client = agent.connect()  # under `marduk agent run`: talks to it, no second registration
+print(
+    f"CONNECTED epoch={client.epoch} state={client.state} local={type(client._async).__name__}",
+    flush=True,
+)
+
+
+def on_term(*_: object) -> None:
+    cmd = client.last_failure or client.wait(2.0)
+    print(
+        f"SIGTERM command={cmd.kind if cmd else None} epoch={cmd.epoch if cmd else None}",
+        flush=True,
+    )
+    sys.exit(0)
+
+
+signal.signal(signal.SIGTERM, on_term)
+if args.mode == "steps-then-stall":
+    for i in range(20):
+        client.step(i)  # not printed: only the library reports progress
+        time.sleep(0.1)
+    print("STALLING", flush=True)
+    time.sleep(3600)
+elif args.mode == "long-section":
+    client.step(1)
+    with client.section("checkpoint", timeout=0.5):
+        print("IN SECTION", flush=True)
+        time.sleep(3600)
+else:
+    while True:
+        client.heartbeat()
+        time.sleep(0.1)
