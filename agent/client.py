@@ -149,7 +149,99 @@ def resolve_options(
 OnCommand = Callable[[Command], Any]
 
 
-class AsyncClient:
+class CommandInbox:
+    """Epoch fencing and delivery of commands to the trainer, shared by both clients.
+
+    A command whose epoch is not above the last one received is dropped; a ``restart`` or
+    ``fail`` sets ``failed`` until acknowledged; commands go to ``deliver`` (the sync client's
+    queue) or to ``wait()``; ``on_command`` runs on the client's loop, guarded.
+    """
+
+    def __init__(
+        self,
+        opts: Options,
+        on_command: OnCommand | None,
+        deliver: Callable[[Command], None] | None,
+    ) -> None:
+        self.opts = opts
+        self.state: State = "connecting"
+        self.stats: Counter[str] = Counter()
+        self.errors: deque[str] = deque(maxlen=50)
+        self._on_command = on_command
+        self._deliver = deliver
+        self._queue: asyncio.Queue[Command] = asyncio.Queue()
+        self._received_epoch = opts.epoch
+        self._pending_failure: Command | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.last_step: int | None = None
+        self.last_progress = 0.0
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _record(self, message: str) -> None:
+        self.errors.append(f"{time.strftime('%H:%M:%S')} {message}")
+        log.warning("%s", message)
+
+    def _accept(self, c: wire.Command) -> None:
+        if c.epoch <= self._received_epoch:
+            self.stats["dropped_stale"] += 1
+            return
+        self._received_epoch = c.epoch
+        command = Command.from_wire(c, time.time())
+        self.stats[f"commands.{c.kind}"] += 1
+        if command.is_failure:
+            self._pending_failure = command
+        if self._deliver is not None:
+            self._deliver(command)
+        else:
+            self._queue.put_nowait(command)
+        if self._on_command is not None:
+            try:
+                result = self._on_command(command)
+                if asyncio.iscoroutine(result):
+                    self._spawn(self._guard(result))
+            except Exception as e:  # a callback's bug must not kill the client
+                self._record(f"on_command callback raised {type(e).__name__}: {e}")
+
+    async def _guard(self, coro: Any) -> None:
+        try:
+            await coro
+        except Exception as e:
+            self._record(f"on_command callback raised {type(e).__name__}: {e}")
+
+    def _clear_failure(self, command: Command | None) -> Command | None:
+        command = command or self._pending_failure
+        pending = self._pending_failure
+        if command is not None and pending is not None and command.epoch >= pending.epoch:
+            self._pending_failure = None
+        return command
+
+    async def wait(self, timeout: float | None = None) -> Command | None:
+        """The next command for this replica, or None after ``timeout`` seconds."""
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    @property
+    def failed(self) -> bool:
+        """A restart or fail command has arrived and has not been acknowledged."""
+        return self._pending_failure is not None
+
+    @property
+    def last_failure(self) -> Command | None:
+        return self._pending_failure
+
+    @property
+    def epoch(self) -> int:
+        """The last epoch received."""
+        return self._received_epoch
+
+
+class AsyncClient(CommandInbox):
     """Registered membership of one worker in a replica, on the current asyncio loop."""
 
     def __init__(
@@ -159,23 +251,12 @@ class AsyncClient:
         *,
         deliver: Callable[[Command], None] | None = None,
     ) -> None:
-        self.opts = opts
+        super().__init__(opts, on_command, deliver)
         self.subjects = Subjects(opts.prefix)
-        self.state: State = "connecting"
-        self.stats: Counter[str] = Counter()
-        self.errors: deque[str] = deque(maxlen=50)
-        self._on_command = on_command
-        self._deliver = deliver
-        self._queue: asyncio.Queue[Command] = asyncio.Queue()
         self._nc: NATS | None = None
-        self._received_epoch = opts.epoch
         self._acked_epoch = opts.epoch
-        self._pending_failure: Command | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._register_lock = asyncio.Lock()
         self._registered_once = False
-        self.last_step: int | None = None
-        self.last_progress = 0.0
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -224,15 +305,6 @@ class AsyncClient:
                         timeout=2.0,
                     )
             await bus.close(self._nc)
-
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _record(self, message: str) -> None:
-        self.errors.append(f"{time.strftime('%H:%M:%S')} {message}")
-        log.warning("%s", message)
 
     # --- registration ----------------------------------------------------------------------------
 
@@ -323,54 +395,6 @@ class AsyncClient:
             return
         self._accept(command)
 
-    def _accept(self, c: wire.Command) -> None:
-        if c.epoch <= self._received_epoch:
-            self.stats["dropped_stale"] += 1
-            return
-        self._received_epoch = c.epoch
-        command = Command.from_wire(c, time.time())
-        self.stats[f"commands.{c.kind}"] += 1
-        if command.is_failure:
-            self._pending_failure = command
-        if self._deliver is not None:
-            self._deliver(command)
-        else:
-            self._queue.put_nowait(command)
-        if self._on_command is not None:
-            try:
-                result = self._on_command(command)
-                if asyncio.iscoroutine(result):
-                    self._spawn(self._guard(result))
-            except Exception as e:  # a callback's bug must not kill the client
-                self._record(f"on_command callback raised {type(e).__name__}: {e}")
-
-    async def _guard(self, coro: Any) -> None:
-        try:
-            await coro
-        except Exception as e:
-            self._record(f"on_command callback raised {type(e).__name__}: {e}")
-
-    async def wait(self, timeout: float | None = None) -> Command | None:
-        """The next command for this replica, or None after ``timeout`` seconds."""
-        try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            return None
-
-    @property
-    def failed(self) -> bool:
-        """A restart or fail command has arrived and has not been acknowledged."""
-        return self._pending_failure is not None
-
-    @property
-    def last_failure(self) -> Command | None:
-        return self._pending_failure
-
-    @property
-    def epoch(self) -> int:
-        """The last epoch received."""
-        return self._received_epoch
-
     # Progress. Under ``marduk agent run`` these feed its hang detection (agent/local.py);
     # a standalone client only records them (``last_step``): nothing watches for hangs then.
     async def step(self, step: int) -> None:
@@ -386,11 +410,9 @@ class AsyncClient:
         """Acknowledge ``command`` (default: the pending failure): clears ``failed`` and tells
         the controller this worker applied the epoch. Returns True once the controller
         confirmed (5 s at most); False is recorded in ``errors``, never raised."""
-        command = command or self._pending_failure
+        command = self._clear_failure(command)
         if command is None:
             return True
-        if self._pending_failure is not None and command.epoch >= self._pending_failure.epoch:
-            self._pending_failure = None
         self._acked_epoch = max(self._acked_epoch, command.epoch)
         o = self.opts
         ack = wire.Ack(

@@ -25,19 +25,17 @@ import contextlib
 import json
 import logging
 import os
-import time
-from collections import Counter, deque
 from collections.abc import Callable
 from typing import Any
 
-from agent.client import Command, OnCommand, Options, State
+from agent.client import Command, CommandInbox, OnCommand, Options
 from marduk import protocol as wire
 
 log = logging.getLogger("agent.local")
 MAX_LINE = 64 * 1024
 
 
-class LocalAsyncClient:
+class LocalAsyncClient(CommandInbox):
     """The AsyncClient interface, served by the local supervisor instead of the controller."""
 
     def __init__(
@@ -48,18 +46,10 @@ class LocalAsyncClient:
         *,
         deliver: Callable[[Command], None] | None = None,
     ) -> None:
-        self.opts = opts
+        super().__init__(opts, on_command, deliver)
         self.socket_path = socket_path
-        self.state: State = "connecting"
-        self.stats: Counter[str] = Counter()
-        self.errors: deque[str] = deque(maxlen=50)
-        self._on_command = on_command
-        self._deliver = deliver
-        self._queue: asyncio.Queue[Command] = asyncio.Queue()
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
-        self._received_epoch = opts.epoch
-        self._pending_failure: Command | None = None
 
     async def start(self) -> None:
         from agent.client import AgentError
@@ -98,29 +88,6 @@ class LocalAsyncClient:
         if self.state != "closed":
             self.state = "disconnected"
 
-    def _accept(self, c: wire.Command) -> None:
-        if c.epoch <= self._received_epoch:
-            self.stats["dropped_stale"] += 1
-            return
-        self._received_epoch = c.epoch
-        command = Command.from_wire(c, time.time())
-        self.stats[f"commands.{c.kind}"] += 1
-        if command.is_failure:
-            self._pending_failure = command
-        if self._deliver is not None:
-            self._deliver(command)
-        else:
-            self._queue.put_nowait(command)
-        if self._on_command is not None:
-            try:
-                self._on_command(command)
-            except Exception as e:
-                self._record(f"on_command callback raised {type(e).__name__}: {e}")
-
-    def _record(self, message: str) -> None:
-        self.errors.append(f"{time.strftime('%H:%M:%S')} {message}")
-        log.warning("%s", message)
-
     async def _send(self, msg: dict[str, Any]) -> None:
         if self._writer is None or self._writer.is_closing():
             return
@@ -132,30 +99,9 @@ class LocalAsyncClient:
 
     # --- the AsyncClient interface ---------------------------------------------------------------
 
-    async def wait(self, timeout: float | None = None) -> Command | None:
-        try:
-            return await asyncio.wait_for(self._queue.get(), timeout)
-        except TimeoutError:
-            return None
-
-    @property
-    def failed(self) -> bool:
-        return self._pending_failure is not None
-
-    @property
-    def last_failure(self) -> Command | None:
-        return self._pending_failure
-
-    @property
-    def epoch(self) -> int:
-        return self._received_epoch
-
     async def ack(self, command: Command | None = None) -> bool:
         """Clears ``failed``; the supervisor confirms epochs to the controller itself."""
-        command = command or self._pending_failure
-        pending = self._pending_failure
-        if command is not None and pending is not None and command.epoch >= pending.epoch:
-            self._pending_failure = None
+        self._clear_failure(command)
         return True
 
     async def step(self, step: int) -> None:

@@ -88,6 +88,7 @@ def crash_time(bench_dir: Path, inc: int) -> float | None:
 
 
 def start_marduk(bench_dir: Path, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+    store_port = free_port()
     env = {
         **env,
         # Every trial fails the same device: lift its failure budget, which would
@@ -96,16 +97,20 @@ def start_marduk(bench_dir: Path, env: dict[str, str]) -> list[subprocess.Popen[
         "MARDUK_STATE_DIR": str(bench_dir / "state"),
         "BENCH_WORKERS_PER_REPLICA": str(PER),
         "BENCH_WORLD": str(WORLD),
-        "BENCH_PORT": str(free_port() + 100),
+        "BENCH_STORE_PORT": str(store_port),
     }
     log = open(bench_dir / "marduk.log", "wb")  # noqa: SIM115
+    # The workers' rendezvous store, up for the whole run (torchrun's agent hosts its own).
+    store = subprocess.Popen(
+        [sys.executable, "-c", STORE_HOLDER, str(store_port), str(WORLD)], stdout=log, stderr=log
+    )
     ctl = subprocess.Popen(
         [sys.executable, "-m", "marduk", "controller"], env=env, cwd=ROOT, stdout=log, stderr=log
     )
     wait_for(
         lambda: b"serving prefix" in (bench_dir / "marduk.log").read_bytes(), 30, "the controller"
     )
-    procs = [ctl]
+    procs = [ctl, store]
     for r in range(REPLICAS):
         for w in range(PER):
             procs.append(
@@ -175,6 +180,14 @@ def start_torchrun(bench_dir: Path, env: dict[str, str]) -> list[subprocess.Pope
         )
     ]
 
+
+STORE_HOLDER = r"""
+import sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), int(sys.argv[2]), is_master=True,
+                      wait_for_workers=False)
+time.sleep(10**7)
+"""
 
 PLAIN = r"""
 import os, signal, subprocess, sys

@@ -24,8 +24,8 @@ else:  # marduk agent run: replicas r0..rN-1 x workers
     per = int(env["BENCH_WORKERS_PER_REPLICA"])
     rank, world = replica * per + worker, int(env["BENCH_WORLD"])
     inc = int(env["MARDUK_RESTART_COUNT"])
-    # A fresh rendezvous port per epoch: the previous one may linger in TIME_WAIT.
-    init = f"tcp://127.0.0.1:{int(env['BENCH_PORT']) + int(env['MARDUK_EPOCH'])}"
+    # Rendezvous through a long-lived store (as torchrun's agent hosts one), keyed by epoch.
+    init = "store"
 
 log_path = os.path.join(bench_dir, f"events-{rank}.jsonl")
 
@@ -39,8 +39,20 @@ log("start", T_START)
 import torch
 import torch.distributed as dist
 
-kw = {"rank": rank, "world_size": world} if init != "env://" else {}
-dist.init_process_group("gloo", init_method=init, **kw)
+if init == "store":
+    from datetime import timedelta
+
+    store = dist.TCPStore(
+        "127.0.0.1",
+        int(env["BENCH_STORE_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(seconds=120),
+    )
+    prefixed = dist.PrefixStore(f"epoch-{env['MARDUK_EPOCH']}", store)
+    dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world)
+else:
+    dist.init_process_group("gloo", init_method=init)
 t = torch.ones(1)
 dist.all_reduce(t)  # the first step: every rank is in the group
 log("ready", time.time())

@@ -116,3 +116,23 @@ def marduk_cli(
         timeout=timeout,
         cwd=ROOT,
     )
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """Environment for Marduk processes: a free loopback address and a private state dir."""
+    yield {
+        "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
+        "MARDUK_STATE_DIR": str(tmp_path / "state"),
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+@pytest.fixture
+def controller_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
+    """``env`` with a ``marduk controller`` (embedded NATS) running for the test."""
+    from tests.processes import controller
+
+    ctl = controller(env)
+    yield env
+    ctl.stop()

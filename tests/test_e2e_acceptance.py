@@ -8,119 +8,18 @@ started again.
 from __future__ import annotations
 
 import json
-import queue
 import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import ROOT, free_port, marduk_cli
+from tests.conftest import free_port, marduk_cli
+from tests.processes import Proc, controller, inject, status, trainer
 
 pytestmark = pytest.mark.e2e
-
-
-class Proc:
-    """A child process whose output lines are collected by a thread."""
-
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        import os
-
-        self.proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            env={**os.environ, **env},
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.all: list[str] = []
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.all.append(line)
-            self.lines.put(line)
-
-    def expect(self, text: str, timeout: float = 20) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if text in line:
-                return line
-        raise AssertionError(f"{text!r} not seen; output so far:\n{''.join(self.all)}")
-
-    def drain(self) -> list[str]:
-        out = []
-        while True:
-            try:
-                out.append(self.lines.get_nowait())
-            except queue.Empty:
-                return out
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[dict[str, str]]:
-    yield {
-        "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
-        "MARDUK_STATE_DIR": str(tmp_path / "state"),
-        "PYTHONUNBUFFERED": "1",
-    }
-
-
-def controller(env: dict[str, str]) -> Proc:
-    p = Proc([sys.executable, "-m", "marduk", "controller"], env)
-    p.expect("serving prefix")
-    return p
-
-
-def trainer(env: dict[str, str], replica: str, devices: str) -> Proc:
-    p = Proc(
-        [
-            sys.executable,
-            "examples/demo_trainer.py",
-            "--replica",
-            replica,
-            "--devices",
-            devices,
-            "--step-seconds",
-            "0.05",
-        ],
-        env,
-    )
-    p.expect(f"[{replica}] registered")
-    return p
-
-
-def status(env: dict[str, str]) -> dict:  # type: ignore[type-arg]
-    r = marduk_cli("monitor", "status", "--json", env=env)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout)  # type: ignore[no-any-return]
-
-
-def inject(env: dict[str, str], device: str) -> str:
-    r = marduk_cli("monitor", "inject-failure", device, env=env)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
 
 
 def test_acceptance_targeted_notices_and_restart(env: dict[str, str]) -> None:

@@ -11,10 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
-from tests.test_e2e_acceptance import Proc, controller, inject
+from tests.processes import Proc, controller, inject
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def jax_env(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    return {**env, "MARDUK_CKPT_DIR": str(tmp_path / "ckpt"), "JAX_PLATFORMS": "cpu"}
 
 
 def jax_agent(env: dict[str, str], job: str, replica: str, worker: int, scope: str) -> Proc:
@@ -74,18 +78,8 @@ def assert_resumed(p: Proc, epoch: int) -> None:
     assert after < first_loss  # continued training, not from scratch
 
 
-@pytest.fixture
-def env(tmp_path: Path) -> dict[str, str]:
-    return {
-        "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
-        "MARDUK_STATE_DIR": str(tmp_path / "state"),
-        "MARDUK_CKPT_DIR": str(tmp_path / "ckpt"),
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONUNBUFFERED": "1",
-    }
-
-
-def test_replica_scope_restarts_exactly_the_failed_replica(env: dict[str, str]) -> None:
+def test_replica_scope_restarts_exactly_the_failed_replica(jax_env: dict[str, str]) -> None:
+    env = jax_env
     ctl = controller(env)
     agents = {(r, w): jax_agent(env, "rep", r, w, "replica") for r in ("r1", "r2") for w in (0, 1)}
     try:
@@ -104,7 +98,8 @@ def test_replica_scope_restarts_exactly_the_failed_replica(env: dict[str, str]) 
         ctl.stop()
 
 
-def test_job_scope_restarts_all_four_once(env: dict[str, str]) -> None:
+def test_job_scope_restarts_all_four_once(jax_env: dict[str, str]) -> None:
+    env = jax_env
     ctl = controller(env)
     agents = [jax_agent(env, "mesh", r, w, "job") for r in ("r1", "r2") for w in (0, 1)]
     try:

@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port, marduk_cli
-from tests.test_e2e_acceptance import Proc, controller, inject
+from tests.conftest import marduk_cli
+from tests.processes import Proc, inject
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[dict[str, str]]:
-    e = {
-        "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
-        "MARDUK_STATE_DIR": str(tmp_path / "state"),
-        "PYTHONUNBUFFERED": "1",
-    }
-    ctl = controller(e)
-    yield e
-    ctl.stop()
 
 
 def supervised(env: dict[str, str], mode: str, *extra: str) -> Proc:
@@ -56,7 +42,8 @@ def supervised(env: dict[str, str], mode: str, *extra: str) -> Proc:
     )
 
 
-def test_library_steps_feed_hang_detection(env: dict[str, str]) -> None:
+def test_library_steps_feed_hang_detection(controller_env: dict[str, str]) -> None:
+    env = controller_env
     a = supervised(env, "steps-then-stall", "--hang-timeout", "1")
     try:
         a.expect("CONNECTED epoch=0 state=registered local=LocalAsyncClient")
@@ -70,7 +57,8 @@ def test_library_steps_feed_hang_detection(env: dict[str, str]) -> None:
     assert [(w["replica"], w["role"]) for w in status["workers"]] in ([], [("r1", "supervisor")])
 
 
-def test_section_timeout_counts_as_a_hang(env: dict[str, str]) -> None:
+def test_section_timeout_counts_as_a_hang(controller_env: dict[str, str]) -> None:
+    env = controller_env
     a = supervised(env, "long-section", "--hang-timeout", "600")
     try:
         a.expect("IN SECTION")
@@ -79,7 +67,8 @@ def test_section_timeout_counts_as_a_hang(env: dict[str, str]) -> None:
         a.stop()
 
 
-def test_commands_reach_the_trainer_through_its_agent(env: dict[str, str]) -> None:
+def test_commands_reach_the_trainer_through_its_agent(controller_env: dict[str, str]) -> None:
+    env = controller_env
     a = supervised(env, "wait-command")
     try:
         a.expect("CONNECTED epoch=0")

@@ -4,29 +4,16 @@ from __future__ import annotations
 
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agent.supervisor import ExitCode
 from tests.conftest import NatsServer, free_port
-from tests.test_e2e_acceptance import Proc, controller, inject
+from tests.processes import Proc, controller, inject
 
 pytestmark = pytest.mark.e2e
 TOY = [sys.executable, "tests/trainers/toy.py"]
-
-
-@pytest.fixture
-def env(tmp_path: Path) -> Iterator[dict[str, str]]:
-    e = {
-        "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
-        "MARDUK_STATE_DIR": str(tmp_path / "state"),
-        "PYTHONUNBUFFERED": "1",
-    }
-    ctl = controller(e)
-    yield e
-    ctl.stop()
 
 
 def agent(
@@ -63,7 +50,10 @@ def agent(
     )
 
 
-def test_crash_is_diagnosed_restarted_at_a_new_epoch_then_clean_exit(env: dict[str, str]) -> None:
+def test_crash_is_diagnosed_restarted_at_a_new_epoch_then_clean_exit(
+    controller_env: dict[str, str],
+) -> None:
+    env = controller_env
     a = agent(env, "r1", "d1", "--crash-at", "2", "--steps", "3")
     a.expect("START r1/0 epoch=0 inc=0")
     a.expect("python_exception - ValueError: toy crash")
@@ -72,7 +62,8 @@ def test_crash_is_diagnosed_restarted_at_a_new_epoch_then_clean_exit(env: dict[s
     assert a.proc.wait(20) == ExitCode.OK
 
 
-def test_keeps_crashing_gives_up_with_documented_code(env: dict[str, str]) -> None:
+def test_keeps_crashing_gives_up_with_documented_code(controller_env: dict[str, str]) -> None:
+    env = controller_env
     a = agent(
         env,
         "r1",
@@ -88,7 +79,8 @@ def test_keeps_crashing_gives_up_with_documented_code(env: dict[str, str]) -> No
     assert any("giving up" in line for line in a.all)
 
 
-def test_hang_is_caught_and_restarted(env: dict[str, str]) -> None:
+def test_hang_is_caught_and_restarted(controller_env: dict[str, str]) -> None:
+    env = controller_env
     a = agent(env, "r1", "d1", "--hang-at", "2", "--steps", "4", extra=("--hang-timeout", "1"))
     a.expect("no step after 2 for 1s")
     a.expect("START r1/0 epoch=1 inc=1")
@@ -96,7 +88,8 @@ def test_hang_is_caught_and_restarted(env: dict[str, str]) -> None:
     assert a.proc.wait(20) == ExitCode.OK
 
 
-def test_device_failure_restarts_only_the_replica_on_it(env: dict[str, str]) -> None:
+def test_device_failure_restarts_only_the_replica_on_it(controller_env: dict[str, str]) -> None:
+    env = controller_env
     r1 = agent(env, "r1", "d1,d2")
     r2 = agent(env, "r2", "d3")
     try:
@@ -113,7 +106,8 @@ def test_device_failure_restarts_only_the_replica_on_it(env: dict[str, str]) -> 
         r2.stop()
 
 
-def test_job_scope_restarts_every_worker_once(env: dict[str, str]) -> None:
+def test_job_scope_restarts_every_worker_once(controller_env: dict[str, str]) -> None:
+    env = controller_env
     agents = [
         agent(env, f"r{r}", f"dev{r}{w}", worker=w, extra=("--scope", "job"))
         for r in range(2)
@@ -134,7 +128,8 @@ def test_job_scope_restarts_every_worker_once(env: dict[str, str]) -> None:
             a.stop()
 
 
-def test_sigterm_is_forwarded_and_reported_as_preemption(env: dict[str, str]) -> None:
+def test_sigterm_is_forwarded_and_reported_as_preemption(controller_env: dict[str, str]) -> None:
+    env = controller_env
     a = agent(env, "r1", "d1")
     a.expect("step 2")
     a.proc.send_signal(signal.SIGTERM)
@@ -187,7 +182,10 @@ def test_fail_command_makes_the_agent_exit_for_pod_replacement(tmp_path: Path) -
         ctl.stop()
 
 
-def test_prespawned_trainer_has_its_modules_imported_before_it_runs(env: dict[str, str]) -> None:
+def test_prespawned_trainer_has_its_modules_imported_before_it_runs(
+    controller_env: dict[str, str],
+) -> None:
+    env = controller_env
     """The standby imports --preload while it waits; the trainer finds it in sys.modules."""
     probe = "import sys; print('PRELOADED', 'email.mime.text' in sys.modules)"
     # `python -c` cannot be pre-spawned: it runs directly, nothing preloaded.
