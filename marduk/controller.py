@@ -233,8 +233,10 @@ class Controller:
             self.fatal.set()
 
     async def _watch_server(self) -> None:
-        assert self.server is not None and self.server.proc is not None
-        await asyncio.to_thread(self.server.proc.wait)
+        # Poll: a thread blocked in Popen.wait() would keep the process from exiting if the
+        # loop ever closed with the server still up.
+        while self.server is not None and self.server.alive():  # noqa: ASYNC110
+            await asyncio.sleep(0.5)
         raise EmbeddedServerError("the embedded nats-server exited")
 
     async def _on_disconnected(self) -> None:
@@ -434,20 +436,20 @@ async def run_controller(settings: ControllerSettings, stop: asyncio.Event) -> i
     """Run until ``stop`` is set or something fatal happens. Returns the exit code."""
     controller = Controller(settings)
     try:
-        await controller.start()
-    except (MardukError, OSError) as e:
-        log.error("%s", e)
-        await controller.stop()
-        return 1
-    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(controller.fatal.wait())]
-    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    for w in waiters:
-        w.cancel()
-    code = 0
-    if controller.fatal.is_set():
-        log.error("stopping: %s", controller.fatal_reason)
-        code = 1
-    else:
+        try:
+            await controller.start()
+        except (MardukError, OSError) as e:
+            log.error("%s", e)
+            return 1
+        waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(controller.fatal.wait())]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        for w in waiters:
+            w.cancel()
+        if controller.fatal.is_set():
+            log.error("stopping: %s", controller.fatal_reason)
+            return 1
         log.info("stopping (signal)")
-    await controller.stop()
-    return code
+        return 0
+    finally:
+        # Whatever happened (an unexpected error included), the embedded server goes too.
+        await controller.stop()

@@ -136,3 +136,12 @@ def controller_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
     ctl = controller(env)
     yield env
     ctl.stop()
+
+
+@pytest.fixture(autouse=True)
+def _reap_processes() -> Iterator[None]:
+    """No test leaves a process behind, even one that failed before its own cleanup."""
+    yield
+    from tests.processes import Proc
+
+    Proc.reap_all()

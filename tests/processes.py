@@ -15,7 +15,12 @@ from tests.conftest import ROOT, marduk_cli
 
 
 class Proc:
-    """A child process whose output lines are collected by a thread."""
+    """A child process whose output lines are collected by a thread.
+
+    Every Proc is stopped when its test ends, however it ended (``reap_all``, from conftest).
+    """
+
+    live: set[Proc] = set()
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
 
@@ -27,6 +32,7 @@ class Proc:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
+        Proc.live.add(self)
         self.lines: queue.Queue[str] = queue.Queue()
         self.all: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
@@ -56,7 +62,13 @@ class Proc:
             except queue.Empty:
                 return out
 
+    @classmethod
+    def reap_all(cls) -> None:
+        for p in list(cls.live):
+            p.stop()
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
+        Proc.live.discard(self)
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:

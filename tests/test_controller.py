@@ -294,3 +294,39 @@ async def test_stale_and_duplicate_commands_are_dropped(
     assert r1.errors
     await nc.close()
     await r1.close()
+
+
+@pytest.mark.parametrize("failure", ["handled", "unexpected"])
+async def test_startup_failure_still_stops_the_embedded_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """Whatever ends the controller, its embedded nats-server does not outlive it."""
+    import asyncio
+
+    from marduk import controller as controller_module
+    from marduk.controller import ControllerSettings, run_controller
+    from tests.conftest import free_port
+
+    started: list[object] = []
+    original_start = controller_module.EmbeddedServer.start
+
+    def spy_start(self, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+        original_start(self, timeout)
+        started.append(self.proc)
+
+    def boom(*args: object, **kw: object) -> object:
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(controller_module.EmbeddedServer, "start", spy_start)
+    if failure == "handled":  # wrapped into StartupError: exit code 1
+        monkeypatch.setattr(controller_module.StateStore, "open", boom)
+    else:  # escapes start(): propagates, after cleanup
+        monkeypatch.setattr(controller_module.Policy, "restore", boom)
+    settings = ControllerSettings(addr=f"nats://127.0.0.1:{free_port()}", state_dir=tmp_path)
+    if failure == "handled":
+        assert await run_controller(settings, asyncio.Event()) == 1
+    else:
+        with pytest.raises(RuntimeError, match="simulated bug"):
+            await run_controller(settings, asyncio.Event())
+    [proc] = started
+    assert proc.poll() is not None  # type: ignore[attr-defined]
