@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest pytest-fast bench demo clean
+.PHONY: run test lint typecheck pytest pytest-fast bench bench-restart clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ pytest-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/bench_notify.py
+
+## Restart/ready side by side with torchrun (installs the CPU build of torch into .venv).
+bench-restart: $(STAMP)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) bench/bench_restart.py --trials 20
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,7 +1,8 @@
 """A real JAX training loop for Marduk's end-to-end tests and demos.
 
-A small MLP fitted to synthetic data from a fixed seed, on whatever devices jax has (CPU works;
-several CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N). It logs
+A small MLP fitted to synthetic data from a fixed seed, data parallel over every local device
+jax has (CPU works; several CPU devices with XLA_FLAGS=--xla_force_host_platform_device_count=N,
+where N divides the batch of 256). It logs
 ``step N loss X``, checkpoints every ``--ckpt-every`` steps and on SIGTERM (the grace period
 ``marduk agent run`` gives before a restart or on preemption), and resumes from the latest
 checkpoint at start, so a restarted trainer continues where it left off.
@@ -22,6 +23,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 def init_params(key: jax.Array, sizes: list[int]) -> list[tuple[jax.Array, jax.Array]]:
@@ -92,8 +95,15 @@ def main() -> int:
     y = jnp.sin(x @ jax.random.normal(kw, (8, 1)))
     params = init_params(kp, [8, 32, 1])
     start, params = restore(ckpt_dir, params)
+    # Data parallel over every local device: the batch is split along the mesh's "data" axis,
+    # the parameters are replicated; jit inserts the gradient all-reduce.
+    devices = jax.local_devices()
+    mesh = Mesh(np.array(devices), ("data",))
+    x = jax.device_put(x, NamedSharding(mesh, P("data")))
+    y = jax.device_put(y, NamedSharding(mesh, P("data")))
+    params = jax.device_put(params, NamedSharding(mesh, P()))
     print(
-        f"{who}: {len(jax.devices())} device(s) {jax.devices()[0].platform}, "
+        f"{who}: {len(devices)} device(s) {devices[0].platform}, "
         f"epoch {os.environ.get('MARDUK_EPOCH', '-')}, resuming at step {start}",
         flush=True,
     )

@@ -18,7 +18,13 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def jax_env(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
-    return {**env, "MARDUK_CKPT_DIR": str(tmp_path / "ckpt"), "JAX_PLATFORMS": "cpu"}
+    # Two CPU devices per trainer: the example runs data parallel over them.
+    return {
+        **env,
+        "MARDUK_CKPT_DIR": str(tmp_path / "ckpt"),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
 
 
 def jax_agent(env: dict[str, str], job: str, replica: str, worker: int, scope: str) -> Proc:
@@ -69,6 +75,7 @@ def losses(p: Proc) -> list[tuple[int, float]]:
 
 
 def assert_resumed(p: Proc, epoch: int) -> None:
+    assert any("2 device(s) cpu" in ln for ln in p.all)
     saved = int(p.expect("checkpointed step", timeout=60).split()[2])
     resumed = p.expect("resuming at step", timeout=120)
     assert f"epoch {epoch}" in resumed and int(resumed.split()[-1]) == saved >= 10

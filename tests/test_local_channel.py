@@ -74,6 +74,7 @@ def test_commands_reach_the_trainer_through_its_agent(controller_env: dict[str, 
         a.expect("CONNECTED epoch=0")
         status = json.loads(marduk_cli("monitor", "status", "--json", env=env).stdout)
         assert [(w["replica"], w["role"]) for w in status["workers"]] == [("r1", "supervisor")]
+        assert status["workers"][0]["status"] == "running"  # the supervisor reported
         inject(env, "d1")
         a.expect("SIGTERM command=restart epoch=1")
         a.expect("CONNECTED epoch=1")
