@@ -114,6 +114,7 @@ class Controller:
         self._warned: Counter[str] = Counter()
         self.fatal = asyncio.Event()
         self.fatal_reason = ""
+        self._stopping = False
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -188,6 +189,7 @@ class Controller:
 
     async def stop(self) -> None:
         """Stop serving, finish in-flight commits, close NATS, stop the embedded server."""
+        self._stopping = True
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
@@ -240,6 +242,8 @@ class Controller:
         raise EmbeddedServerError("the embedded nats-server exited")
 
     async def _on_disconnected(self) -> None:
+        if self._stopping:  # our own close, not a lost connection
+            return
         self.stats["nats.disconnects"] += 1
         log.warning("disconnected from NATS; reconnecting")
 

@@ -261,19 +261,21 @@ class Policy:
         else:
             self._awaiting.setdefault(ekey, set()).add(key)
         if result != "unchanged":
+            # Agents re-register every 30 s to converge; an unchanged one is neither written
+            # nor announced.
             out.put_workers.append(rec)
-        out.events.append(
-            ControllerEvent(
-                kind="registered" if result == "new" else "reregistered",
-                ts=now,
-                job=reg.job,
-                replica=reg.replica,
-                worker=reg.worker,
-                epoch=current,
-                detail=f"{reg.role} pid {reg.pid} on {reg.host or '?'}: "
-                f"{len(reg.devices)} device(s), scope {reg.scope}",
+            out.events.append(
+                ControllerEvent(
+                    kind="registered" if result == "new" else "reregistered",
+                    ts=now,
+                    job=reg.job,
+                    replica=reg.replica,
+                    worker=reg.worker,
+                    epoch=current,
+                    detail=f"{reg.role} pid {reg.pid} on {reg.host or '?'}: "
+                    f"{len(reg.devices)} device(s), scope {reg.scope}",
+                )
             )
-        )
         return Registered(out, result, current, state.command)
 
     def _check_scope(self, reg: Registration) -> None:

@@ -112,6 +112,7 @@ def test_same_process_reregistering_without_applying_stays_awaited() -> None:
     p.on_health(failed("d3", "e1"), now=1)
     out = p.register(reg("r2", ["d2", "d3"], pid=2), now=2)  # same pid/incarnation, epoch 0
     assert out.result == "unchanged" and out.epoch == 1
+    assert not out.outcome.events and not out.outcome.put_workers  # periodic resync: silent
     assert p.awaiting(EpochKey("j", "r2")) == {WorkerKey("j", "r2", 0)}
 
 
