@@ -64,6 +64,19 @@ class Command:
     def is_failure(self) -> bool:
         return self.kind in ("restart", "fail")
 
+    def to_wire(self) -> wire.Command:
+        return wire.Command(
+            command_id=self.command_id,
+            job=self.job,
+            replica=self.replica,
+            scope=self.scope,
+            kind=self.kind,
+            epoch=self.epoch,
+            reason=self.reason,
+            devices=list(self.devices),
+            issued_at=self.issued_at,
+        )
+
     @classmethod
     def from_wire(cls, c: wire.Command, received_at: float) -> Command:
         return cls(
@@ -394,6 +407,18 @@ class AsyncClient(CommandInbox):
             self._record(f"dropped an undecodable command on {msg.subject}: {e}")
             return
         self._accept(command)
+
+    async def report(self, report: wire.Report) -> wire.ReportReply:
+        """Send a supervisor's report (marduk agent run); raises MardukError if unanswered."""
+        assert self._nc is not None
+        return await bus.request(
+            self._nc,
+            self.subjects.report(self.opts.job),
+            report,
+            wire.ReportReply,
+            timeout=5.0,
+            addr=self.opts.addr,
+        )
 
     # Progress. Under ``marduk agent run`` these feed its hang detection (agent/local.py);
     # a standalone client only records them (``last_step``): nothing watches for hangs then.

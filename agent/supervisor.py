@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import enum
+import functools
 import json
 import logging
 import os
@@ -35,11 +35,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import msgspec
+
 from agent.client import AsyncClient, Command, Options
 from agent.reclaim import wait_for_release
 from agent.signatures import Diagnosis, diagnose
-from marduk import bus
 from marduk import protocol as wire
+from marduk.children import die_with_parent
 from marduk.errors import MardukError
 
 log = logging.getLogger("agent.supervisor")
@@ -88,12 +90,6 @@ class Exit:
     diagnosis: Diagnosis | None = None
 
 
-def _die_with_parent() -> None:  # in the child, between fork and exec
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)
-    os.setsid()
-
-
 def standby_command(cmd: list[str], preload: list[str]) -> list[str] | None:
     """The pre-spawn form of ``cmd`` (``python SCRIPT ...`` or ``python -m MODULE ...``), or
     None when ``cmd`` is not a plain Python trainer (then it is started directly)."""
@@ -133,7 +129,7 @@ class Supervisor:
         self.stop_signal: asyncio.Event = asyncio.Event()
         self.client: AsyncClient | None = None
         self.epoch = self.opts.epoch
-        self.incarnation = 0
+        self.incarnation = -1  # the current trainer's; the first one is 0
         self.local_restarts: deque[float] = deque()
         self.step: int | None = None
         self.step_at = 0.0
@@ -236,6 +232,7 @@ class Supervisor:
     # --- one incarnation -------------------------------------------------------------------------
 
     async def _spawn(self) -> None:
+        self.incarnation += 1
         env = self._trainer_env()
         if self.standby_cmd is None:
             self.proc = await self._exec(self.config.cmd, env, stdin=False)
@@ -258,7 +255,6 @@ class Supervisor:
             " (pre-spawned)" if self.standby_cmd else "",
         )
         await self._report("running")
-        self.incarnation += 1
 
     async def _activate_standby(self, env: dict[str, str]) -> asyncio.subprocess.Process:
         assert self.standby_cmd is not None
@@ -282,8 +278,18 @@ class Supervisor:
         assert self.standby_cmd is not None
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._first_step.wait(), 60.0)
+        # Shielded: a restart that cancels this task mid-exec must not orphan the process.
+        await asyncio.shield(self._start_standby(env))
+
+    async def _start_standby(self, env: dict[str, str]) -> None:
+        assert self.standby_cmd is not None
+        proc = await self._exec(self.standby_cmd, env, stdin=True)
         if self.standby is None:
-            self.standby = await self._exec(self.standby_cmd, env, stdin=True)
+            self.standby = proc
+        else:  # a restart started its own meanwhile
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
 
     async def _discard_standby(self) -> None:
         if self._standby_task is not None:
@@ -305,7 +311,8 @@ class Supervisor:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
-            preexec_fn=_die_with_parent,
+            start_new_session=True,  # its own process group, apart from ours and the standby's
+            preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
         )
 
     def _trainer_env(self) -> dict[str, str]:
@@ -407,17 +414,7 @@ class Supervisor:
 
     async def _forward(self, cmd: Command) -> None:
         """Tell the trainer's library (if it connected) why it is about to be stopped."""
-        wire_cmd = {
-            "command_id": cmd.command_id,
-            "job": cmd.job,
-            "replica": cmd.replica,
-            "scope": cmd.scope,
-            "kind": cmd.kind,
-            "epoch": cmd.epoch,
-            "reason": cmd.reason,
-            "devices": list(cmd.devices),
-            "issued_at": cmd.issued_at,
-        }
+        wire_cmd = msgspec.to_builtins(cmd.to_wire())
         line = json.dumps({"op": "command", "command": wire_cmd}).encode() + b"\n"
         for writer in list(self._trainers):
             with contextlib.suppress(OSError, RuntimeError):
@@ -430,7 +427,7 @@ class Supervisor:
             await asyncio.sleep(self.config.status_interval_s)
             if self.proc is not None and self.proc.returncode is None and self.step is not None:
                 age = time.monotonic() - self.step_at
-                await self._report("running", step=self.step, step_at=time.time() - age)
+                await self._report("running", step_at=time.time() - age)
 
     async def _pump(self, stream: asyncio.StreamReader | None, out: object) -> None:
         """Pass the trainer's output through line by line; keep the tail; parse steps."""
@@ -553,11 +550,9 @@ class Supervisor:
         return max([self.epoch, *epochs])
 
     async def _report(self, status: wire.ReportStatus, **fields: object) -> wire.ReportReply | None:
-        if self.client is None or self.client._nc is None:
+        if self.client is None:
             return None
         o = self.opts
-        # A first "running" report has no step: the controller tells it from progress reports.
-        fields.setdefault("step", self.step if status != "running" else None)
         report = wire.Report(
             job=o.job,
             replica=o.replica,
@@ -565,17 +560,11 @@ class Supervisor:
             status=status,
             epoch=self.epoch,
             incarnation=self.incarnation,
+            step=self.step,
             **fields,  # type: ignore[arg-type]
         )
         try:
-            return await bus.request(
-                self.client._nc,
-                self.client.subjects.report(o.job),
-                report,
-                wire.ReportReply,
-                timeout=5.0,
-                addr=o.addr,
-            )
+            return await self.client.report(report)
         except MardukError as e:
             log.warning("report %s not delivered: %s", status, e)
             return None

@@ -15,13 +15,11 @@ State directory: ``--state-dir`` or MARDUK_STATE_DIR, else ``$XDG_STATE_HOME/mar
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import ipaddress
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -33,10 +31,10 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from marduk.children import die_with_parent
 from marduk.errors import MardukError
 
 log = logging.getLogger("marduk.embedded")
-PR_SET_PDEATHSIG = 1
 
 
 class EmbeddedServerError(MardukError):
@@ -121,11 +119,6 @@ def find_binary() -> str:
     )
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
 class StateDirLock:
     """An exclusive lock on the state directory, held for the controller's lifetime."""
 
@@ -197,7 +190,7 @@ class EmbeddedServer:
             stderr=subprocess.DEVNULL,
             # Own session: a Ctrl-C in the terminal reaches the controller, which then stops us.
             start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

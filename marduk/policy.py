@@ -407,6 +407,11 @@ class Policy:
         if rec is None:
             raise PolicyError("unknown_worker", f"worker {key} is not registered; register first")
         previous = self.reports.get(key)
+        started = report.status == "running" and (
+            previous is None
+            or previous.incarnation != report.incarnation
+            or previous.status != "running"
+        )
         if previous is not None and previous.failure_class and not report.failure_class:
             # Keep the last failure's class visible in status while the trainer runs again.
             report = msgspec.structs.replace(report, failure_class=previous.failure_class)
@@ -414,7 +419,7 @@ class Policy:
         out = Outcome()
         if report.status == "running":
             out = self.ack(key, report.epoch, now)
-            if report.step is None:  # first report of an incarnation, not a progress update
+            if started:  # not a progress update of a trainer already announced
                 out.events.append(self._worker_event("trainer_started", key, report, now))
             return ReportResult(out, [])
         if report.status not in FAILURE_STATUSES:

@@ -265,3 +265,18 @@ def test_report_from_unknown_worker_is_refused_and_clean_exit_restarts_nothing()
     assert e.value.code == "unknown_worker"
     res = p.on_report(report("r1", "exited", exit_code=0), now=1)
     assert not res.outcome.commands and res.outcome.events[0].kind == "trainer_exited"
+
+
+def test_trainer_started_is_announced_once_per_incarnation() -> None:
+    p = acceptance_map()
+
+    def kinds(status: str, incarnation: int, step: int | None = None) -> list[str]:
+        r = report("r1", status, incarnation=incarnation, step=step)
+        return [e.kind for e in p.on_report(r, now=1).outcome.events]
+
+    assert kinds("running", 0) == ["trainer_started"]
+    assert kinds("running", 0, step=5) == []  # a progress report
+    assert kinds("running", 0, step=9) == []
+    assert kinds("crashed", 0, step=9)[0] == "worker_crashed"
+    assert kinds("running", 1) == ["trainer_started"]
+    assert kinds("running", 1, step=3) == []
