@@ -233,9 +233,8 @@ def watch(
     async def loop() -> None:
         seen = 0
 
-        def ready() -> None:
-            if not as_json:
-                err.print("watching controller events (Ctrl-C to stop)")
+        def ready() -> None:  # on stderr, so --json output stays pure
+            err.print("watching controller events (Ctrl-C to stop)")
 
         async for e in client.events(addr, prefix, job, timeout, on_ready=ready):
             if isinstance(e, bytes):

@@ -54,14 +54,6 @@ class Proc:
                 return line
         raise AssertionError(f"{text!r} not seen; output so far:\n{''.join(self.all)}")
 
-    def drain(self) -> list[str]:
-        out = []
-        while True:
-            try:
-                out.append(self.lines.get_nowait())
-            except queue.Empty:
-                return out
-
     @classmethod
     def reap_all(cls) -> None:
         for p in list(cls.live):
@@ -112,3 +104,8 @@ def inject(env: dict[str, str], device: str) -> str:
     r = marduk_cli("monitor", "inject-failure", device, env=env)
     assert r.returncode == 0, r.stderr
     return r.stdout
+
+
+def agent_run(env: dict[str, str], *options: str, cmd: list[str]) -> Proc:
+    """``marduk agent run OPTIONS -- CMD`` as a collected child process."""
+    return Proc([sys.executable, "-m", "marduk", "agent", "run", *options, "--", *cmd], env)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -79,7 +81,8 @@ async def test_connect_waits_for_a_controller_that_starts_late(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
     task = asyncio.create_task(agent.connect_async("r1", ["d1"], addr=nats_server.url, timeout=10))
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # the scenario: no controller yet for a while
+    assert not task.done()  # still trying, not failed
     c = Controller(controller_settings(nats_server, tmp_path))
     await c.start()
     client = await task
@@ -127,37 +130,30 @@ def test_cuda_visible_devices_uuid_passthrough(monkeypatch: pytest.MonkeyPatch) 
     assert nvml_uuid_for_ordinal(2) is None
 
 
+def uuids_in_subprocess(env: dict[str, str]) -> list[str]:
+    code = "import agent, json; print(json.dumps(agent.local_device_uuids()))"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    return json.loads(out)  # type: ignore[no-any-return]
+
+
 def test_local_device_uuids_through_jax_and_env_override() -> None:
-    code = "import agent, json, sys; print(json.dumps(agent.local_device_uuids()))"
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=3",
         "JAX_PLATFORMS": "cpu",
     }
     env.pop("MARDUK_DEVICES", None)
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    import json
-    import socket
-
     host = socket.gethostname()
-    assert json.loads(out) == [f"{host}:cpu:{i}" for i in range(3)]
+    assert uuids_in_subprocess(env) == [f"{host}:cpu:{i}" for i in range(3)]
     env["MARDUK_DEVICES"] = "GPU-x, GPU-y"
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    assert json.loads(out) == ["GPU-x", "GPU-y"]
+    assert uuids_in_subprocess(env) == ["GPU-x", "GPU-y"]
 
 
 def test_library_imports_without_jax_controller_or_cli() -> None:

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import re
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.processes import Proc, controller, inject
+from tests.processes import Proc, agent_run, controller, inject
 
 pytestmark = pytest.mark.e2e
 
@@ -28,30 +27,12 @@ def jax_env(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
 
 
 def jax_agent(env: dict[str, str], job: str, replica: str, worker: int, scope: str) -> Proc:
-    return Proc(
-        [
-            sys.executable,
-            "-m",
-            "marduk",
-            "agent",
-            "run",
-            "--job",
-            job,
-            "--replica",
-            replica,
-            "--worker",
-            str(worker),
-            "--scope",
-            scope,
-            "--devices",
-            f"{job}-{replica}-d{worker}",
-            "--grace",
-            "10",
-            "--startup-timeout",
-            "180",
-            "--preload",
-            "none",
-            "--",
+    return agent_run(
+        env,
+        *("--job", job, "--replica", replica, "--worker", str(worker), "--scope", scope),
+        *("--devices", f"{job}-{replica}-d{worker}", "--grace", "10"),
+        *("--startup-timeout", "180", "--preload", "none"),
+        cmd=[
             sys.executable,
             "examples/jax_trainer.py",
             "--steps",
@@ -61,7 +42,6 @@ def jax_agent(env: dict[str, str], job: str, replica: str, worker: int, scope: s
             "--step-seconds",
             "0.05",
         ],
-        env,
     )
 
 
@@ -72,6 +52,11 @@ def losses(p: Proc) -> list[tuple[int, float]]:
         if m:
             out.append((int(m.group(1)), float(m.group(2))))
     return out
+
+
+def advance(p: Proc, steps: int) -> None:
+    """Wait until ``p`` has trained ``steps`` more steps than it has so far."""
+    p.expect(f"step {losses(p)[-1][0] + steps} loss", timeout=120)
 
 
 def assert_resumed(p: Proc, epoch: int) -> None:
@@ -95,10 +80,10 @@ def test_replica_scope_restarts_exactly_the_failed_replica(jax_env: dict[str, st
         inject(env, "rep-r1-d1")  # a device of r1's worker 1: both workers of r1 restart
         assert_resumed(agents[("r1", 0)], epoch=1)
         assert_resumed(agents[("r1", 1)], epoch=1)
-        time.sleep(1)
         for w in (0, 1):
             r2 = agents[("r2", w)]
-            assert sum("resuming at step" in ln for ln in r2.all) == 1  # never restarted
+            advance(r2, 10)  # r2 kept training through all of it...
+            assert sum("resuming at step" in ln for ln in r2.all) == 1  # ...never restarted
     finally:
         for a in agents.values():
             a.stop()
@@ -115,7 +100,8 @@ def test_job_scope_restarts_all_four_once(jax_env: dict[str, str]) -> None:
         inject(env, "mesh-r2-d0")
         for a in agents:
             assert_resumed(a, epoch=1)
-        time.sleep(1)
+        for a in agents:
+            advance(a, 10)  # a window for any second restart to show
         assert [sum("resuming at step" in ln for ln in a.all) for a in agents] == [2, 2, 2, 2]
     finally:
         for a in agents:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from agent.supervisor import ExitCode
-from tests.conftest import NatsServer, free_port
-from tests.processes import Proc, controller, inject
+from tests.conftest import NatsServer
+from tests.processes import Proc, agent_run, controller, inject
 
 pytestmark = pytest.mark.e2e
 TOY = [sys.executable, "tests/trainers/toy.py"]
@@ -24,29 +24,11 @@ def agent(
     worker: int = 0,
     extra: tuple[str, ...] = (),
 ) -> Proc:
-    return Proc(
-        [
-            sys.executable,
-            "-m",
-            "marduk",
-            "agent",
-            "run",
-            "--replica",
-            replica,
-            "--worker",
-            str(worker),
-            "--devices",
-            devices,
-            "--grace",
-            "5",
-            "--preload",
-            "none",
-            *extra,
-            "--",
-            *TOY,
-            *trainer,
-        ],
+    return agent_run(
         env,
+        *("--replica", replica, "--worker", str(worker), "--devices", devices),
+        *("--grace", "5", "--preload", "none", *extra),
+        cmd=[*TOY, *trainer],
     )
 
 
@@ -140,23 +122,10 @@ def test_sigterm_is_forwarded_and_reported_as_preemption(controller_env: dict[st
 def test_unreachable_controller_is_a_setup_error(tmp_path: Path) -> None:
     server = NatsServer(tmp_path / "js").start()
     try:
-        a = Proc(
-            [
-                sys.executable,
-                "-m",
-                "marduk",
-                "agent",
-                "run",
-                "--replica",
-                "r1",
-                "--devices",
-                "d1",
-                "--connect-timeout",
-                "1",
-                "--",
-                *TOY,
-            ],
+        a = agent_run(
             {"MARDUK_ADDR": server.url},
+            *("--replica", "r1", "--devices", "d1", "--connect-timeout", "1"),
+            cmd=TOY,
         )
         assert a.proc.wait(30) == ExitCode.SETUP
         assert any("cannot register" in line for line in a.all)
@@ -165,73 +134,30 @@ def test_unreachable_controller_is_a_setup_error(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_fail_command_makes_the_agent_exit_for_pod_replacement(tmp_path: Path) -> None:
-    env = {
-        "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
-        "MARDUK_STATE_DIR": str(tmp_path / "state"),
-        "MARDUK_DEVICE_MAX_FAILURES": "0",
-    }
-    ctl = controller(env)
-    try:
-        a = agent(env, "r1", "d1")
-        a.expect("step 2")
-        inject(env, "d1")
-        assert a.proc.wait(20) == ExitCode.DEVICE_FAILED
-        assert any("fail command" in line for line in a.all)
-    finally:
-        ctl.stop()
+def test_fail_command_makes_the_agent_exit_for_pod_replacement(env: dict[str, str]) -> None:
+    env["MARDUK_DEVICE_MAX_FAILURES"] = "0"  # the first failure of a device escalates
+    controller(env)
+    a = agent(env, "r1", "d1")
+    a.expect("step 2")
+    inject(env, "d1")
+    assert a.proc.wait(20) == ExitCode.DEVICE_FAILED
+    assert any("fail command" in line for line in a.all)
 
 
 def test_prespawned_trainer_has_its_modules_imported_before_it_runs(
-    controller_env: dict[str, str],
+    controller_env: dict[str, str], tmp_path: Path
 ) -> None:
-    env = controller_env
     """The standby imports --preload while it waits; the trainer finds it in sys.modules."""
+    env = controller_env
     probe = "import sys; print('PRELOADED', 'email.mime.text' in sys.modules)"
+    preload = ("--devices", "d1", "--preload", "email.mime.text")
     # `python -c` cannot be pre-spawned: it runs directly, nothing preloaded.
-    a = Proc(
-        [
-            sys.executable,
-            "-m",
-            "marduk",
-            "agent",
-            "run",
-            "--replica",
-            "r1",
-            "--devices",
-            "d1",
-            "--preload",
-            "email.mime.text",
-            "--",
-            sys.executable,
-            "-c",
-            probe,
-        ],
-        env,
-    )
+    a = agent_run(env, "--replica", "r1", *preload, cmd=[sys.executable, "-c", probe])
     a.expect("PRELOADED False")
     assert a.proc.wait(20) == ExitCode.OK
-    script = Path(env["MARDUK_STATE_DIR"]).parent / "probe.py"
+    script = tmp_path / "probe.py"
     script.write_text(probe + "\n")
-    b = Proc(
-        [
-            sys.executable,
-            "-m",
-            "marduk",
-            "agent",
-            "run",
-            "--replica",
-            "r2",
-            "--devices",
-            "d2",
-            "--preload",
-            "email.mime.text",
-            "--",
-            sys.executable,
-            str(script),
-        ],
-        env,
-    )
+    b = agent_run(env, "--replica", "r2", *preload, cmd=[sys.executable, str(script)])
     b.expect("(pre-spawned)")
     b.expect("PRELOADED True")
     assert b.proc.wait(20) == ExitCode.OK
