@@ -98,6 +98,9 @@ class RegisterReply(Message, tag="register_reply", kw_only=True):
     # an agent that missed a command converges by comparing this with what it applied.
     epoch: NonNegInt
     command: Command | None = None
+    # Seconds between renewals (re-registrations) the controller expects; a worker silent for
+    # three of them is shown ``stale``. 0: the agent keeps its own default.
+    renew_interval: float = 0.0
 
 
 class Deregistration(Message, tag="deregister", kw_only=True):
@@ -212,10 +215,22 @@ class ControllerEvent(Message, tag="event", kw_only=True):
 
 
 class Hello(Message, tag="hello", kw_only=True):
-    """Published by a controller when it starts: agents re-register (level-triggered resync)."""
+    """Published by a controller when it starts serving (as leader): agents re-register."""
 
     controller_id: ShortText
     started_at: float
+
+
+class Forget(Message, tag="forget", kw_only=True):
+    """An operator removes a job, a replica or one worker from the map (``marduk monitor forget``)."""
+
+    job: Token
+    replica: Token | None = None
+    worker: NonNegInt | None = None
+
+
+class ForgetReply(Message, tag="forget_reply", kw_only=True):
+    removed: list[str] = []  # "job/replica/worker" of every worker removed
 
 
 # --- queries -----------------------------------------------------------------------------------
@@ -226,11 +241,17 @@ class Query(Message, tag="query", kw_only=True):
     job: Token | None = None
 
 
+WorkerState = Literal["live", "stale"]
+
+
 class WorkerInfo(msgspec.Struct, kw_only=True):
     job: str
     replica: str
     worker: int
     host: str
+    # live: renewed within the worker TTL; stale: silent longer (holds no restart pending).
+    state: WorkerState = "live"
+    last_seen: float = 0.0
     devices: list[str]
     scope: Scope
     role: Role
@@ -256,16 +277,30 @@ class DeviceInfo(msgspec.Struct, kw_only=True):
     replicas: list[str] = []  # "job/replica"
 
 
+ControllerRole = Literal["leader", "standby"]
+
+
 class ControllerInfo(msgspec.Struct, kw_only=True):
     controller_id: str
     version: str
     pid: int
     started_at: float
     prefix: str
+    host: str = ""
+    role: ControllerRole = "leader"
+    # Leadership term: +1 each time a controller takes the lease.
+    term: int = 0
+
+
+class Standby(Message, tag="standby", kw_only=True):
+    """A hot standby controller announces itself (about once a second) to the leader."""
+
+    controller: ControllerInfo
 
 
 class QueryReply(Message, tag="query_reply", kw_only=True):
-    controller: ControllerInfo
+    controller: ControllerInfo  # the leader that answered
+    standbys: list[ControllerInfo] = []
     workers: list[WorkerInfo] = []
     devices: list[DeviceInfo] = []
     stats: dict[str, int] = {}

@@ -2,9 +2,12 @@
 
 Layout (prefix ``marduk`` by default)::
 
-    marduk.health                          device health events (any monitor; job-agnostic)
+    marduk.health                          device health events (any monitor; job-agnostic),
+                                           captured by the JetStream stream ``<PREFIX>_health``
     marduk.ctl.query                       request/reply: map, replicas, devices, stats
-    marduk.ctl.hello                       the controller announces a (re)start; agents re-register
+    marduk.ctl.forget                      request/reply: an operator removes workers
+    marduk.ctl.hello                       a controller starts serving; agents re-register
+    marduk.ctl.standby                     hot standby controllers announce themselves
     marduk.ctl.events                      controller events that belong to no job
     marduk.<job>.register                  request/reply: agent registration
     marduk.<job>.deregister                request/reply: agent deregistration
@@ -24,6 +27,9 @@ import re
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "marduk"
+# A monitor that wants the controller's decision about a durably published health event names a
+# subject in this header; the controller publishes the HealthReply there once it has committed.
+REPLY_HEADER = "Marduk-Reply-To"
 
 # Tokens that appear in subjects: no dots, no wildcards, no whitespace.
 TOKEN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
@@ -77,8 +83,16 @@ class Subjects:
         return f"{self.prefix}.ctl.query"
 
     @property
+    def forget(self) -> str:
+        return f"{self.prefix}.ctl.forget"
+
+    @property
     def hello(self) -> str:
         return f"{self.prefix}.ctl.hello"
+
+    @property
+    def standby(self) -> str:
+        return f"{self.prefix}.ctl.standby"
 
     @property
     def ctl_events(self) -> str:
