@@ -10,6 +10,17 @@ records the command that did it. While the workers of a scope have not confirmed
 *coalesced* into the restart already in flight, so a storm of events yields one command per
 scope. A restart unconfirmed after ``pending_timeout_s`` no longer holds events back.
 
+Delivery (issue 6). A failure that joins a restart in flight is still told to every scope it
+touches: the command in flight is sent again with the device merged into it (same epoch, so an
+agent acts once). Commands of scopes still awaiting confirmation are resent by ``tick`` about
+once a second, so a worker that missed one (dropped message, failover) has it soon after it can
+receive again. Epochs of a scope are kept when its workers leave: they never go backwards.
+
+Liveness. Workers renew their registration every ``renew_interval`` (told in the reply); one
+silent for ``worker_ttl_s`` is ``stale`` (it no longer holds a restart pending) and is removed
+after ``worker_expiry_s``. Devices no worker uses are forgotten. A second live process claiming a
+worker identity is refused (``duplicate_worker``).
+
 Escalation (decision 6). Each device has a failure budget: past ``device_max_failures`` restarts
 caused by one device within ``device_failure_window_s``, the replicas get ``fail`` instead of
 ``restart``: restarting on that device does not help; the pod should go back to the scheduler.
@@ -19,6 +30,7 @@ A ``healthy`` event for the device clears its history.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -68,6 +80,17 @@ class PolicyConfig:
     """How many recent event ids are remembered to drop repeated events."""
     epoch_block: int = 100
     """Epochs reserved per write-ahead (see ``EpochRecord.ceiling``)."""
+    worker_ttl_s: float = 15.0
+    """A worker that has not renewed its registration for this long is ``stale``."""
+    worker_expiry_s: float = 600.0
+    """A worker silent for this long is removed from the map (with a ``worker_expired`` event)."""
+    resend_interval_s: float = 1.0
+    """Commands of scopes whose live workers have not all confirmed are resent this often."""
+
+    @property
+    def renew_interval_s(self) -> float:
+        """How often agents renew: three renewals fit in one TTL, so one lost one is harmless."""
+        return self.worker_ttl_s / 3
 
 
 class EpochKey(NamedTuple):
@@ -127,6 +150,15 @@ class Outcome:
     put_epochs: list[EpochRecord] = field(default_factory=list)
     deleted_epochs: list[EpochKey] = field(default_factory=list)
     put_devices: list[DeviceRecord] = field(default_factory=list)
+    deleted_devices: list[str] = field(default_factory=list)
+    # Health events handled (for dedup across restarts); persisted after the commands go out.
+    handled: list[HealthReply] = field(default_factory=list)
+    # Commands sent again (same epoch): a merged device, or a worker that has not confirmed.
+    resent: list[Command] = field(default_factory=list)
+
+    def merge(self, other: Outcome) -> None:
+        for name in self.__slots__:
+            getattr(self, name).extend(getattr(other, name))
 
 
 @dataclass(slots=True)
@@ -135,6 +167,7 @@ class Registered:
     result: str  # "new" | "updated" | "unchanged"
     epoch: int
     command: Command | None
+    renew_interval: float = 0.0
 
 
 @dataclass(slots=True)
@@ -177,6 +210,10 @@ class Policy:
         # The latest report of each worker (status, step, failure): shown, not persisted.
         self.reports: dict[WorkerKey, Report] = {}
         self._recent_events: OrderedDict[str, HealthReply] = OrderedDict()
+        # Liveness: when each worker was last heard from (registration, renewal, ack, report).
+        self.last_seen: dict[WorkerKey, float] = {}
+        self.stale: set[WorkerKey] = set()
+        self._last_sent: dict[EpochKey, float] = {}
 
     # --- restore ---------------------------------------------------------------------------------
 
@@ -187,8 +224,14 @@ class Policy:
         workers: list[WorkerRecord],
         epochs: list[EpochRecord],
         devices: list[DeviceRecord],
+        handled: Iterable[HealthReply] = (),
+        now: float = 0.0,
     ) -> Policy:
+        """Rebuild from persisted records. Every worker counts as seen at ``now``: renewals are
+        not written, so a restored controller gives each one a full TTL to renew."""
         policy = cls(config)
+        for reply in handled:
+            policy._remember(reply)
         for epoch in epochs:
             ekey = EpochKey(epoch.job, epoch.replica)
             policy.epochs[ekey] = epoch
@@ -199,6 +242,7 @@ class Policy:
         for rec in workers:
             key = worker_key(rec.registration)
             policy.workers[key] = rec
+            policy.last_seen[key] = now
             policy._job_workers.setdefault(key.job, set()).add(key)
             policy.drmap.set_worker(key, rec.registration.devices)
             ekey = policy._epoch_key(key)
@@ -214,6 +258,11 @@ class Policy:
         self._check_scope(reg)
         out = Outcome()
         old = self.workers.get(key)
+        if old is not None:
+            self._check_duplicate(key, old, reg, now)
+        was_stale = key in self.stale
+        self.last_seen[key] = now
+        self.stale.discard(key)
         fresh_process = old is None or (
             old.registration.pid,
             old.registration.incarnation,
@@ -255,7 +304,8 @@ class Policy:
         )
         self.workers[key] = rec
         self._job_workers.setdefault(key.job, set()).add(key)
-        self.drmap.set_worker(key, reg.devices)
+        dropped = self.drmap.set_worker(key, reg.devices)
+        self._forget_unused(dropped, out)
         if applied >= current:
             self._confirm(ekey, key)
         else:
@@ -276,7 +326,39 @@ class Policy:
                     f"{len(reg.devices)} device(s), scope {reg.scope}",
                 )
             )
-        return Registered(out, result, current, state.command)
+        elif was_stale:
+            out.events.append(
+                ControllerEvent(
+                    kind="worker_live",
+                    ts=now,
+                    job=reg.job,
+                    replica=reg.replica,
+                    worker=reg.worker,
+                    detail="renewed again after being stale",
+                )
+            )
+        return Registered(out, result, current, state.command, self.config.renew_interval_s)
+
+    def _check_duplicate(
+        self, key: WorkerKey, old: WorkerRecord, reg: Registration, now: float
+    ) -> None:
+        """Refuse a second live process claiming a worker identity another live process holds.
+
+        The same (host, pid) is the same process; a higher incarnation is a supervisor's next
+        trainer. A holder silent for the worker TTL is presumed dead and may be replaced.
+        """
+        prev = old.registration
+        if (prev.host, prev.pid) == (reg.host, reg.pid) or reg.incarnation > prev.incarnation:
+            return
+        if key in self.stale or now - self.last_seen.get(key, 0.0) >= self.config.worker_ttl_s:
+            return
+        raise PolicyError(
+            "duplicate_worker",
+            f"worker {key} is held by pid {prev.pid} on {prev.host or '?'}, which renewed "
+            f"{now - self.last_seen.get(key, now):.0f}s ago; pid {reg.pid} on {reg.host or '?'} "
+            f"may take it over once that one deregisters or is silent for "
+            f"{self.config.worker_ttl_s:g}s",
+        )
 
     def _check_scope(self, reg: Registration) -> None:
         for key in self._job_workers.get(reg.job, ()):
@@ -293,21 +375,8 @@ class Policy:
 
     def deregister(self, key: WorkerKey, reason: str, now: float) -> tuple[Outcome, bool]:
         out = Outcome()
-        rec = self.workers.pop(key, None)
-        if rec is None:
+        if not self._remove_worker(key, out):
             return out, False
-        self.drmap.remove_worker(key)
-        job_workers = self._job_workers[key.job]
-        job_workers.discard(key)
-        if not job_workers:
-            del self._job_workers[key.job]
-        out.deleted_workers.append(key)
-        ekey = self._epoch_key_of(rec)
-        self._confirm(ekey, key)
-        # Nobody left in this restart scope: a fresh process adopts epoch 0 again.
-        if not self._scope_workers(ekey) and self.epochs.pop(ekey, None) is not None:
-            self._floor.pop(ekey, None)
-            out.deleted_epochs.append(ekey)
         out.events.append(
             ControllerEvent(
                 kind="deregistered",
@@ -320,9 +389,57 @@ class Policy:
         )
         return out, True
 
+    def _remove_worker(self, key: WorkerKey, out: Outcome) -> bool:
+        rec = self.workers.pop(key, None)
+        if rec is None:
+            return False
+        self._forget_unused(self.drmap.remove_worker(key), out)
+        job_workers = self._job_workers[key.job]
+        job_workers.discard(key)
+        if not job_workers:
+            del self._job_workers[key.job]
+        self.last_seen.pop(key, None)
+        self.stale.discard(key)
+        self.reports.pop(key, None)
+        out.deleted_workers.append(key)
+        self._confirm(self._epoch_key_of(rec), key)
+        # The scope's epoch record stays, even with nobody left in it: a replica id that comes
+        # back continues above every epoch its agents may have seen (epochs never go backwards).
+        return True
+
+    def _forget_unused(self, devices: frozenset[str], out: Outcome) -> None:
+        """Devices no worker uses any more are forgotten (state, failure history)."""
+        for device in devices:
+            if not self.drmap.has_device(device) and self.devices.pop(device, None) is not None:
+                out.deleted_devices.append(device)
+
+    def forget(self, job: str, replica: str | None, worker: int | None, now: float) -> Outcome:
+        """An operator removes a job, a replica or one worker (``marduk monitor forget``)."""
+        out = Outcome()
+        keys = sorted(
+            k
+            for k in self._job_workers.get(job, ())
+            if (replica is None or k.replica == replica) and (worker is None or k.worker == worker)
+        )
+        for key in keys:
+            self._remove_worker(key, out)
+            out.events.append(
+                ControllerEvent(
+                    kind="forgotten",
+                    ts=now,
+                    job=key.job,
+                    replica=key.replica,
+                    worker=key.worker,
+                    detail="removed by an operator",
+                )
+            )
+        return out
+
     def ack(self, key: WorkerKey, epoch: int, now: float) -> Outcome:
         out = Outcome()
         rec = self.workers.get(key)
+        if rec is not None:
+            self._seen(key, now)
         if rec is None or epoch <= rec.applied_epoch:
             return out
         rec.applied_epoch = epoch
@@ -335,6 +452,10 @@ class Policy:
         if state is not None and epoch >= state.epoch:
             self._confirm(ekey, key)
         return out
+
+    def _seen(self, key: WorkerKey, now: float) -> None:
+        self.last_seen[key] = now
+        # A stale worker heard from again becomes live at its next renewal (which answers it).
 
     def _confirm(self, ekey: EpochKey, key: WorkerKey) -> None:
         waiting = self._awaiting.get(ekey)
@@ -354,7 +475,7 @@ class Policy:
 
         out = Outcome()
         workers = self.drmap.workers_for_device(event.device)
-        known = bool(workers) or event.device in self.devices
+        known = bool(workers)
         reply = HealthReply(
             event_id=event.event_id, device=event.device, state=event.state, known=known
         )
@@ -369,6 +490,7 @@ class Policy:
                 )
             )
             self._remember(reply)
+            out.handled.append(reply)
             return HealthResult(out, reply)
 
         device = self.devices.get(event.device) or DeviceRecord(device=event.device)
@@ -396,6 +518,7 @@ class Policy:
             )
         out.put_devices.append(device)
         self._remember(reply)
+        out.handled.append(reply)
         return HealthResult(out, reply)
 
     # --- agent reports ---------------------------------------------------------------------------
@@ -406,6 +529,7 @@ class Policy:
         rec = self.workers.get(key)
         if rec is None:
             raise PolicyError("unknown_worker", f"worker {key} is not registered; register first")
+        self._seen(key, now)
         previous = self.reports.get(key)
         started = report.status == "running" and (
             previous is None
@@ -510,6 +634,7 @@ class Policy:
             if ekey not in fresh:
                 state = self.epochs[ekey]
                 assert state.command is not None
+                self._merge_device(ekey, state, event.device, reason, now, out)
                 reply.actions.append(
                     Action(
                         job=ekey.job,
@@ -527,7 +652,8 @@ class Policy:
                         replica=ekey.replica,
                         device=event.device,
                         epoch=state.epoch,
-                        detail=f"restart at epoch {state.epoch} already in flight",
+                        detail=f"{state.command.kind} at epoch {state.epoch} already in flight; "
+                        f"devices {', '.join(state.command.devices) or '-'}",
                     )
                 )
                 continue
@@ -547,6 +673,29 @@ class Policy:
                     detail=reason + f" (affects {', '.join(str(w) for w in affected)})",
                 )
             )
+
+    def _merge_device(
+        self, ekey: EpochKey, state: EpochRecord, device: str, reason: str, now: float, out: Outcome
+    ) -> None:
+        """A failure joins the restart in flight: send it again with the device merged in.
+
+        Same epoch (agents act once per epoch), so the scope hears of every failed device
+        without a second restart; repeats of a device already listed send nothing.
+        """
+        command = state.command
+        assert command is not None
+        if device in command.devices:
+            return
+        merged = msgspec.structs.replace(
+            command,
+            devices=[*command.devices, device],
+            reason=(command.reason + "; " + reason)[:4000],
+        )
+        state.command = merged
+        out.resent.append(merged)
+        self._last_sent[ekey] = now
+        if state not in out.write_ahead and state not in out.put_epochs:
+            out.put_epochs.append(state)
 
     def _issue(
         self,
@@ -577,7 +726,8 @@ class Policy:
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
         self.epochs[ekey] = state
-        self._awaiting[ekey] = set(self._scope_workers(ekey))
+        self._awaiting[ekey] = {w for w in self._scope_workers(ekey) if w not in self.stale}
+        self._last_sent[ekey] = now
         out.commands.append(command)
         if state not in out.write_ahead:
             out.put_epochs.append(state)
@@ -588,6 +738,49 @@ class Policy:
         if state is None or not self._awaiting.get(ekey):
             return False
         return now - state.issued_at < self.config.pending_timeout_s
+
+    # --- time ------------------------------------------------------------------------------------
+
+    def tick(self, now: float) -> Outcome:
+        """Time passes: silent workers go stale, then expire; unconfirmed commands are resent."""
+        out = Outcome()
+        ttl, expiry = self.config.worker_ttl_s, self.config.worker_expiry_s
+        for key, seen in list(self.last_seen.items()):
+            silent = now - seen
+            if silent >= expiry:
+                self._remove_worker(key, out)
+                out.events.append(
+                    ControllerEvent(
+                        kind="worker_expired",
+                        ts=now,
+                        job=key.job,
+                        replica=key.replica,
+                        worker=key.worker,
+                        detail=f"silent for {silent:.0f}s; removed from the map",
+                    )
+                )
+            elif silent >= ttl and key not in self.stale:
+                self.stale.add(key)
+                # A silent worker must not hold a restart of its scope pending.
+                self._confirm(self._epoch_key(key), key)
+                out.events.append(
+                    ControllerEvent(
+                        kind="worker_stale",
+                        ts=now,
+                        job=key.job,
+                        replica=key.replica,
+                        worker=key.worker,
+                        detail=f"no renewal for {silent:.0f}s (TTL {ttl:g}s)",
+                    )
+                )
+        for ekey in list(self._awaiting):
+            state = self.epochs.get(ekey)
+            if state is None or state.command is None or not self._pending(ekey, now):
+                continue
+            if now - self._last_sent.get(ekey, 0.0) >= self.config.resend_interval_s:
+                out.resent.append(state.command)
+                self._last_sent[ekey] = now
+        return out
 
     def _remember(self, reply: HealthReply) -> None:
         self._recent_events[reply.event_id] = reply
@@ -635,6 +828,8 @@ class Policy:
                     replica=reg.replica,
                     worker=reg.worker,
                     host=reg.host,
+                    state="stale" if key in self.stale else "live",
+                    last_seen=self.last_seen.get(key, 0.0),
                     devices=sorted(reg.devices),
                     scope=reg.scope,
                     role=reg.role,

@@ -167,14 +167,21 @@ def test_device_budget_escalates_to_fail_and_healthy_resets() -> None:
     assert p.on_health(failed("d1", "e9"), now=60).outcome.commands[0].kind == "restart"
 
 
-def test_deregister_removes_and_drops_epoch_when_scope_empty() -> None:
+def test_deregister_keeps_the_epoch_and_forgets_unused_devices() -> None:
     p = acceptance_map()
     p.on_health(failed("d3", "e1"), now=1)
     out, known = p.deregister(WorkerKey("j", "r2", 0), "done", now=2)
-    assert known and out.deleted_epochs == [EpochKey("j", "r2")]
-    assert p.on_health(failed("d3", "e2"), now=3).reply.known is True  # device state remembered
-    assert not p.on_health(failed("d3", "e3"), now=3).outcome.commands
+    assert known and out.deleted_workers == [WorkerKey("j", "r2", 0)]
+    # Epochs never go backwards for a replica id, even with nobody left in its scope.
+    assert not out.deleted_epochs and p.epoch_of(EpochKey("j", "r2")) == 1
+    # d3 was used by r2 only: forgotten (state and failure history); d2 is still r1's.
+    assert out.deleted_devices == ["d3"] and "d3" not in p.devices
+    r = p.on_health(failed("d3", "e2"), now=3)
+    assert not r.reply.known and not r.outcome.commands and "d3" not in p.devices
     assert p.deregister(WorkerKey("j", "r2", 0), "again", now=4) == (out.__class__(), False)
+    # The replica id comes back: its next restart is above every epoch it ever had.
+    p.register(reg("r2", ["d3"], pid=9), now=5)
+    assert p.on_health(failed("d3", "e3"), now=6).outcome.commands[0].epoch == 2
 
 
 def test_restore_rebuilds_map_epochs_and_awaiting() -> None:
