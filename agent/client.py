@@ -5,11 +5,16 @@
 loop after ``connect`` has returned: a lost connection is retried in the background (visible as
 ``state``), bad messages are counted and recorded in ``errors``, and every wait has a timeout.
 
-Commands are fenced by epochs: a command whose epoch is not above the last one received is
-stale or a duplicate, and is dropped (``stats["dropped_stale"]``). After a reconnect, and
-whenever a controller announces it (re)started, the client registers again; the reply carries
-the current epoch and the command that set it, so a command missed while disconnected is
-delivered then (level-triggered).
+Commands are fenced by epochs: a command whose epoch is below the last one received is stale,
+and one at that epoch that says nothing new is a duplicate (the controller resends commands
+until they are confirmed); both are dropped (``stats["dropped_stale"]``). A command at the same
+epoch with more devices is an update — another device failed and joined the restart in flight —
+and is delivered again (``stats["updates"]``): act on each epoch once, read its devices.
+
+After a reconnect, whenever a controller announces it took over, and every renewal interval
+(the controller says how often), the client registers again; the reply carries the current
+epoch and the command that set it, so a command missed while disconnected is delivered then
+(level-triggered).
 """
 
 from __future__ import annotations
@@ -184,6 +189,7 @@ class CommandInbox:
         self._deliver = deliver
         self._queue: asyncio.Queue[Command] = asyncio.Queue()
         self._received_epoch = opts.epoch
+        self._received_devices: set[str] = set()  # of the command at _received_epoch
         self._pending_failure: Command | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.last_step: int | None = None
@@ -199,13 +205,19 @@ class CommandInbox:
         log.warning("%s", message)
 
     def _accept(self, c: wire.Command) -> None:
-        if c.epoch <= self._received_epoch:
+        update = c.epoch == self._received_epoch and not set(c.devices) <= self._received_devices
+        if c.epoch < self._received_epoch or (c.epoch == self._received_epoch and not update):
             self.stats["dropped_stale"] += 1
             return
-        self._received_epoch = c.epoch
+        if update:
+            self._received_devices |= set(c.devices)
+            self.stats["updates"] += 1
+        else:
+            self._received_epoch, self._received_devices = c.epoch, set(c.devices)
+            self.stats[f"commands.{c.kind}"] += 1
         command = Command.from_wire(c, time.time())
-        self.stats[f"commands.{c.kind}"] += 1
-        if command.is_failure:
+        pending = self._pending_failure
+        if command.is_failure and (not update or pending is None or pending.epoch == c.epoch):
             self._pending_failure = command
         if self._deliver is not None:
             self._deliver(command)
@@ -270,6 +282,7 @@ class AsyncClient(CommandInbox):
         self._acked_epoch = opts.epoch
         self._register_lock = asyncio.Lock()
         self._registered_once = False
+        self.renew_interval = opts.resync_interval
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -353,12 +366,17 @@ class AsyncClient(CommandInbox):
                     )
                     break
                 except MardukError as e:
-                    # A controller restarting answers nothing for a moment; retry till the end.
+                    # A controller restarting or failing over answers nothing for a moment, and
+                    # an identity held by a dead process frees itself after the worker TTL:
+                    # retry both till the end. Other refusals are final.
                     out_of_time = time.monotonic() + 0.2 >= deadline
-                    if not retry or out_of_time or isinstance(e, RequestRejected):
+                    final = isinstance(e, RequestRejected) and e.code != "duplicate_worker"
+                    if not retry or out_of_time or final:
                         raise
-                    await asyncio.sleep(0.2)
+                    await asyncio.sleep(0.2 if not isinstance(e, RequestRejected) else 1.0)
         self.stats["registrations"] += 1
+        if reply.renew_interval > 0:
+            self.renew_interval = reply.renew_interval
         first = not self._registered_once
         self._registered_once = True
         if self.state != "closed":
@@ -366,7 +384,16 @@ class AsyncClient(CommandInbox):
         if first and o.epoch == 0:
             # A fresh process starts after every restart commanded so far.
             self._received_epoch = self._acked_epoch = max(self._acked_epoch, reply.epoch)
-        elif reply.command is not None and reply.command.epoch > self._received_epoch:
+            if reply.command is not None and reply.command.epoch == self._received_epoch:
+                # Resends of that command (to workers yet to confirm) are not news to us.
+                self._received_devices = set(reply.command.devices)
+        elif reply.command is not None and (
+            reply.command.epoch > self._received_epoch
+            or (
+                reply.command.epoch == self._received_epoch
+                and not set(reply.command.devices) <= self._received_devices
+            )
+        ):
             self.stats["converged"] += 1
             self._accept(reply.command)
         else:
@@ -392,8 +419,9 @@ class AsyncClient(CommandInbox):
             self._spawn(self.reregister())
 
     async def _resync_loop(self) -> None:
+        # Renewals keep this worker live in the controller's eyes (and converge it).
         while True:
-            await asyncio.sleep(self.opts.resync_interval)
+            await asyncio.sleep(self.renew_interval)
             if self._nc is not None and self._nc.is_connected:
                 await self.reregister()
 

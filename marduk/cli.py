@@ -50,7 +50,7 @@ def controller(
             "--kv-replicas",
             envvar="MARDUK_KV_REPLICAS",
             min=1,
-            help="Replicas of the JetStream state bucket (3 on a NATS cluster).",
+            help="Replicas of the JetStream buckets and health stream (3 on a NATS cluster).",
         ),
     ] = 1,
     pending_timeout: Annotated[
@@ -89,13 +89,43 @@ def controller(
             help="Seconds of the device failure budget's window.",
         ),
     ] = 3600.0,
+    lease_ttl: Annotated[
+        float,
+        typer.Option(
+            "--lease-ttl",
+            envvar="MARDUK_LEASE_TTL",
+            min=0.5,
+            help="Seconds the leader's lease lasts unrenewed: a standby takes over after that, "
+            "and a leader that cannot renew stops serving after 3/4 of it.",
+        ),
+    ] = 2.0,
+    worker_ttl: Annotated[
+        float,
+        typer.Option(
+            "--worker-ttl",
+            envvar="MARDUK_WORKER_TTL",
+            min=1.0,
+            help="A worker that has not renewed its registration for this long is shown stale "
+            "(agents are told to renew every third of it).",
+        ),
+    ] = 15.0,
+    worker_expiry: Annotated[
+        float,
+        typer.Option(
+            "--worker-expiry",
+            envvar="MARDUK_WORKER_EXPIRY",
+            min=1.0,
+            help="A worker silent this long is removed from the map.",
+        ),
+    ] = 600.0,
     json_logs: options.JsonLogs = False,
     log_level: options.LogLevel = "info",
 ) -> None:
     """Run the controller: keep the device<->replica map and send targeted restarts.
 
     Starts an embedded nats-server (JetStream) when nothing listens at a local --addr.
-    Stops cleanly on SIGINT/SIGTERM.
+    Several controllers may run against one NATS: one leads (holds the lease), the others are
+    hot standbys that take over when it dies. Stops cleanly on SIGINT/SIGTERM.
     """
     from marduk.controller import ControllerSettings, run_controller
     from marduk.logs import setup_logging
@@ -108,11 +138,14 @@ def controller(
         prefix=prefix,
         embedded=embedded,
         kv_replicas=kv_replicas,
+        lease_ttl=lease_ttl,
         policy=PolicyConfig(
             pending_timeout_s=pending_timeout,
             restart_on_degraded=restart_on_degraded,
             device_max_failures=device_max_failures,
             device_failure_window_s=device_failure_window,
+            worker_ttl_s=worker_ttl,
+            worker_expiry_s=max(worker_expiry, worker_ttl),
         ),
     )
     if state_dir is not None:

@@ -1,10 +1,16 @@
 """The controller: a thin async shell around the pure policy.
 
 Every inbound message goes the same way: size check and strict decode (a bad one is counted,
-logged and answered with an error, never raised), a synchronous call into ``Policy`` (the
-decision), then ``_commit``: persist the write-ahead records (epoch ceilings, rarely any),
-publish the commands, persist the other records, publish the events. Commits run one at a time,
-in decision order, so the store never goes backwards.
+logged rate-limited and answered with an error, never raised), a synchronous call into ``Policy``
+(the decision), then ``_commit``: check that we still lead, persist the write-ahead records
+(epoch ceilings, rarely any), publish the commands, persist the other records, publish the
+events. Commits run one at a time, in decision order, so the store never goes backwards.
+
+Several controllers may run against one NATS (DESIGN.md decision 9): each campaigns for the
+lease (``marduk.leadership``); the leader serves (request subjects, the durable health
+consumer, the periodic ``tick``), the others are hot standbys that mirror the state buckets and
+take over when the lease lapses. Health events arrive through a JetStream stream
+(``marduk.health_stream``) and are acknowledged only after their decision is committed.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 import uuid
 from collections import Counter
@@ -22,6 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -30,7 +38,6 @@ from marduk import __version__, bus
 from marduk.drmap import WorkerKey
 from marduk.embedded import (
     EmbeddedServer,
-    EmbeddedServerError,
     StateDirLock,
     default_state_dir,
     is_local_host,
@@ -38,6 +45,8 @@ from marduk.embedded import (
     parse_addr,
 )
 from marduk.errors import MardukError, ProtocolError
+from marduk.health_stream import HealthConsumer, ensure_stream
+from marduk.leadership import Leadership
 from marduk.policy import Outcome, Policy, PolicyConfig, PolicyError
 from marduk.protocol import (
     MAX_MESSAGE_BYTES,
@@ -50,6 +59,8 @@ from marduk.protocol import (
     Deregistration,
     DeviceHealth,
     ErrorReply,
+    Forget,
+    ForgetReply,
     Hello,
     Query,
     QueryReply,
@@ -57,11 +68,12 @@ from marduk.protocol import (
     Registration,
     Report,
     ReportReply,
+    Standby,
     decode,
     encode,
 )
-from marduk.store import StateStore
-from marduk.subjects import Subjects
+from marduk.store import StateMirror, StateStore
+from marduk.subjects import REPLY_HEADER, Subjects
 
 log = logging.getLogger("marduk.controller")
 T = TypeVar("T", bound=msgspec.Struct)
@@ -80,11 +92,19 @@ class ControllerSettings:
     state_dir: Path = field(default_factory=default_state_dir)
     """Where the embedded server keeps its JetStream store, log and pid file."""
     kv_replicas: int = 1
-    """Replicas of the state bucket (3 on a production NATS cluster)."""
+    """Replicas of the buckets and the health stream (3 on a production NATS cluster)."""
     max_message_bytes: int = MAX_MESSAGE_BYTES
     """Inbound messages larger than this are rejected."""
     connect_timeout: float = 10.0
     """How long to wait for NATS at startup."""
+    lease_ttl: float = 2.0
+    """Seconds a leader's lease lasts without renewal; a standby takes over after that."""
+    dedup_window_s: float = 3600.0
+    """How long handled health event ids are remembered (across restarts and failovers)."""
+    ack_wait_s: float = 5.0
+    """A health event delivered but not acknowledged is redelivered after this long."""
+    tick_interval_s: float = 0.25
+    """How often the leader lets time pass in the policy (stale workers, resends)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
@@ -92,26 +112,37 @@ class StartupError(MardukError):
     pass
 
 
+class NotServing(MardukError):
+    """This controller lost the lease between deciding and committing: drop, do not answer."""
+
+
 class Controller:
-    """Owns the policy, the NATS connection, the store and (maybe) the embedded server."""
+    """Owns the policy, the NATS connection, the store, the lease and (maybe) the server."""
 
     def __init__(self, settings: ControllerSettings) -> None:
         self.settings = settings
         self.subjects = Subjects(settings.prefix)
-        self.controller_id = f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.host = socket.gethostname()
+        self.controller_id = f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.started_at = time.time()
         self.stats: Counter[str] = Counter()
         self.policy = Policy(settings.policy)
         self.nc: NATS | None = None
         self.store: StateStore | None = None
+        self.mirror: StateMirror | None = None
+        self.leadership: Leadership | None = None
         self.server: EmbeddedServer | None = None
         self.url = settings.addr
         self._lock: StateDirLock | None = None
         self._subs: list[Subscription] = []
+        self._health: HealthConsumer | None = None
         self._commit_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
+        self._term_task: asyncio.Task[None] | None = None
         self._event_seq = 0
         self._warned: Counter[str] = Counter()
+        self._standbys: dict[str, tuple[ControllerInfo, float]] = {}
+        self.serving = asyncio.Event()  # set while leading and subscribed
         self.fatal = asyncio.Event()
         self.fatal_reason = ""
         self._stopping = False
@@ -119,6 +150,7 @@ class Controller:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Connect, open the durable state, and campaign; serving starts once elected."""
         await self._ensure_server()
         self.nc = await bus.connect(
             self.url,
@@ -128,41 +160,43 @@ class Controller:
             on_disconnected=self._on_disconnected,
             on_reconnected=self._on_reconnected,
         )
+        st = self.settings
         try:
             self.store = await StateStore.open(
-                self.nc, self.settings.prefix, replicas=self.settings.kv_replicas
+                self.nc, st.prefix, replicas=st.kv_replicas, dedup_window_s=st.dedup_window_s
             )
-            loaded = await self.store.load()
+            await ensure_stream(self.nc, st.prefix, self.subjects.health, replicas=st.kv_replicas)
+            self.mirror = StateMirror(self.store)
+            await self.mirror.start()
+            self.leadership = Leadership(
+                self.nc,
+                st.prefix,
+                self.controller_id,
+                ttl=st.lease_ttl,
+                replicas=st.kv_replicas,
+                pid=os.getpid(),
+                host=self.host,
+                on_elected=self._on_elected,
+                on_deposed=self._on_deposed,
+            )
+            await self.leadership.open()
         except Exception as e:
-            raise StartupError(f"cannot open the JetStream state bucket at {self.url}: {e}") from e
-        self.policy = Policy.restore(
-            self.settings.policy, loaded.workers, loaded.epochs, loaded.devices
+            raise StartupError(f"cannot open the JetStream state at {self.url}: {e}") from e
+        self._health = HealthConsumer(
+            self.nc, st.prefix, self.subjects.health, ack_wait_s=st.ack_wait_s
         )
-        self.stats["state.skipped_records"] += loaded.skipped
-        log.info(
-            "state restored from bucket %s: %d worker(s), %d device(s), %d epoch(s)",
-            self.store.bucket,
-            len(loaded.workers),
-            len(self.policy.drmap.device_to_replicas),
-            len(loaded.epochs),
-        )
-        s = self.subjects
-        self._subs = [
-            await self._serve(s.any_job("register"), Registration, self._on_register),
-            await self._serve(s.any_job("deregister"), Deregistration, self._on_deregister),
-            await self._serve(s.any_job("ack"), Ack, self._on_ack),
-            await self._serve(s.any_job("report"), Report, self._on_report),
-            await self._serve(s.health, DeviceHealth, self._on_health),
-            await self._serve(s.query, Query, self._on_query),
-        ]
-        await self.nc.flush()
-        # Agents re-register when they hear this: a level-triggered resync after our restart.
-        await self.nc.publish(
-            s.hello, encode(Hello(controller_id=self.controller_id, started_at=self.started_at))
-        )
+        self._spawn(self.leadership.run(), "leadership")
+        self._spawn(self._tick_loop(), "tick")
+        self._spawn(self._standby_loop(), "standby-heartbeat")
         if self.server is not None:
             self._spawn(self._watch_server(), "embedded-server-watch")
-        log.info("controller %s serving prefix %r at %s", self.controller_id, s.prefix, self.url)
+        log.info(
+            "controller %s started on prefix %r at %s; campaigning for the lease (TTL %gs)",
+            self.controller_id,
+            st.prefix,
+            self.url,
+            st.lease_ttl,
+        )
 
     async def _ensure_server(self) -> None:
         host, port = parse_addr(self.settings.addr)
@@ -188,18 +222,21 @@ class Controller:
         )
 
     async def stop(self) -> None:
-        """Stop serving, finish in-flight commits, close NATS, stop the embedded server."""
+        """Stop serving, hand the lease over, close NATS, stop the embedded server."""
         self._stopping = True
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-        self._subs = []
-        async with self._commit_lock:
-            pass
+        await self._stop_serving()
+        if self.leadership is not None:
+            await self.leadership.resign()
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._term_task is not None:
+            self._term_task.cancel()
+        await asyncio.gather(
+            *self._tasks, *([self._term_task] if self._term_task else []), return_exceptions=True
+        )
         self._tasks = []
+        if self.mirror is not None:
+            await self.mirror.stop()
         if self.nc is not None:
             await bus.close(self.nc)
             self.nc = None
@@ -235,11 +272,27 @@ class Controller:
             self.fatal.set()
 
     async def _watch_server(self) -> None:
-        # Poll: a thread blocked in Popen.wait() would keep the process from exiting if the
-        # loop ever closed with the server still up.
-        while self.server is not None and self.server.alive():  # noqa: ASYNC110
-            await asyncio.sleep(0.5)
-        raise EmbeddedServerError("the embedded nats-server exited")
+        """The embedded server died: start it again on the same port and state directory.
+
+        Poll rather than wait: a thread blocked in Popen.wait() would keep the process from
+        exiting if the loop closed with the server still up.
+        """
+        backoff = 0.1
+        while self.server is not None:
+            await asyncio.sleep(0.2)
+            if self.server.alive() or self._stopping:
+                backoff = 0.1
+                continue
+            code = self.server.returncode
+            self.stats["nats.server_restarts"] += 1
+            log.warning("embedded nats-server exited (code %s); starting it again", code)
+            try:
+                await asyncio.to_thread(self.server.restart)
+                log.info("embedded nats-server is back at %s", self.url)
+            except MardukError as e:
+                log.error("could not restart the embedded nats-server: %s", e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     async def _on_disconnected(self) -> None:
         if self._stopping:  # our own close, not a lost connection
@@ -248,12 +301,160 @@ class Controller:
         log.warning("disconnected from NATS; reconnecting")
 
     async def _on_reconnected(self) -> None:
-        log.info("reconnected to NATS")
-        if self.nc is not None:
-            await self.nc.publish(
-                self.subjects.hello,
-                encode(Hello(controller_id=self.controller_id, started_at=self.started_at)),
-            )
+        log.info(
+            "reconnected to NATS at %s",
+            self.nc.connected_url.netloc if self.nc and self.nc.connected_url else "?",
+        )
+        if self.nc is not None and self.serving.is_set():
+            await self._publish_hello()
+
+    # --- leadership ------------------------------------------------------------------------------
+
+    async def _on_elected(self, term: int) -> None:
+        # Not awaited by the lease loop: renewals go on while the state is brought in.
+        if self._term_task is not None:
+            self._term_task.cancel()
+        self._term_task = asyncio.create_task(self._lead(term), name=f"lead-term-{term}")
+
+    async def _lead(self, term: int) -> None:
+        try:
+            await self._start_serving(term)
+        except asyncio.CancelledError:
+            raise
+        except (MardukError, OSError, TimeoutError, nats.errors.Error) as e:
+            # NATS or JetStream not answering right now: let a standby (or us, later) try.
+            log.error("could not start serving (term %d): %s; stepping down", term, e)
+            self.stats["errors.takeover"] += 1
+            await self._stop_serving()
+            if self.leadership is not None and self.leadership.term == term:
+                await self.leadership.resign()
+        except Exception as e:
+            # A bug: campaigning again would fail the same way. End the process (exit 1) so
+            # its supervisor restarts it and a standby leads meanwhile.
+            log.exception("could not start serving (term %d)", term)
+            self._die(f"could not start serving: {type(e).__name__}: {e}")
+
+    async def _start_serving(self, term: int) -> None:
+        assert self.nc is not None and self.store is not None and self.mirror is not None
+        t0 = time.monotonic()
+        js = self.nc.jetstream(timeout=5.0)
+        if await self.mirror.caught_up(js):
+            loaded, source = self.mirror.snapshot(), "mirror"
+        else:
+            loaded, source = await self.store.load(), "bucket"
+        self.policy = Policy.restore(
+            self.settings.policy,
+            loaded.workers,
+            loaded.epochs,
+            loaded.devices,
+            loaded.handled,
+            now=time.time(),
+        )
+        self.stats["state.skipped_records"] += loaded.skipped
+        s = self.subjects
+        self._subs = [
+            await self._serve(s.any_job("register"), Registration, self._on_register),
+            await self._serve(s.any_job("deregister"), Deregistration, self._on_deregister),
+            await self._serve(s.any_job("ack"), Ack, self._on_ack),
+            await self._serve(s.any_job("report"), Report, self._on_report),
+            await self._serve(s.query, Query, self._on_query),
+            await self._serve(s.forget, Forget, self._on_forget),
+            await self.nc.subscribe(s.standby, cb=self._on_standby),
+        ]
+        assert self._health is not None
+        await self._health.start(self._on_health_msg)
+        await self.nc.flush()
+        self.serving.set()
+        # Agents re-register when they hear this: a level-triggered resync after a takeover.
+        await self._publish_hello()
+        self.stats["leader.terms"] += 1
+        log.info(
+            "controller %s serving prefix %r at %s (leader, term %d; state from %s: "
+            "%d worker(s), %d device(s), %d epoch(s) in %.0f ms)",
+            self.controller_id,
+            s.prefix,
+            self.url,
+            term,
+            source,
+            len(loaded.workers),
+            len(self.policy.drmap.device_to_replicas),
+            len(loaded.epochs),
+            (time.monotonic() - t0) * 1000,
+        )
+
+    async def _on_deposed(self, why: str) -> None:
+        if self._term_task is not None:
+            self._term_task.cancel()
+            self._term_task = None
+        self.stats["leader.depositions"] += 1
+        await self._stop_serving()
+        log.warning("standby now (%s)", why)
+
+    async def _stop_serving(self) -> None:
+        self.serving.clear()
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self._health is not None:
+            await self._health.stop()
+        async with self._commit_lock:  # let a commit in flight finish (or find it is fenced)
+            pass
+
+    def _leading(self) -> bool:
+        return self.serving.is_set() and self.leadership is not None and self.leadership.serving()
+
+    async def _publish_hello(self) -> None:
+        assert self.nc is not None
+        await self.nc.publish(
+            self.subjects.hello,
+            encode(Hello(controller_id=self.controller_id, started_at=self.started_at)),
+        )
+
+    def info(self) -> ControllerInfo:
+        lead = self.leadership
+        return ControllerInfo(
+            controller_id=self.controller_id,
+            version=__version__,
+            pid=os.getpid(),
+            started_at=self.started_at,
+            prefix=self.settings.prefix,
+            host=self.host,
+            role="leader" if self._leading() else "standby",
+            term=lead.term if lead is not None else 0,
+        )
+
+    async def _standby_loop(self) -> None:
+        """Standbys announce themselves to the leader about once a second (for status)."""
+        while True:
+            await asyncio.sleep(1.0)
+            if self.nc is None or not self.nc.is_connected or self._leading():
+                continue
+            with contextlib.suppress(Exception):
+                await self.nc.publish(
+                    self.subjects.standby, encode(Standby(controller=self.info()))
+                )
+
+    async def _on_standby(self, msg: Msg) -> None:
+        try:
+            info = decode(msg.data, Standby).controller
+        except ProtocolError as e:
+            self._reject("standby", e.reason, str(e), msg.subject)
+            return
+        if info.controller_id != self.controller_id:
+            self._standbys[info.controller_id] = (info, time.monotonic())
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tick_interval_s)
+            if not self._leading():
+                continue
+            try:
+                await self._commit(self.policy.tick(time.time()))
+            except NotServing:
+                continue
+            except Exception:
+                self._log_internal("tick")
 
     # --- the edge: decode, dispatch, reply -------------------------------------------------------
 
@@ -272,35 +473,58 @@ class Controller:
             try:
                 req = decode(msg.data, type_, max_bytes=limit)
                 reply = await handler(req, msg)
+            except NotServing:
+                return  # no answer: the client retries and reaches the new leader
             except ProtocolError as e:
                 reply = self._reject(kind, e.reason, str(e), msg.subject)
             except PolicyError as e:
                 reply = self._reject(kind, e.code, str(e), msg.subject)
+                if e.code == "duplicate_worker":
+                    await self._announce(
+                        ControllerEvent(kind="duplicate_worker", ts=time.time(), detail=str(e))
+                    )
             except Exception as e:  # the controller never crashes on input
-                log.exception("error handling %s on %s", kind, msg.subject)
-                self.stats["errors.internal"] += 1
-                reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}")
-            if reply is not None and msg.reply and self.nc is not None:
-                try:
-                    await self.nc.publish(msg.reply, encode(reply))
-                except Exception as e:
-                    self.stats["errors.reply"] += 1
-                    log.warning("could not answer on %s: %s", msg.reply, e)
+                self._log_internal(f"{kind} on {msg.subject}")
+                reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
+            if reply is not None and msg.reply:
+                await self._answer(msg.reply, reply)
 
         assert self.nc is not None
         return await self.nc.subscribe(subject, cb=on_message, pending_msgs_limit=1_000_000)
 
+    async def _answer(self, subject: str, reply: msgspec.Struct) -> None:
+        if self.nc is None:
+            return
+        try:
+            await self.nc.publish(subject, encode(reply))
+        except Exception as e:
+            self.stats["errors.reply"] += 1
+            self._log_limited("reply", f"could not answer on {subject}: {e}")
+
     def _reject(self, kind: str, reason: str, message: str, subject: str) -> ErrorReply:
         self.stats[f"rejected.{reason}"] += 1
         self.stats["rejected"] += 1
-        # Log the first few of each kind per minute: a flood of junk must not flood the log.
-        bucket = f"{kind}.{reason}.{int(time.time() // 60)}"
+        self._log_limited(f"{kind}.{reason}", f"rejected {kind} on {subject}: {message}")
+        return ErrorReply(code=reason, message=message[:4000])
+
+    def _log_limited(self, key: str, line: str, level: int = logging.WARNING) -> None:
+        """The first few of each kind per minute: a flood of junk must not flood the log."""
+        bucket = f"{key}.{int(time.time() // 60)}"
         self._warned[bucket] += 1
         if self._warned[bucket] <= 5:
-            log.warning("rejected %s on %s: %s", kind, subject, message)
+            log.log(level, "%s", line)
+        elif self._warned[bucket] == 6:
+            log.log(level, "(more %s this minute are counted, not logged)", key)
         if len(self._warned) > 1000:
             self._warned.clear()
-        return ErrorReply(code=reason, message=message)
+
+    def _log_internal(self, what: str) -> None:
+        """An internal error: counted; the traceback once a minute per kind, not per message."""
+        self.stats["errors.internal"] += 1
+        bucket = f"internal.{what.split(' ')[0]}.{int(time.time() // 60)}"
+        self._warned[bucket] += 1
+        if self._warned[bucket] == 1:
+            log.exception("internal error handling %s (repeats this minute are counted)", what)
 
     def _check_subject_job(self, job: str, msg: Msg) -> None:
         subject_job = self.subjects.job_of(msg.subject)
@@ -322,6 +546,7 @@ class Controller:
             outcome=result.result,  # type: ignore[arg-type]
             epoch=result.epoch,
             command=result.command,
+            renew_interval=result.renew_interval,
         )
 
     async def _on_deregister(self, req: Deregistration, msg: Msg) -> DeregisterReply:
@@ -345,11 +570,42 @@ class Controller:
         await self._commit(result.outcome)
         return ReportReply(actions=result.actions)
 
-    async def _on_health(self, event: DeviceHealth, msg: Msg) -> msgspec.Struct:
+    async def _on_forget(self, req: Forget, msg: Msg) -> ForgetReply:
+        outcome = self.policy.forget(req.job, req.replica, req.worker, time.time())
+        await self._commit(outcome)
+        return ForgetReply(removed=[str(k) for k in outcome.deleted_workers])
+
+    async def _on_health_msg(self, msg: Msg) -> None:
+        """One event from the durable consumer: decide, commit, answer, then acknowledge."""
+        self.stats["received.devicehealth"] += 1
+        if not self._leading():
+            return  # not acked: redelivered to whoever leads after ack_wait
+        reply_to = (msg.headers or {}).get(REPLY_HEADER, "")
+        reply: msgspec.Struct
+        try:
+            event = decode(msg.data, DeviceHealth, max_bytes=self.settings.max_message_bytes)
+            if not event.event_id:
+                # Stable across redeliveries: the stream sequence names the event.
+                event.event_id = f"{self.subjects.prefix}.health#{msg.metadata.sequence.stream}"
+            reply = await self._on_health(event)
+        except NotServing:
+            return
+        except ProtocolError as e:
+            reply = self._reject("devicehealth", e.reason, str(e), msg.subject)
+        except Exception as e:
+            self._log_internal("devicehealth")
+            reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
+        if reply_to:
+            await self._answer(reply_to, reply)
+        try:
+            # A bad message is terminated (never redelivered); a handled one acknowledged.
+            await (msg.term() if isinstance(reply, ErrorReply) else msg.ack())
+        except Exception as e:
+            self.stats["errors.ack"] += 1
+            self._log_limited("ack", f"could not acknowledge a health event: {e}")
+
+    async def _on_health(self, event: DeviceHealth) -> msgspec.Struct:
         now = time.time()
-        if not event.event_id:
-            self._event_seq += 1
-            event.event_id = f"{self.controller_id}-{self._event_seq}"
         if not event.timestamp:
             event.timestamp = now
         result = self.policy.on_health(event, now)
@@ -361,14 +617,13 @@ class Controller:
         return result.reply
 
     async def _on_query(self, query: Query, msg: Msg) -> QueryReply:
-        info = ControllerInfo(
-            controller_id=self.controller_id,
-            version=__version__,
-            pid=os.getpid(),
-            started_at=self.started_at,
-            prefix=self.settings.prefix,
+        now = time.monotonic()
+        self._standbys = {k: v for k, v in self._standbys.items() if now - v[1] < 3.0}
+        reply = QueryReply(
+            controller=self.info(),
+            standbys=[info for info, _ in self._standbys.values()],
+            stats=dict(self.stats),
         )
-        reply = QueryReply(controller=info, stats=dict(self.stats))
         if query.what in ("map", "devices"):
             reply.devices = self.policy.device_infos(query.job)
         if query.what == "map":
@@ -379,15 +634,27 @@ class Controller:
 
     async def _commit(self, outcome: Outcome) -> None:
         async with self._commit_lock:
+            if not self._leading():
+                # Fenced: another controller may lead by now. Nothing of this goes out.
+                self.stats["fenced"] += 1
+                raise NotServing("not the leader")
             if outcome.write_ahead:
                 await self._persist(outcome, write_ahead=True)
             assert self.nc is not None
             for command in outcome.commands:
                 await self.nc.publish(self._command_subject(command), encode(command))
                 self.stats[f"commands.{command.kind}"] += 1
+            for command in outcome.resent:
+                await self.nc.publish(self._command_subject(command), encode(command))
+                self.stats["commands.resent"] += 1
             await self._persist(outcome)
             for event in outcome.events:
-                self._log_event(event)
+                await self._announce(event)
+
+    async def _announce(self, event: ControllerEvent) -> None:
+        self._log_event(event)
+        if self.nc is not None:
+            with contextlib.suppress(Exception):
                 await self.nc.publish(self.subjects.events(event.job), encode(event))
 
     async def _persist(self, outcome: Outcome, *, write_ahead: bool = False) -> None:
@@ -422,17 +689,35 @@ class Controller:
         if event.detail:
             line += f" - {event.detail}"
         level = logging.WARNING if event.kind in _WARN_EVENTS else logging.INFO
-        log.log(level, "%s", line)
+        if event.kind == "unknown_device":
+            self._log_limited("unknown_device", line, level)
+        else:
+            log.log(level, "%s", line)
 
 
 _WARN_EVENTS = frozenset(
-    {"unknown_device", "fail_issued", "worker_crashed", "worker_hung", "worker_gave_up"}
+    {
+        "unknown_device",
+        "fail_issued",
+        "worker_crashed",
+        "worker_hung",
+        "worker_gave_up",
+        "worker_stale",
+        "worker_expired",
+        "duplicate_worker",
+    }
 )
 
 
 def _has_writes(o: Outcome) -> bool:
     return bool(
-        o.put_workers or o.deleted_workers or o.put_epochs or o.deleted_epochs or o.put_devices
+        o.put_workers
+        or o.deleted_workers
+        or o.put_epochs
+        or o.deleted_epochs
+        or o.put_devices
+        or o.deleted_devices
+        or o.handled
     )
 
 

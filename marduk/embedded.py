@@ -6,6 +6,8 @@ store under the state directory, and stops it when the controller exits. The ser
 stopped when the controller is killed (SIGKILL included): on Linux the child asks the kernel for
 SIGTERM when its parent dies (PR_SET_PDEATHSIG), and a controller starting on the same state
 directory finishes off any server a previous one left behind (its pid is in the state directory).
+If the server dies while the controller runs, the controller starts it again on the same port
+and store (``restart``); clients reconnect and JetStream recovers its state from disk.
 
 State directory: ``--state-dir`` or MARDUK_STATE_DIR, else ``$XDG_STATE_HOME/marduk``
 (``~/.local/state/marduk``). It holds ``jetstream/`` (the store), ``nats-server.log``,
@@ -235,6 +237,18 @@ class EmbeddedServer:
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.returncode if self.proc is not None else None
+
+    def restart(self, timeout: float = 10.0) -> None:
+        """Start the server again on the same address and state directory (it died)."""
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        self.start(timeout)
 
     def stop(self, grace: float = 5.0) -> int | None:
         """SIGTERM, wait up to ``grace``, then SIGKILL. Safe to call twice."""

@@ -7,31 +7,55 @@ Keys (the bucket is ``<prefix>_state`` with dots replaced by ``_``)::
     e.<job>._job                 EpochRecord    scope ``job`` (no replica token starts with _)
     d.<base64url(device)>        DeviceRecord   (health state, failure history)
 
-A controller killed with SIGKILL and started again reads the bucket and has the same map and
-epochs. Epochs are reserved in blocks: an epoch record's ``ceiling`` is written before any
+Handled health events (the controller's replies) live in a second bucket, ``<prefix>_events``,
+whose keys expire after the dedup window: a monitor that retries an event after a restart or a
+failover is answered "duplicate" with the original decision.
+
+    h.<base64url(event_id)>      HealthReply
+
+A controller killed with SIGKILL and started again reads the buckets and has the same map and
+epochs. A hot standby keeps a ``StateMirror``: a watch of both buckets, so at takeover it
+already holds every record and only waits to have seen the last revision.
+
+Epochs are reserved in blocks: an epoch record's ``ceiling`` is written before any
 command above the previous ceiling is published (write-ahead), so a restarted controller issues
 above every epoch that may have gone out, and most restarts need no write before their command.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import logging
+import time
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import KeyValueConfig, StorageType
+from nats.js.client import JetStreamContext
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from marduk.drmap import WorkerKey
 from marduk.policy import DeviceRecord, EpochKey, EpochRecord, Outcome, WorkerRecord
+from marduk.protocol import HealthReply
 
 log = logging.getLogger("marduk.store")
 
 
 def bucket_name(prefix: str) -> str:
     return prefix.replace(".", "_") + "_state"
+
+
+def events_bucket_name(prefix: str) -> str:
+    return prefix.replace(".", "_") + "_events"
+
+
+def handled_kv_key(event_id: str) -> str:
+    return "h." + base64.urlsafe_b64encode(event_id.encode()).decode().rstrip("=")
 
 
 def worker_kv_key(key: WorkerKey) -> str:
@@ -50,59 +74,79 @@ class Loaded(msgspec.Struct):
     workers: list[WorkerRecord]
     epochs: list[EpochRecord]
     devices: list[DeviceRecord]
+    handled: list[HealthReply] = []
     skipped: int = 0
+
+    def add(self, key: str, value: bytes) -> None:
+        """Decode one record by its key's kind; an unreadable one is skipped and counted."""
+        try:
+            if key.startswith("w."):
+                self.workers.append(msgspec.json.decode(value, type=WorkerRecord))
+            elif key.startswith("e."):
+                self.epochs.append(msgspec.json.decode(value, type=EpochRecord))
+            elif key.startswith("d."):
+                self.devices.append(msgspec.json.decode(value, type=DeviceRecord))
+            elif key.startswith("h."):
+                self.handled.append(msgspec.json.decode(value, type=HealthReply))
+        except msgspec.DecodeError as e:
+            self.skipped += 1
+            log.warning("skipping unreadable state record %s: %s", key, e)
 
 
 class StateStore:
     """Reads and writes the controller's records."""
 
-    def __init__(self, kv: KeyValue, bucket: str) -> None:
+    def __init__(self, kv: KeyValue, bucket: str, events: KeyValue, events_bucket: str) -> None:
         self.kv = kv
         self.bucket = bucket
+        self.events = events
+        self.events_bucket = events_bucket
         self._enc = msgspec.json.Encoder()
 
     @classmethod
-    async def open(cls, nc: NATS, prefix: str, *, replicas: int = 1) -> StateStore:
-        """Bind the bucket, creating it (file storage, one revision per key) if needed."""
+    async def open(
+        cls, nc: NATS, prefix: str, *, replicas: int = 1, dedup_window_s: float = 3600.0
+    ) -> StateStore:
+        """Bind the buckets, creating them (file storage, one revision per key) if needed."""
         js = nc.jetstream(timeout=5.0)
-        name = bucket_name(prefix)
-        try:
-            kv = await js.key_value(name)
-        except BucketNotFoundError:
-            kv = await js.create_key_value(
-                KeyValueConfig(
-                    bucket=name,
-                    history=1,
-                    storage=StorageType.FILE,
-                    replicas=replicas,
-                    description="Marduk controller state: registrations, epochs, devices",
-                )
-            )
-        return cls(kv, name)
+        kv = await _bucket(
+            js,
+            KeyValueConfig(
+                bucket=bucket_name(prefix),
+                history=1,
+                storage=StorageType.FILE,
+                replicas=replicas,
+                description="Marduk controller state: registrations, epochs, devices",
+            ),
+        )
+        events = await _bucket(
+            js,
+            KeyValueConfig(
+                bucket=events_bucket_name(prefix),
+                history=1,
+                ttl=dedup_window_s,
+                storage=StorageType.FILE,
+                replicas=replicas,
+                description="Marduk: health events handled (dedup across restarts)",
+            ),
+        )
+        return cls(kv, bucket_name(prefix), events, events_bucket_name(prefix))
 
     async def load(self) -> Loaded:
-        """Every record in the bucket. Records that no longer decode are skipped and counted."""
+        """Every record in both buckets. Records that no longer decode are skipped and counted."""
         out = Loaded([], [], [])
-        watcher = await self.kv.watchall(ignore_deletes=True)
-        try:
-            while True:
-                entry = await watcher.updates(timeout=10.0)  # type: ignore[no-untyped-call]
-                if entry is None:
-                    break
-                if entry.value is None or entry.operation is not None:
-                    continue
-                try:
-                    if entry.key.startswith("w."):
-                        out.workers.append(msgspec.json.decode(entry.value, type=WorkerRecord))
-                    elif entry.key.startswith("e."):
-                        out.epochs.append(msgspec.json.decode(entry.value, type=EpochRecord))
-                    elif entry.key.startswith("d."):
-                        out.devices.append(msgspec.json.decode(entry.value, type=DeviceRecord))
-                except msgspec.DecodeError as e:
-                    out.skipped += 1
-                    log.warning("skipping unreadable state record %s: %s", entry.key, e)
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
+        for kv in (self.kv, self.events):
+            watcher = await kv.watchall(ignore_deletes=True)
+            try:
+                while True:
+                    entry = await watcher.updates(timeout=10.0)  # type: ignore[no-untyped-call]
+                    if entry is None:
+                        break
+                    if entry.value is None or entry.operation is not None:
+                        continue
+                    out.add(entry.key, entry.value)
+            finally:
+                await watcher.stop()  # type: ignore[no-untyped-call]
         return out
 
     async def write_ahead(self, outcome: Outcome) -> None:
@@ -129,9 +173,100 @@ class StateStore:
             await self._delete(epoch_kv_key(ekey))
         for device in outcome.put_devices:
             await self.kv.put(device_kv_key(device.device), self._enc.encode(device))
+        for name in outcome.deleted_devices:
+            await self._delete(device_kv_key(name))
+        for reply in outcome.handled:
+            await self.events.put(handled_kv_key(reply.event_id), self._enc.encode(reply))
 
     async def _delete(self, key: str) -> None:
         try:
             await self.kv.delete(key)
         except KeyNotFoundError:
             pass
+
+
+async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    try:
+        return await js.key_value(config.bucket)
+    except BucketNotFoundError:
+        return await js.create_key_value(config)
+
+
+class StateMirror:
+    """A hot standby's copy of both buckets, kept current by KV watches.
+
+    ``snapshot()`` decodes what it holds; ``caught_up()`` says whether it has seen every
+    revision the buckets had when asked (so a new leader does not miss the old one's last
+    writes). If a watch breaks, the mirror is marked unusable and takeover falls back to
+    ``StateStore.load()``.
+    """
+
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
+        self.entries: dict[str, bytes] = {}
+        self.revision: dict[str, int] = {}  # bucket -> last revision seen
+        self.healthy = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self.healthy = True
+        for kv, bucket in (
+            (self.store.kv, self.store.bucket),
+            (self.store.events, self.store.events_bucket),
+        ):
+            watcher = await kv.watchall()
+            self._tasks.append(
+                asyncio.create_task(self._follow(watcher, bucket), name=f"mirror-{bucket}")
+            )
+
+    async def _follow(self, watcher: Any, bucket: str) -> None:
+        try:
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=3600.0)
+                except (TimeoutError, NatsTimeoutError):
+                    continue
+                if entry is None:  # end of the initial values
+                    continue
+                self.revision[bucket] = max(self.revision.get(bucket, 0), entry.revision or 0)
+                if entry.operation is not None or entry.value is None:
+                    self.entries.pop(entry.key, None)
+                else:
+                    self.entries[entry.key] = entry.value
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.healthy = False
+            log.warning("state mirror of %s stopped (%s); takeover will reload", bucket, e)
+        finally:
+            with contextlib.suppress(Exception):
+                await watcher.stop()
+
+    async def caught_up(self, js: JetStreamContext, timeout: float = 1.0) -> bool:
+        """True once the mirror has seen the last revision each bucket had when called."""
+        if not self.healthy:
+            return False
+        targets = {}
+        for bucket in (self.store.bucket, self.store.events_bucket):
+            info = await js.stream_info(f"KV_{bucket}")
+            targets[bucket] = info.state.last_seq
+        deadline = time.monotonic() + timeout
+        while any(self.revision.get(b, 0) < seq for b, seq in targets.items()):
+            # Deleted keys' revisions may be purged; a bucket with nothing left has no entry.
+            if not self.healthy or time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def snapshot(self) -> Loaded:
+        out = Loaded([], [], [])
+        for key, value in self.entries.items():
+            out.add(key, value)
+        return out
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self.healthy = False

@@ -30,6 +30,8 @@ err = Console(stderr=True, highlight=False)
 T = TypeVar("T")
 
 EXIT_ERROR = 1
+# The event is stored durably but no controller decided in time (it will be handled later).
+EXIT_UNDECIDED = 2
 
 
 class FailureState(enum.StrEnum):
@@ -40,6 +42,9 @@ class FailureState(enum.StrEnum):
 def _run(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
     try:
         return run(factory())
+    except client.UndecidedError as e:
+        err.print(f"[yellow]warning:[/yellow] {e}")
+        raise typer.Exit(EXIT_UNDECIDED) from None
     except MardukError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(EXIT_ERROR) from None
@@ -116,7 +121,13 @@ def inject_failure(
 
 @app.command("mark-healthy")
 def mark_healthy(
-    device: Annotated[str, typer.Argument(help="UUID of the device.")],
+    device: Annotated[
+        str | None, typer.Argument(help="UUID of the device (omit with --all).", show_default=False)
+    ] = None,
+    all_: Annotated[
+        bool,
+        typer.Option("--all", help="Every device the controller shows failed or degraded."),
+    ] = False,
     reason: Annotated[str, typer.Option(help="Why (e.g. 'replaced').")] = "",
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
@@ -124,12 +135,63 @@ def mark_healthy(
     as_json: options.Json = False,
 ) -> None:
     """Report a device healthy again: clears its failure history (and its escalation)."""
-    reply = _run(
-        lambda: client.publish_health(
-            addr, prefix, device, "healthy", reason=reason, timeout=timeout
+    if (device is None) == (not all_):
+        err.print("[red]error:[/red] give a DEVICE or --all (not both)")
+        raise typer.Exit(EXIT_ERROR)
+
+    async def devices() -> list[str]:
+        if device is not None:
+            return [device]
+        reply = await client.query(addr, prefix, "devices", None, timeout)
+        return [d.device for d in reply.devices if d.state != "healthy"]
+
+    names = _run(devices)
+    if not names:
+        out.print("no device is failed or degraded; nothing to do")
+    for name in names:
+        reply = _run(
+            lambda name=name: client.publish_health(  # type: ignore[misc]
+                addr, prefix, name, "healthy", reason=reason, timeout=timeout
+            )
         )
-    )
-    _report(reply, as_json)
+        _report(reply, as_json)
+
+
+@app.command()
+def forget(
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="JOB, JOB/REPLICA or JOB/REPLICA/WORKER to remove from the map.",
+            metavar="JOB[/REPLICA[/WORKER]]",
+        ),
+    ],
+    addr: options.Addr = options.DEFAULTS["addr"],
+    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    timeout: options.Timeout = 5.0,
+    as_json: options.Json = False,
+) -> None:
+    """Remove workers that will not come back (their devices, if nobody else uses them, too).
+
+    A worker that is still alive registers again at its next renewal.
+    """
+    parts = target.split("/")
+    try:
+        if not 1 <= len(parts) <= 3 or not all(parts):
+            raise ValueError
+        job, replica = parts[0], parts[1] if len(parts) > 1 else None
+        worker = int(parts[2]) if len(parts) > 2 else None
+    except ValueError:
+        err.print(f"[red]error:[/red] {target!r} is not JOB, JOB/REPLICA or JOB/REPLICA/WORKER")
+        raise typer.Exit(EXIT_ERROR) from None
+    reply = _run(lambda: client.forget(addr, prefix, job, replica, worker, timeout))
+    if as_json:
+        _print_json(reply)
+        return
+    if not reply.removed:
+        out.print(f"nothing registered matches {target}")
+        return
+    out.print(f"removed {len(reply.removed)} worker(s): " + ", ".join(reply.removed))
 
 
 def _ts(t: float) -> str:
@@ -148,6 +210,7 @@ def _status_tables(reply: QueryReply) -> list[Table]:
         "epoch",
         "role",
         "pid",
+        "state",
         "status",
         "step",
     ):
@@ -164,6 +227,7 @@ def _status_tables(reply: QueryReply) -> list[Table]:
             epoch,
             w.role,
             str(w.pid),
+            "[yellow]stale[/]" if w.state == "stale" else "live",
             w.status + (f" ({w.failure_class})" if w.failure_class else ""),
             "-" if w.step is None else f"{w.step} at {_ts(w.step_at)}",
         )
@@ -198,9 +262,19 @@ def status(
         return
     c = reply.controller
     out.print(
-        f"controller {c.controller_id} (v{c.version}, up since {_ts(c.started_at)}), "
+        f"controller {c.controller_id} (leader, term {c.term}, pid {c.pid} on {c.host or '?'}, "
+        f"v{c.version}, up since {_ts(c.started_at)}), "
         f"{len(reply.workers)} worker(s), {len(reply.devices)} device(s)"
     )
+    if reply.standbys:
+        out.print(
+            "standbys: "
+            + ", ".join(
+                f"{s.controller_id} (pid {s.pid} on {s.host or '?'})" for s in reply.standbys
+            )
+        )
+    else:
+        out.print("standbys: none")
     for table in _status_tables(reply):
         out.print(table)
     rejected = {k: v for k, v in reply.stats.items() if k.startswith("rejected.")}

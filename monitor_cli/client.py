@@ -2,22 +2,49 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
 
 from marduk import bus
+from marduk.errors import MardukError, RequestRejected
 from marduk.protocol import (
     ControllerEvent,
     DeviceHealth,
+    ErrorReply,
+    Forget,
+    ForgetReply,
     HealthReply,
     HealthState,
     Query,
     QueryReply,
     QueryWhat,
     decode,
+    encode,
 )
-from marduk.subjects import Subjects
+from marduk.subjects import REPLY_HEADER, Subjects
+
+
+class NoHealthStreamError(MardukError):
+    """Nothing stores health events on this prefix: no controller has ever run on it."""
+
+
+class UndecidedError(MardukError):
+    """The event is stored durably, but no controller decided within the timeout."""
+
+    def __init__(self, event_id: str, seq: int, timeout: float) -> None:
+        super().__init__(
+            f"event {event_id} is stored (stream sequence {seq}) but no controller decided "
+            f"within {timeout:g}s; it will be handled when a controller serves"
+        )
+        self.event_id = event_id
+        self.seq = seq
 
 
 async def publish_health(
@@ -29,24 +56,78 @@ async def publish_health(
     reason: str = "",
     source: str = "marduk-monitor",
     timeout: float = 5.0,
+    event_id: str = "",
 ) -> HealthReply:
-    """Publish a health event exactly as a monitor would, and return the controller's answer.
+    """Publish a health event durably, exactly as a monitor should, and return the decision.
 
-    The event goes to ``<prefix>.health`` like any monitor's; asking with a reply inbox is what
-    lets the controller tell us which replicas it acted on.
+    The event goes to ``<prefix>.health`` through JetStream: the server's acknowledgement means
+    it is stored and will be handled even if no controller runs right now. The header
+    ``Marduk-Reply-To`` names an inbox where the controller publishes its HealthReply once the
+    decision is committed. Raises UndecidedError if that does not come within ``timeout``.
     """
     event = DeviceHealth(
         device=device,
         state=state,
         reason=reason,
         source=source,
-        event_id=f"{source}-{uuid.uuid4().hex[:12]}",
+        event_id=event_id or f"{source}-{uuid.uuid4().hex[:12]}",
         timestamp=time.time(),
     )
     nc = await bus.connect(addr, name="marduk-monitor", timeout=timeout)
     try:
+        return await publish_durably(nc, Subjects(prefix), event, timeout=timeout, addr=addr)
+    finally:
+        await bus.close(nc, drain=False)
+
+
+async def publish_durably(
+    nc: NATS, subjects: Subjects, event: DeviceHealth, *, timeout: float, addr: str = ""
+) -> HealthReply:
+    """Publish ``event`` to the health stream on ``nc`` and wait for the controller's reply."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, max_msgs=1)
+    try:
+        js = nc.jetstream(timeout=timeout)
+        try:
+            ack = await js.publish(subjects.health, encode(event), headers={REPLY_HEADER: inbox})
+        except nats.errors.NoRespondersError:
+            raise NoHealthStreamError(
+                f"nothing stores health events at {addr or 'the server'} on "
+                f"{subjects.health}: has a Marduk controller ever run with prefix "
+                f"{subjects.prefix!r}?"
+            ) from None
+        except (TimeoutError, nats.errors.TimeoutError, nats.js.errors.Error) as e:
+            raise MardukError(f"the health stream did not accept the event: {e}") from None
+        try:
+            msg = await sub.next_msg(timeout=timeout)
+        except (TimeoutError, nats.errors.TimeoutError):
+            raise UndecidedError(event.event_id, ack.seq, timeout) from None
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    reply: Any = decode(msg.data, HealthReply | ErrorReply)  # type: ignore[arg-type]
+    if isinstance(reply, ErrorReply):
+        raise RequestRejected(reply.code, reply.message)
+    return reply  # type: ignore[no-any-return]
+
+
+async def forget(
+    addr: str,
+    prefix: str,
+    job: str,
+    replica: str | None = None,
+    worker: int | None = None,
+    timeout: float = 5.0,
+) -> ForgetReply:
+    nc = await bus.connect(addr, name="marduk-monitor", timeout=timeout)
+    try:
         return await bus.request(
-            nc, Subjects(prefix).health, event, HealthReply, timeout=timeout, addr=addr
+            nc,
+            Subjects(prefix).forget,
+            Forget(job=job, replica=replica, worker=worker),
+            ForgetReply,
+            timeout=timeout,
+            addr=addr,
         )
     finally:
         await bus.close(nc, drain=False)

@@ -86,12 +86,41 @@ def controller_settings(server: NatsServer, tmp_path: Path, **policy: object) ->
     )
 
 
+async def start_serving(c: Controller, timeout: float = 10.0) -> Controller:
+    """Start a controller and wait until it leads and serves (the lease is taken)."""
+    await c.start()
+    await asyncio.wait_for(c.serving.wait(), timeout)
+    return c
+
+
 @pytest.fixture
 async def controller(nats_server: NatsServer, tmp_path: Path) -> AsyncIterator[Controller]:
-    c = Controller(controller_settings(nats_server, tmp_path))
-    await c.start()
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
     yield c
     await c.stop()
+
+
+async def health_event(  # type: ignore[no-untyped-def]
+    nc, device: str, state: str = "failed", event_id: str = "", timeout: float = 5.0
+):
+    """Publish a health event durably (as monitors do) and return the controller's HealthReply."""
+    from marduk.protocol import DeviceHealth
+    from marduk.subjects import Subjects
+    from monitor_cli.client import publish_durably
+
+    event = DeviceHealth(device=device, state=state, event_id=event_id)  # type: ignore[arg-type]
+    return await publish_durably(nc, Subjects(), event, timeout=timeout)
+
+
+async def health_raw(nc, payload: bytes, timeout: float = 5.0) -> bytes:  # type: ignore[no-untyped-def]
+    """Publish raw bytes to the health stream with a reply header; return the controller's answer."""
+    from marduk.subjects import REPLY_HEADER, Subjects
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, max_msgs=1)
+    await nc.jetstream().publish(Subjects().health, payload, headers={REPLY_HEADER: inbox})
+    msg = await sub.next_msg(timeout=timeout)
+    return msg.data  # type: ignore[no-any-return]
 
 
 async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02) -> None:  # type: ignore[no-untyped-def]

@@ -17,17 +17,20 @@ import pytest
 
 import agent
 from agent.devices import device_ids
-from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.protocol import encode
-from tests.conftest import NatsServer, controller_settings, eventually, free_port
+from tests.conftest import (
+    NatsServer,
+    controller_settings,
+    eventually,
+    free_port,
+    health_event,
+    start_serving,
+)
 
 
 async def inject(url: str, device: str) -> None:
     nc = await nats.connect(url)
-    await nc.request(
-        "marduk.health", encode(wire.DeviceHealth(device=device, state="failed")), timeout=5
-    )
+    await health_event(nc, device)
     await nc.close()
 
 
@@ -94,8 +97,7 @@ async def test_connect_waits_for_a_controller_that_starts_late(
 async def test_survives_nats_restart_and_reregisters(tmp_path: Path) -> None:
     """The server goes away and comes back (same port, same store): state shows it; no raise."""
     server = NatsServer(tmp_path / "js").start()
-    c = Controller(controller_settings(server, tmp_path))
-    await c.start()
+    c = await start_serving(Controller(controller_settings(server, tmp_path)))
     client = await agent.connect_async("r1", ["d1"], addr=server.url, timeout=5)
     try:
         server.stop()

@@ -1,0 +1,98 @@
+"""Durable health events: a JetStream stream captures ``<prefix>.health``.
+
+Any publish the server accepts on the health subject (``nats pub`` included) is stored, so an
+event is handled even when no controller runs at that moment or the leader dies while handling
+it. The leader consumes through one durable push consumer (queue group, explicit acks) and acks
+an event only after its decision is committed; an unacked event is redelivered after
+``ack_wait`` (to whichever controller leads then), and the event-id dedup makes that harmless.
+
+A monitor that wants the decision names a subject in the ``Marduk-Reply-To`` header; the
+controller publishes its ``HealthReply`` there after committing (``docs/protocol.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import NotFoundError
+
+log = logging.getLogger("marduk.health_stream")
+
+CONSUMER = "marduk-controller"
+
+
+def stream_name(prefix: str) -> str:
+    return prefix.replace(".", "_") + "_health"
+
+
+async def ensure_stream(
+    nc: NATS, prefix: str, subject: str, *, replicas: int = 1, max_age_s: float = 86400.0
+) -> str:
+    """Create the health stream if it does not exist; return its name."""
+    js = nc.jetstream(timeout=5.0)
+    name = stream_name(prefix)
+    try:
+        await js.stream_info(name)
+    except NotFoundError:
+        await js.add_stream(
+            StreamConfig(
+                name=name,
+                subjects=[subject],
+                retention=RetentionPolicy.LIMITS,
+                storage=StorageType.FILE,
+                num_replicas=replicas,
+                max_age=max_age_s,
+                max_msgs=1_000_000,
+                description="Marduk: device health events, kept until handled (and a day more)",
+            )
+        )
+        log.info("created stream %s for %s", name, subject)
+    return name
+
+
+class HealthConsumer:
+    """The leader's subscription to the durable consumer of the health stream."""
+
+    def __init__(self, nc: NATS, prefix: str, subject: str, *, ack_wait_s: float = 5.0) -> None:
+        self.nc = nc
+        self.stream = stream_name(prefix)
+        self.subject = subject
+        self.ack_wait_s = ack_wait_s
+        self._sub: object | None = None
+
+    async def start(self, cb: Callable[[Msg], Awaitable[None]]) -> None:
+        js = self.nc.jetstream(timeout=5.0)
+        self._sub = await js.subscribe(
+            self.subject,
+            queue=CONSUMER,
+            durable=CONSUMER,
+            stream=self.stream,
+            cb=cb,
+            manual_ack=True,
+            pending_msgs_limit=1_000_000,
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.ALL,
+                ack_wait=self.ack_wait_s,
+                max_ack_pending=10_000,
+            ),
+        )
+
+    async def stop(self) -> None:
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()  # type: ignore[attr-defined]
+            except Exception as e:
+                log.debug("unsubscribe: %s", e)

@@ -1,0 +1,229 @@
+"""One serving controller: a lease in JetStream KV, taken and renewed by compare-and-set.
+
+Every controller of a deployment (same NATS, same prefix) runs a ``Leadership``. The lease is one
+key, ``leader``, in the bucket ``<prefix>_leader``; its value names the holder, its term and its
+TTL. The holder renews it every ``ttl / 4`` with ``update(last=revision)``; a renewal that finds
+another revision means someone else holds it now, and the holder steps down at once.
+
+Expiry is timed by the observers, not the server (as Kubernetes Leases are): a standby notes, on
+its own monotonic clock, when it first saw the current revision; when ``ttl`` passes without a new
+revision it takes the lease with ``update(last=that revision)``. Only one such update can win.
+No clocks need to agree and no server-side TTL is needed.
+
+Fencing. The holder serves only while its last successful renewal was *sent* less than
+``FENCE * ttl`` ago (``serving()``); the controller checks it before every commit. The standby's
+clock started when the renewal was already stored, so the old leader stops at least
+``(1 - FENCE) * ttl`` before anyone may take over: two never serve at once, partition included.
+A leader that cannot reach NATS therefore stops serving within ``FENCE * ttl`` and campaigns
+again when it can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import (
+    BucketNotFoundError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+)
+from nats.js.kv import KeyValue
+
+log = logging.getLogger("marduk.leadership")
+
+KEY = "leader"
+FENCE = 0.75
+"""The leader stops serving when its last renewal was sent this fraction of the TTL ago."""
+
+
+def lease_bucket_name(prefix: str) -> str:
+    return prefix.replace(".", "_") + "_leader"
+
+
+class Lease(msgspec.Struct, kw_only=True):
+    """The value of the lease key."""
+
+    holder: str
+    term: int
+    ttl: float
+    pid: int = 0
+    host: str = ""
+    acquired_at: float = 0.0
+
+
+OnChange = Callable[[int], Awaitable[None]]
+
+
+class Leadership:
+    """Campaigns for, holds and renews the lease; tells the controller when it wins or loses."""
+
+    def __init__(
+        self,
+        nc: NATS,
+        prefix: str,
+        holder: str,
+        *,
+        ttl: float,
+        replicas: int = 1,
+        pid: int = 0,
+        host: str = "",
+        on_elected: OnChange,
+        on_deposed: Callable[[str], Awaitable[None]],
+    ) -> None:
+        self.nc = nc
+        self.prefix = prefix
+        self.holder = holder
+        self.ttl = ttl
+        self.replicas = replicas
+        self.pid, self.host = pid, host
+        self._on_elected = on_elected
+        self._on_deposed = on_deposed
+        self.kv: KeyValue | None = None
+        self.is_leader = False
+        self.term = 0
+        self.lease: Lease | None = None  # the lease as last seen (ours or another's)
+        self._revision = 0
+        self._observed_at = 0.0  # monotonic time the current revision was first seen
+        self._renewed_sent = 0.0  # monotonic time our last successful renewal was sent
+        self._acquired_at = 0.0
+        self.renew_failures = 0
+
+    async def open(self) -> None:
+        js = self.nc.jetstream(timeout=max(0.5, self.ttl / 4))
+        name = lease_bucket_name(self.prefix)
+        try:
+            self.kv = await js.key_value(name)
+        except BucketNotFoundError:
+            self.kv = await js.create_key_value(
+                KeyValueConfig(
+                    bucket=name,
+                    history=1,
+                    storage=StorageType.FILE,
+                    replicas=self.replicas,
+                    description="Marduk controller leadership lease",
+                )
+            )
+
+    def serving(self) -> bool:
+        """True while this controller may act as leader (checked before every commit)."""
+        return self.is_leader and time.monotonic() - self._renewed_sent < FENCE * self.ttl
+
+    async def run(self) -> None:
+        """Campaign and renew until cancelled."""
+        assert self.kv is not None
+        while True:
+            try:
+                if self.is_leader:
+                    await self._renew()
+                else:
+                    await self._campaign()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # NATS away, a timeout: try again next round
+                log.debug("lease: %s: %s", type(e).__name__, e)
+            if self.is_leader and not self.serving():
+                await self._depose(
+                    f"could not renew the lease for {time.monotonic() - self._renewed_sent:.1f}s"
+                )
+            await asyncio.sleep(self.ttl / 4 if self.is_leader else self.ttl / 8)
+
+    async def _renew(self) -> None:
+        assert self.kv is not None
+        sent = time.monotonic()
+        value = self._value(self.term)
+        try:
+            self._revision = await asyncio.wait_for(
+                self.kv.update(KEY, value, last=self._revision), self.ttl / 4
+            )
+        except KeyWrongLastSequenceError:
+            await self._depose("another controller holds the lease")
+            return
+        except Exception:
+            self.renew_failures += 1
+            raise
+        self._renewed_sent = sent
+
+    async def _campaign(self) -> None:
+        assert self.kv is not None
+        now = time.monotonic()
+        try:
+            entry = await self.kv.get(KEY)
+        except (KeyNotFoundError, KeyDeletedError):
+            entry = None
+        if entry is None:
+            await self._take(0, (self.lease.term if self.lease else 0) + 1, now)
+            return
+        lease = _decode(entry.value)
+        if entry.revision != self._revision:
+            self._revision, self._observed_at, self.lease = entry.revision or 0, now, lease
+            if lease is not None and lease.holder == self.holder:
+                # Our own lease from before a NATS outage, untouched since: resume at once.
+                await self._take(self._revision, lease.term + 1, now)
+            return
+        ttl = lease.ttl if lease is not None else self.ttl
+        if now - self._observed_at >= ttl:
+            term = (lease.term if lease is not None else 0) + 1
+            await self._take(self._revision, term, now)
+
+    async def _take(self, last: int, term: int, sent: float) -> None:
+        assert self.kv is not None
+        try:
+            if last == 0:
+                self._revision = await self.kv.create(KEY, self._value(term))
+            else:
+                self._revision = await self.kv.update(KEY, self._value(term), last=last)
+        except KeyWrongLastSequenceError:
+            return  # someone else was quicker; observe again next round
+        self._renewed_sent = sent
+        self._acquired_at = time.time()
+        self.is_leader, self.term = True, term
+        self.lease = _decode(self._value(term))
+        log.info("elected leader (term %d, lease TTL %gs)", term, self.ttl)
+        await self._on_elected(term)
+
+    async def _depose(self, why: str) -> None:
+        if not self.is_leader:
+            return
+        self.is_leader = False
+        # Observe afresh: a standby waits a whole TTL from now before taking it back.
+        self._observed_at = time.monotonic()
+        log.warning("stepping down (term %d): %s", self.term, why)
+        await self._on_deposed(why)
+
+    async def resign(self) -> None:
+        """Give the lease up on a clean stop, so a standby need not wait for it to lapse."""
+        if not self.is_leader or self.kv is None:
+            return
+        self.is_leader = False
+        try:
+            await asyncio.wait_for(self.kv.delete(KEY, last=self._revision), 1.0)
+        except Exception as e:
+            log.debug("resign: %s", e)
+
+    def _value(self, term: int) -> bytes:
+        return msgspec.json.encode(
+            Lease(
+                holder=self.holder,
+                term=term,
+                ttl=self.ttl,
+                pid=self.pid,
+                host=self.host,
+                acquired_at=self._acquired_at or time.time(),
+            )
+        )
+
+
+def _decode(value: bytes | None) -> Lease | None:
+    if not value:
+        return None
+    try:
+        return msgspec.json.decode(value, type=Lease)
+    except msgspec.DecodeError:
+        return None
