@@ -10,11 +10,13 @@ fields are ignored so that a newer peer may add optional fields without breaking
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
 from marduk.errors import ProtocolError
+from marduk.subjects import RESERVED_JOBS, TOKEN_PATTERN
 
 PROTOCOL_VERSION: Final = 1
 # Well under NATS's default max_payload (1 MiB). A registration of 4,096 devices fits.
@@ -23,10 +25,17 @@ MAX_DEVICES_PER_WORKER: Final = 4096
 
 # --- field types -------------------------------------------------------------------------------
 
-Token = Annotated[
-    str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$", description="subject token")
-]
-DeviceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+# Patterns are anchored with \A and \Z, not ^ and $: msgspec applies them with ``re.search``, and
+# ``$`` also matches before a trailing newline, so "a\n" would pass as a token.
+_TOKEN_PATTERN: Final = rf"\A{TOKEN_PATTERN}\Z"
+# A token that is not a reserved job name (those would collide with the controller's subjects).
+_RESERVED = "|".join(re.escape(job) for job in sorted(RESERVED_JOBS))
+_JOB_PATTERN: Final = rf"\A(?!(?:{_RESERVED})\Z){TOKEN_PATTERN}\Z"
+_DEVICE_PATTERN: Final = r"\A[\x21-\x7e]+\Z"
+
+Token = Annotated[str, msgspec.Meta(pattern=_TOKEN_PATTERN, description="subject token")]
+JobName = Annotated[str, msgspec.Meta(pattern=_JOB_PATTERN, description="job name")]
+DeviceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=_DEVICE_PATTERN)]
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -54,7 +63,7 @@ class Registration(Message, tag="register", kw_only=True):
     Idempotent: registering again (after a reconnect, a trainer restart) replaces the entry.
     """
 
-    job: Token
+    job: JobName
     replica: Token
     worker: NonNegInt = 0
     host: ShortText = ""
@@ -78,7 +87,7 @@ class Command(Message, tag="command", kw_only=True):
     """
 
     command_id: ShortText
-    job: Token
+    job: JobName
     replica: Token | None = None
     scope: Scope = "replica"
     kind: CommandKind
@@ -90,7 +99,7 @@ class Command(Message, tag="command", kw_only=True):
 
 
 class RegisterReply(Message, tag="register_reply", kw_only=True):
-    job: Token
+    job: JobName
     replica: Token
     worker: NonNegInt
     outcome: Literal["new", "updated", "unchanged"]
@@ -104,7 +113,7 @@ class RegisterReply(Message, tag="register_reply", kw_only=True):
 
 
 class Deregistration(Message, tag="deregister", kw_only=True):
-    job: Token
+    job: JobName
     replica: Token
     worker: NonNegInt = 0
     reason: Text = ""
@@ -117,7 +126,7 @@ class DeregisterReply(Message, tag="deregister_reply", kw_only=True):
 class Ack(Message, tag="ack", kw_only=True):
     """A worker applied (or has started applying) the command of ``epoch``."""
 
-    job: Token
+    job: JobName
     replica: Token
     worker: NonNegInt = 0
     epoch: NonNegInt
@@ -153,7 +162,7 @@ class Report(Message, tag="report", kw_only=True):
     worker's restart scope (as for a device failure); ``running`` at an epoch confirms it.
     """
 
-    job: Token
+    job: JobName
     replica: Token
     worker: NonNegInt = 0
     status: ReportStatus
@@ -222,9 +231,12 @@ class Hello(Message, tag="hello", kw_only=True):
 
 
 class Forget(Message, tag="forget", kw_only=True):
-    """An operator removes a job, a replica or one worker from the map (``marduk monitor forget``)."""
+    """An operator removes a job, a replica or one worker from the map.
 
-    job: Token
+    Sent by ``marduk monitor forget``.
+    """
+
+    job: JobName
     replica: Token | None = None
     worker: NonNegInt | None = None
 
@@ -238,7 +250,7 @@ class ForgetReply(Message, tag="forget_reply", kw_only=True):
 
 class Query(Message, tag="query", kw_only=True):
     what: QueryWhat = "map"
-    job: Token | None = None
+    job: JobName | None = None
 
 
 WorkerState = Literal["live", "stale"]
@@ -336,7 +348,7 @@ def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -
     try:
         msg = decoder.decode(data)
     except msgspec.ValidationError as e:
-        raise ProtocolError("invalid", f"invalid {_name(type_)}: {e}") from None
+        raise ProtocolError("invalid", f"invalid {_name(type_)}: {_readable(e)}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError("malformed", f"malformed JSON: {e}") from None
     version = getattr(msg, "v", PROTOCOL_VERSION)
@@ -345,6 +357,22 @@ def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -
             "version", f"unsupported protocol version {version} (this side speaks 1)"
         )
     return msg  # type: ignore[no-any-return]
+
+
+# msgspec names a failed pattern by its regex; say what it means instead.
+_PATTERN_TEXT: Final = {
+    _TOKEN_PATTERN: "1-128 of A-Z a-z 0-9 _ -, starting with a letter or digit",
+    _JOB_PATTERN: "1-128 of A-Z a-z 0-9 _ -, starting with a letter or digit, and not "
+    + " or ".join(repr(job) for job in sorted(RESERVED_JOBS)),
+    _DEVICE_PATTERN: "printable ASCII without spaces",
+}
+
+
+def _readable(error: msgspec.ValidationError) -> str:
+    text = str(error)
+    for pattern, meaning in _PATTERN_TEXT.items():
+        text = text.replace(f"matching regex {pattern!r}", f"({meaning})")
+    return text
 
 
 def _name(type_: Any) -> str:
