@@ -39,7 +39,8 @@ DeviceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=_DE
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-Version = Annotated[int, msgspec.Meta(ge=1)]
+# Any integer decodes; decode() answers every value but PROTOCOL_VERSION with reason "version".
+Version = int
 
 Scope = Literal["replica", "job"]
 HealthState = Literal["failed", "degraded", "healthy"]
@@ -337,7 +338,11 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -> T:
-    """Decode ``data`` as ``type_`` or raise ProtocolError with a reason and a clear message."""
+    """Decode ``data`` as ``type_`` or raise ProtocolError with a reason and a clear message.
+
+    Whatever the bytes, nothing but ProtocolError comes out: a peer cannot make the controller
+    answer ``internal``.
+    """
     if len(data) > max_bytes:
         raise ProtocolError("oversized", f"message of {len(data)} bytes exceeds {max_bytes}")
     if not data:
@@ -346,17 +351,49 @@ def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -
     if decoder is None:
         decoder = _decoders[type_] = msgspec.json.Decoder(type_)
     try:
+        # JSON is UTF-8. msgspec checks only the strings it keeps, and raises UnicodeDecodeError
+        # (not one of its own errors) for those; it skips unknown fields unchecked. Check it all.
+        str(data, "utf-8")
         msg = decoder.decode(data)
     except msgspec.ValidationError as e:
+        # A newer peer's message may fail our schema; its version is the better answer.
+        _check_version(_peek_version(data))
         raise ProtocolError("invalid", f"invalid {_name(type_)}: {_readable(e)}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError("malformed", f"malformed JSON: {e}") from None
-    version = getattr(msg, "v", PROTOCOL_VERSION)
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            "version", f"unsupported protocol version {version} (this side speaks 1)"
-        )
+    except UnicodeDecodeError as e:
+        raise ProtocolError("malformed", f"malformed JSON: not UTF-8 at byte {e.start}") from None
+    except RecursionError:
+        # msgspec guards its recursion with the interpreter's limit (about 1,000 levels).
+        raise ProtocolError("malformed", "malformed JSON: nested too deeply") from None
+    except Exception as e:  # the sender's bytes, never our bug: see the docstring
+        raise ProtocolError("malformed", f"malformed JSON: {type(e).__name__}: {e}") from None
+    _check_version(getattr(msg, "v", PROTOCOL_VERSION))
     return msg  # type: ignore[no-any-return]
+
+
+class _Envelope(msgspec.Struct):
+    v: object = PROTOCOL_VERSION
+
+
+def _peek_version(data: bytes) -> object:
+    """The ``v`` of a message that failed validation, or PROTOCOL_VERSION if there is none."""
+    try:
+        return msgspec.json.decode(data, type=_Envelope).v
+    except Exception:  # only a hint for the error message
+        return PROTOCOL_VERSION
+
+
+def _check_version(version: object) -> None:
+    # bool is an int in Python, and True == 1: only a real integer is a version.
+    if type(version) is not int or version == PROTOCOL_VERSION:
+        return
+    shown = str(version) if abs(version) < 10**20 else f"{str(version)[:20]}..."
+    why = "upgrade this side" if version > PROTOCOL_VERSION else "versions start at 1"
+    raise ProtocolError(
+        "version",
+        f"unsupported protocol version {shown}: this side speaks {PROTOCOL_VERSION} ({why})",
+    )
 
 
 # msgspec names a failed pattern by its regex; say what it means instead.

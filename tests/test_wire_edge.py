@@ -1,15 +1,19 @@
 """The strict edge: whatever bytes arrive, decode() returns a message or raises ProtocolError.
 
 Pure tests (no server). Each rule of the wire contract's edge has a table here: ids match their
-pattern whole, and reserved job names are refused.
+pattern whole, reserved job names are refused, bad UTF-8 and deep nesting are ``malformed``,
+and every ``v`` but 1 is ``version``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from marduk import protocol as wire
 from marduk.errors import ProtocolError
@@ -145,3 +149,217 @@ def test_reserved_job_names_are_refused_in_every_message_with_a_job(
 def test_the_reserved_name_table_has_every_message_with_a_job() -> None:
     wanted = ["Registration", "Deregistration", "Ack", "Report", "Command", "Query", "Forget"]
     assert set(wanted) <= {t.__name__ for t in JOB_TYPES}
+
+
+# --- 3. bad UTF-8 and deep nesting are malformed ------------------------------------------------
+
+BAD_UTF8 = [
+    b"\xff",  # never valid
+    b"\xc3\x28",  # a lead byte without its continuation
+    b"\xc0\xaf",  # overlong '/'
+    b"\xed\xa0\x80",  # a UTF-16 surrogate encoded as UTF-8
+    b"\xf4\x90\x80\x80",  # above U+10FFFF
+    b"r\x80",  # a stray continuation byte
+]
+
+
+@pytest.mark.parametrize("raw", BAD_UTF8, ids=repr)
+@pytest.mark.parametrize(
+    "where",
+    [
+        (b'{"type":"register","job":"j","replica":"', b'","devices":["d"]}'),  # a kept field
+        (b'{"type":"register","job":"j","replica":"r","devices":["d"],"reason":"', b'"}'),
+        (b'{"type":"register","job":"j","replica":"r","devices":["d"],"', b'":1}'),  # a key
+        (b'{"type":"register","job":"j","replica":"r","host":"', b'","devices":["d"]}'),
+        (b'{"type":"health","device":"d","state":"failed","reason":"', b'"}'),
+    ],
+    ids=["replica", "unknown-field", "unknown-key", "host", "health-reason"],
+)
+def test_invalid_utf8_anywhere_is_malformed(where: tuple[bytes, bytes], raw: bytes) -> None:
+    data = where[0] + raw + where[1]
+    type_ = wire.DeviceHealth if b'"health"' in data else wire.Registration
+    e = refused(data, type_)
+    assert e.reason == "malformed"
+    assert "UTF-8" in str(e)
+
+
+def test_non_ascii_utf8_is_fine() -> None:
+    msg = wire.decode(message(wire.DeviceHealth, reason="GPU überhitzt 🔥"), wire.DeviceHealth)
+    assert msg.reason == "GPU überhitzt 🔥"
+
+
+def _deep_list(n: int) -> bytes:
+    return b"[" * n + b"]" * n
+
+
+def _deep_dict(n: int) -> bytes:
+    return b'{"a":' * n + b"1" + b"}" * n
+
+
+def _in_field(value: bytes, field: bytes = b"x") -> bytes:
+    head = b'{"type":"register","job":"j","replica":"r","devices":["d"],"'
+    return head + field + b'":' + value + b"}"
+
+
+BIG = 10_000_000  # a max_bytes that lets 100,000-deep objects through to the parser
+
+
+@pytest.mark.parametrize(
+    ("data", "max_bytes", "reason"),
+    [
+        # msgspec stops at the first byte: a Registration is an object, not an array.
+        (_deep_list(1_000), None, "invalid"),
+        (_deep_list(100_000), None, "invalid"),
+        (b"[" * 100_000, None, "invalid"),
+        (_deep_dict(1_000), None, "malformed"),
+        (_deep_dict(100_000), None, "oversized"),  # 600 KB
+        (_deep_dict(100_000), BIG, "malformed"),
+        (b'{"a":' * 100_000, BIG, "malformed"),  # deep and never closed
+        (_in_field(_deep_list(1_000)), None, "malformed"),  # skipped field
+        (_in_field(_deep_list(100_000)), None, "malformed"),
+        (_in_field(_deep_dict(1_000)), None, "malformed"),
+        (_in_field(_deep_dict(100_000)), BIG, "malformed"),
+        # A kept field is refused at its first wrong type, before any depth (devices: strings).
+        (_in_field(_deep_list(1_000), b"devices"), None, "invalid"),
+        (_in_field(_deep_list(100_000), b"devices"), None, "invalid"),
+    ],
+    ids=[
+        "list-1k",
+        "list-100k",
+        "list-100k-open",
+        "dict-1k",
+        "dict-100k",
+        "dict-100k-big",
+        "dict-100k-open",
+        "field-list-1k",
+        "field-list-100k",
+        "field-dict-1k",
+        "field-dict-100k",
+        "devices-list-1k",
+        "devices-list-100k",
+    ],
+)
+def test_deep_nesting_is_refused(data: bytes, max_bytes: int | None, reason: str) -> None:
+    kw = {} if max_bytes is None else {"max_bytes": max_bytes}
+    e = refused(data, wire.Registration, **kw)
+    assert e.reason == reason, str(e)
+
+
+@pytest.mark.parametrize("type_", REQUEST_TYPES, ids=lambda t: t.__name__)
+@pytest.mark.parametrize("depth", [1_000, 100_000])
+def test_deep_nesting_is_malformed_for_every_request(type_: type[Any], depth: int) -> None:
+    body = msgspec.json.encode(BASE[type_])[:-1] + b',"x":' + _deep_list(depth) + b"}"
+    assert refused(body, type_).reason == "malformed"
+    assert refused(_deep_dict(depth), type_, max_bytes=BIG).reason == "malformed"
+
+
+# --- 4. every v but 1 is "version" ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("v", [0, -1, 2, 3, 2**63, 2**70, -(2**70)])
+@pytest.mark.parametrize("type_", REQUEST_TYPES, ids=lambda t: t.__name__)
+def test_every_other_integer_version_is_version(type_: type[Any], v: int) -> None:
+    e = refused(message(type_, v=v), type_)
+    assert e.reason == "version"
+    assert "version" in str(e) and "speaks 1" in str(e)
+
+
+@pytest.mark.parametrize("v", [0, -1, 2, 2**70])
+def test_version_wins_over_a_body_we_cannot_read(v: int) -> None:
+    # A peer of another version may send fields we do not know the shape of.
+    data = msgspec.json.encode({"type": "register", "v": v, "devices": {"new": "shape"}})
+    assert refused(data, wire.Registration).reason == "version"
+
+
+@pytest.mark.parametrize("v", ["1", 1.0, 1.5, None, True, [1], {"v": 1}])
+def test_non_integer_version_is_invalid(v: Any) -> None:
+    e = refused(message(wire.Registration, v=v), wire.Registration)
+    assert e.reason == "invalid"
+    assert "`$.v`" in str(e)
+
+
+def test_version_1_and_no_version_decode() -> None:
+    assert wire.decode(message(wire.Registration, v=1), wire.Registration).v == 1
+    assert wire.decode(message(wire.Registration), wire.Registration).v == 1
+
+
+# --- the property: nothing but ProtocolError, whatever the bytes --------------------------------
+
+_FIELD_NAMES = sorted({name for t in REQUEST_TYPES for name in t.__struct_fields__} | {"type"})
+_TAGS = sorted({t.__struct_config__.tag for t in REQUEST_TYPES if t.__struct_config__.tag})
+
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats()
+    | st.text()
+    | st.sampled_from([*_TAGS, "a\n", "ctl", "GPU-0"]),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(st.sampled_from(_FIELD_NAMES) | st.text(max_size=8), children, max_size=6)
+    ),
+    max_leaves=30,
+)
+
+
+def _returns_or_refuses(data: bytes) -> None:
+    for type_ in REQUEST_TYPES:
+        try:
+            msg = wire.decode(data, type_)
+        except ProtocolError as e:
+            assert e.reason in {"malformed", "empty", "invalid", "version", "oversized"}
+        else:
+            assert isinstance(msg, type_)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_decode_or_raise_protocol_error(data: bytes) -> None:
+    _returns_or_refuses(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values)
+def test_arbitrary_json_decodes_or_raises_protocol_error(value: Any) -> None:
+    # json.dumps, not msgspec: NaN and Infinity come out as the non-JSON tokens they are.
+    _returns_or_refuses(json.dumps(value).encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(REQUEST_TYPES),
+    st.dictionaries(st.sampled_from(_FIELD_NAMES), json_values, max_size=6),
+)
+def test_spoiled_valid_messages_decode_or_raise_protocol_error(
+    type_: type[Any], spoil: dict[str, Any]
+) -> None:
+    _returns_or_refuses(json.dumps({**BASE[type_], **spoil}).encode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(REQUEST_TYPES),
+    st.integers(min_value=0),
+    st.binary(min_size=1, max_size=16) | st.sampled_from(BAD_UTF8),
+)
+def test_valid_messages_with_bytes_spliced_in_decode_or_raise_protocol_error(
+    type_: type[Any], at: int, junk: bytes
+) -> None:
+    # Spliced into a valid message, junk lands inside strings, keys and numbers the decoder keeps.
+    data = msgspec.json.encode(BASE[type_])
+    at %= len(data) + 1
+    _returns_or_refuses(data[:at] + junk + data[at:])
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.sampled_from(REQUEST_TYPES),
+    st.integers(min_value=1, max_value=20_000),
+    st.sampled_from([(b"[", b"]"), (b'{"a":', b"}"), (b'[{"a":', b"}]")]),
+)
+def test_any_nesting_depth_decodes_or_raises_protocol_error(
+    type_: type[Any], depth: int, brackets: tuple[bytes, bytes]
+) -> None:
+    value = brackets[0] * depth + b"0" + brackets[1] * depth
+    _returns_or_refuses(msgspec.json.encode(BASE[type_])[:-1] + b',"x":' + value + b"}")
