@@ -23,6 +23,10 @@ PROTOCOL_VERSION: Final = 1
 MAX_MESSAGE_BYTES: Final = 256 * 1024
 MAX_DEVICES_PER_WORKER: Final = 4096
 
+# Above this, a JSON peer that reads numbers as doubles (JavaScript, jq, many JSON libraries)
+# silently rounds: two different epochs would compare equal.
+MAX_EPOCH: Final = 2**53
+
 # --- field types -------------------------------------------------------------------------------
 
 # Patterns are anchored with \A and \Z, not ^ and $: msgspec applies them with ``re.search``, and
@@ -39,6 +43,7 @@ DeviceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=_DE
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
 # Any integer decodes; decode() answers every value but PROTOCOL_VERSION with reason "version".
 Version = int
 
@@ -74,9 +79,9 @@ class Registration(Message, tag="register", kw_only=True):
     # Counts trainer starts under one supervisor; a library alone sends MARDUK_RESTART_COUNT or 0.
     incarnation: NonNegInt = 0
     # The restart epoch this worker has applied (acknowledged); 0: none yet.
-    epoch: NonNegInt = 0
+    epoch: Epoch = 0
     # The highest epoch it has received, applied or not: the controller never reissues it.
-    seen_epoch: NonNegInt = 0
+    seen_epoch: Epoch = 0
     role: Role = "library"
 
 
@@ -92,7 +97,7 @@ class Command(Message, tag="command", kw_only=True):
     replica: Token | None = None
     scope: Scope = "replica"
     kind: CommandKind
-    epoch: NonNegInt
+    epoch: Epoch
     reason: Text = ""
     devices: list[DeviceId] = []
     event_id: ShortText = ""
@@ -106,7 +111,7 @@ class RegisterReply(Message, tag="register_reply", kw_only=True):
     outcome: Literal["new", "updated", "unchanged"]
     # The current epoch of this worker's restart scope, and the command that set it (if any):
     # an agent that missed a command converges by comparing this with what it applied.
-    epoch: NonNegInt
+    epoch: Epoch
     command: Command | None = None
     # Seconds between renewals (re-registrations) the controller expects; a worker silent for
     # three of them is shown ``stale``. 0: the agent keeps its own default.
@@ -130,14 +135,14 @@ class Ack(Message, tag="ack", kw_only=True):
     job: JobName
     replica: Token
     worker: NonNegInt = 0
-    epoch: NonNegInt
+    epoch: Epoch
     command_id: ShortText = ""
 
 
 class AckReply(Message, tag="ack_reply", kw_only=True):
     """The controller recorded the ack; ``epoch`` is the scope's current epoch."""
 
-    epoch: NonNegInt
+    epoch: Epoch
 
 
 class Action(msgspec.Struct, kw_only=True):
@@ -146,7 +151,7 @@ class Action(msgspec.Struct, kw_only=True):
     job: str
     replica: str | None
     kind: CommandKind
-    epoch: int
+    epoch: Epoch
     # True: a restart of this scope was already in flight, so no new command was sent.
     coalesced: bool = False
 
@@ -167,7 +172,7 @@ class Report(Message, tag="report", kw_only=True):
     replica: Token
     worker: NonNegInt = 0
     status: ReportStatus
-    epoch: NonNegInt = 0  # the epoch the trainer was started for
+    epoch: Epoch = 0  # the epoch the trainer was started for
     incarnation: NonNegInt = 0
     step: int | None = None
     step_at: float = 0.0

@@ -2,7 +2,7 @@
 
 Pure tests (no server). Each rule of the wire contract's edge has a table here: ids match their
 pattern whole, reserved job names are refused, bad UTF-8 and deep nesting are ``malformed``,
-and every ``v`` but 1 is ``version``.
+every ``v`` but 1 is ``version``, and epochs stay within 2**53.
 """
 
 from __future__ import annotations
@@ -281,6 +281,38 @@ def test_non_integer_version_is_invalid(v: Any) -> None:
 def test_version_1_and_no_version_decode() -> None:
     assert wire.decode(message(wire.Registration, v=1), wire.Registration).v == 1
     assert wire.decode(message(wire.Registration), wire.Registration).v == 1
+
+
+# --- 5. epochs stay within 2**53 --------------------------------------------------------------
+
+EPOCH_FIELDS = [
+    (wire.Registration, "epoch"),
+    (wire.Registration, "seen_epoch"),
+    (wire.Command, "epoch"),
+    (wire.RegisterReply, "epoch"),
+    (wire.Ack, "epoch"),
+    (wire.AckReply, "epoch"),
+    (wire.Report, "epoch"),
+    (wire.Action, "epoch"),
+]
+
+
+@pytest.mark.parametrize(("type_", "field"), EPOCH_FIELDS, ids=lambda p: getattr(p, "__name__", p))
+def test_epochs_stay_within_2_to_the_53(type_: type[Any], field: str) -> None:
+    top = wire.decode(message(type_, **{field: 2**53}), type_)
+    assert getattr(top, field) == 2**53 == wire.MAX_EPOCH
+    assert getattr(wire.decode(message(type_, **{field: 0}), type_), field) == 0
+    for bad in (2**53 + 1, 2**64, -1):
+        e = refused(message(type_, **{field: bad}), type_)
+        assert e.reason == "invalid"
+        assert f"`$.{field}`" in str(e)
+
+
+def test_a_nested_epoch_is_checked_too() -> None:
+    data = msgspec.json.encode({"type": "report_reply", "actions": [{**BASE[wire.Action]}]})
+    assert wire.decode(data, wire.ReportReply).actions[0].epoch == 1
+    bad = {"type": "report_reply", "actions": [{**BASE[wire.Action], "epoch": 2**53 + 1}]}
+    assert "`$.actions[0].epoch`" in str(refused(msgspec.json.encode(bad), wire.ReportReply))
 
 
 # --- the property: nothing but ProtocolError, whatever the bytes --------------------------------
