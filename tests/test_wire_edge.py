@@ -41,7 +41,7 @@ BASE: dict[type[Any], dict[str, Any]] = {
     wire.Action: {"job": "j", "replica": "r", "kind": "restart", "epoch": 1},
 }
 # What the controller decodes from the outside world.
-REQUEST_TYPES = [
+REQUEST_TYPES: list[type[Any]] = [
     wire.Registration,
     wire.Deregistration,
     wire.Ack,
