@@ -10,27 +10,42 @@ fields are ignored so that a newer peer may add optional fields without breaking
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
 from marduk.errors import ProtocolError
+from marduk.subjects import RESERVED_JOBS, TOKEN_PATTERN
 
 PROTOCOL_VERSION: Final = 1
 # Well under NATS's default max_payload (1 MiB). A registration of 4,096 devices fits.
 MAX_MESSAGE_BYTES: Final = 256 * 1024
 MAX_DEVICES_PER_WORKER: Final = 4096
 
+# Above this, a JSON peer that reads numbers as doubles (JavaScript, jq, many JSON libraries)
+# silently rounds: two different epochs would compare equal.
+MAX_EPOCH: Final = 2**53
+
 # --- field types -------------------------------------------------------------------------------
 
-Token = Annotated[
-    str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$", description="subject token")
-]
-DeviceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[\x21-\x7e]+$")]
+# Patterns are anchored with \A and \Z, not ^ and $: msgspec applies them with ``re.search``, and
+# ``$`` also matches before a trailing newline, so "a\n" would pass as a token.
+_TOKEN_PATTERN: Final = rf"\A{TOKEN_PATTERN}\Z"
+# A token that is not a reserved job name (those would collide with the controller's subjects).
+_RESERVED = "|".join(re.escape(job) for job in sorted(RESERVED_JOBS))
+_JOB_PATTERN: Final = rf"\A(?!(?:{_RESERVED})\Z){TOKEN_PATTERN}\Z"
+_DEVICE_PATTERN: Final = r"\A[\x21-\x7e]+\Z"
+
+Token = Annotated[str, msgspec.Meta(pattern=_TOKEN_PATTERN, description="subject token")]
+JobName = Annotated[str, msgspec.Meta(pattern=_JOB_PATTERN, description="job name")]
+DeviceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=_DEVICE_PATTERN)]
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-Version = Annotated[int, msgspec.Meta(ge=1)]
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
+# Any integer decodes; decode() answers every value but PROTOCOL_VERSION with reason "version".
+Version = int
 
 Scope = Literal["replica", "job"]
 HealthState = Literal["failed", "degraded", "healthy"]
@@ -54,7 +69,7 @@ class Registration(Message, tag="register", kw_only=True):
     Idempotent: registering again (after a reconnect, a trainer restart) replaces the entry.
     """
 
-    job: Token
+    job: JobName
     replica: Token
     worker: NonNegInt = 0
     host: ShortText = ""
@@ -64,9 +79,9 @@ class Registration(Message, tag="register", kw_only=True):
     # Counts trainer starts under one supervisor; a library alone sends MARDUK_RESTART_COUNT or 0.
     incarnation: NonNegInt = 0
     # The restart epoch this worker has applied (acknowledged); 0: none yet.
-    epoch: NonNegInt = 0
+    epoch: Epoch = 0
     # The highest epoch it has received, applied or not: the controller never reissues it.
-    seen_epoch: NonNegInt = 0
+    seen_epoch: Epoch = 0
     role: Role = "library"
 
 
@@ -78,11 +93,11 @@ class Command(Message, tag="command", kw_only=True):
     """
 
     command_id: ShortText
-    job: Token
+    job: JobName
     replica: Token | None = None
     scope: Scope = "replica"
     kind: CommandKind
-    epoch: NonNegInt
+    epoch: Epoch
     reason: Text = ""
     devices: list[DeviceId] = []
     event_id: ShortText = ""
@@ -90,13 +105,13 @@ class Command(Message, tag="command", kw_only=True):
 
 
 class RegisterReply(Message, tag="register_reply", kw_only=True):
-    job: Token
+    job: JobName
     replica: Token
     worker: NonNegInt
     outcome: Literal["new", "updated", "unchanged"]
     # The current epoch of this worker's restart scope, and the command that set it (if any):
     # an agent that missed a command converges by comparing this with what it applied.
-    epoch: NonNegInt
+    epoch: Epoch
     command: Command | None = None
     # Seconds between renewals (re-registrations) the controller expects; a worker silent for
     # three of them is shown ``stale``. 0: the agent keeps its own default.
@@ -104,7 +119,7 @@ class RegisterReply(Message, tag="register_reply", kw_only=True):
 
 
 class Deregistration(Message, tag="deregister", kw_only=True):
-    job: Token
+    job: JobName
     replica: Token
     worker: NonNegInt = 0
     reason: Text = ""
@@ -117,17 +132,17 @@ class DeregisterReply(Message, tag="deregister_reply", kw_only=True):
 class Ack(Message, tag="ack", kw_only=True):
     """A worker applied (or has started applying) the command of ``epoch``."""
 
-    job: Token
+    job: JobName
     replica: Token
     worker: NonNegInt = 0
-    epoch: NonNegInt
+    epoch: Epoch
     command_id: ShortText = ""
 
 
 class AckReply(Message, tag="ack_reply", kw_only=True):
     """The controller recorded the ack; ``epoch`` is the scope's current epoch."""
 
-    epoch: NonNegInt
+    epoch: Epoch
 
 
 class Action(msgspec.Struct, kw_only=True):
@@ -136,7 +151,7 @@ class Action(msgspec.Struct, kw_only=True):
     job: str
     replica: str | None
     kind: CommandKind
-    epoch: int
+    epoch: Epoch
     # True: a restart of this scope was already in flight, so no new command was sent.
     coalesced: bool = False
 
@@ -153,11 +168,11 @@ class Report(Message, tag="report", kw_only=True):
     worker's restart scope (as for a device failure); ``running`` at an epoch confirms it.
     """
 
-    job: Token
+    job: JobName
     replica: Token
     worker: NonNegInt = 0
     status: ReportStatus
-    epoch: NonNegInt = 0  # the epoch the trainer was started for
+    epoch: Epoch = 0  # the epoch the trainer was started for
     incarnation: NonNegInt = 0
     step: int | None = None
     step_at: float = 0.0
@@ -222,9 +237,12 @@ class Hello(Message, tag="hello", kw_only=True):
 
 
 class Forget(Message, tag="forget", kw_only=True):
-    """An operator removes a job, a replica or one worker from the map (``marduk monitor forget``)."""
+    """An operator removes a job, a replica or one worker from the map.
 
-    job: Token
+    Sent by ``marduk monitor forget``.
+    """
+
+    job: JobName
     replica: Token | None = None
     worker: NonNegInt | None = None
 
@@ -238,7 +256,7 @@ class ForgetReply(Message, tag="forget_reply", kw_only=True):
 
 class Query(Message, tag="query", kw_only=True):
     what: QueryWhat = "map"
-    job: Token | None = None
+    job: JobName | None = None
 
 
 WorkerState = Literal["live", "stale"]
@@ -325,7 +343,11 @@ def encode(msg: msgspec.Struct) -> bytes:
 
 
 def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -> T:
-    """Decode ``data`` as ``type_`` or raise ProtocolError with a reason and a clear message."""
+    """Decode ``data`` as ``type_`` or raise ProtocolError with a reason and a clear message.
+
+    Whatever the bytes, nothing but ProtocolError comes out: a peer cannot make the controller
+    answer ``internal``.
+    """
     if len(data) > max_bytes:
         raise ProtocolError("oversized", f"message of {len(data)} bytes exceeds {max_bytes}")
     if not data:
@@ -334,17 +356,65 @@ def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -
     if decoder is None:
         decoder = _decoders[type_] = msgspec.json.Decoder(type_)
     try:
+        # JSON is UTF-8. msgspec checks only the strings it keeps, and raises UnicodeDecodeError
+        # (not one of its own errors) for those; it skips unknown fields unchecked. Check it all.
+        str(data, "utf-8")
         msg = decoder.decode(data)
     except msgspec.ValidationError as e:
-        raise ProtocolError("invalid", f"invalid {_name(type_)}: {e}") from None
+        # A newer peer's message may fail our schema; its version is the better answer.
+        _check_version(_peek_version(data))
+        raise ProtocolError("invalid", f"invalid {_name(type_)}: {_readable(e)}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError("malformed", f"malformed JSON: {e}") from None
-    version = getattr(msg, "v", PROTOCOL_VERSION)
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            "version", f"unsupported protocol version {version} (this side speaks 1)"
-        )
+    except UnicodeDecodeError as e:
+        raise ProtocolError("malformed", f"malformed JSON: not UTF-8 at byte {e.start}") from None
+    except RecursionError:
+        # msgspec guards its recursion with the interpreter's limit (about 1,000 levels).
+        raise ProtocolError("malformed", "malformed JSON: nested too deeply") from None
+    except Exception as e:  # the sender's bytes, never our bug: see the docstring
+        raise ProtocolError("malformed", f"malformed JSON: {type(e).__name__}: {e}") from None
+    _check_version(getattr(msg, "v", PROTOCOL_VERSION))
     return msg  # type: ignore[no-any-return]
+
+
+class _Envelope(msgspec.Struct):
+    v: object = PROTOCOL_VERSION
+
+
+def _peek_version(data: bytes) -> object:
+    """The ``v`` of a message that failed validation, or PROTOCOL_VERSION if there is none."""
+    try:
+        return msgspec.json.decode(data, type=_Envelope).v
+    except Exception:  # only a hint for the error message
+        return PROTOCOL_VERSION
+
+
+def _check_version(version: object) -> None:
+    # bool is an int in Python, and True == 1: only a real integer is a version.
+    if type(version) is not int or version == PROTOCOL_VERSION:
+        return
+    shown = str(version) if abs(version) < 10**20 else f"{str(version)[:20]}..."
+    why = "upgrade this side" if version > PROTOCOL_VERSION else "versions start at 1"
+    raise ProtocolError(
+        "version",
+        f"unsupported protocol version {shown}: this side speaks {PROTOCOL_VERSION} ({why})",
+    )
+
+
+# msgspec names a failed pattern by its regex; say what it means instead.
+_PATTERN_TEXT: Final = {
+    _TOKEN_PATTERN: "1-128 of A-Z a-z 0-9 _ -, starting with a letter or digit",
+    _JOB_PATTERN: "1-128 of A-Z a-z 0-9 _ -, starting with a letter or digit, and not "
+    + " or ".join(repr(job) for job in sorted(RESERVED_JOBS)),
+    _DEVICE_PATTERN: "printable ASCII without spaces",
+}
+
+
+def _readable(error: msgspec.ValidationError) -> str:
+    text = str(error)
+    for pattern, meaning in _PATTERN_TEXT.items():
+        text = text.replace(f"matching regex {pattern!r}", f"({meaning})")
+    return text
 
 
 def _name(type_: Any) -> str:

@@ -31,15 +31,18 @@ DEFAULT_PREFIX = "marduk"
 # subject in this header; the controller publishes the HealthReply there once it has committed.
 REPLY_HEADER = "Marduk-Reply-To"
 
-# Tokens that appear in subjects: no dots, no wildcards, no whitespace.
-TOKEN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
-PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*$")
+# Tokens that appear in subjects: no dots, no wildcards, no whitespace. Always matched whole
+# (``fullmatch``): with ``match`` and ``$``, "a\n" would pass, since ``$`` matches before a final
+# newline. ``marduk.protocol`` builds its wire patterns from TOKEN_PATTERN.
+TOKEN_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
+TOKEN_RE = re.compile(TOKEN_PATTERN)
+PREFIX_RE = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")
 # Job names that would collide with the controller's own subjects.
 RESERVED_JOBS = frozenset({"ctl", "health"})
 
 
 def valid_token(value: str) -> bool:
-    return bool(TOKEN_RE.match(value))
+    return TOKEN_RE.fullmatch(value) is not None
 
 
 def check_job(job: str) -> str:
@@ -70,7 +73,7 @@ class Subjects:
     prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
-        if not PREFIX_RE.match(self.prefix):
+        if PREFIX_RE.fullmatch(self.prefix) is None:
             raise ValueError(f"invalid subject prefix {self.prefix!r}")
 
     # Job-agnostic subjects.
