@@ -38,6 +38,7 @@ import msgspec
 
 from marduk.drmap import DRMap, ReplicaKey, WorkerKey
 from marduk.protocol import (
+    MAX_EPOCH,
     Action,
     Command,
     CommandKind,
@@ -275,6 +276,11 @@ class Policy:
             self.epochs[ekey] = state
             out.put_epochs.append(state)
         seen = max(reg.epoch, reg.seen_epoch)
+        if seen > MAX_EPOCH - self.config.epoch_block:
+            # Adopting it would leave no epoch to issue that JSON peers can read.
+            raise PolicyError(
+                "invalid", f"epoch {seen} is beyond what this controller could have issued"
+            )
         if seen > state.epoch:
             # The agent saw an epoch we do not know (a lost write, state restored from an older
             # copy): adopt it, so the next command is above anything agents have seen.

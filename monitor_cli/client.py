@@ -90,7 +90,7 @@ async def publish_durably(
         js = nc.jetstream(timeout=timeout)
         try:
             ack = await js.publish(subjects.health, encode(event), headers={REPLY_HEADER: inbox})
-        except nats.errors.NoRespondersError:
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
             raise NoHealthStreamError(
                 f"nothing stores health events at {addr or 'the server'} on "
                 f"{subjects.health}: has a Marduk controller ever run with prefix "

@@ -103,7 +103,10 @@ def test_cli_without_controller_says_so(tmp_path: Path) -> None:
             "monitor", "inject-failure", "d1", "--timeout", "1", env={"MARDUK_ADDR": server.url}
         )
         assert r.returncode == 1 and "Traceback" not in r.stderr
-        assert "no Marduk controller answered" in r.stderr
+        # No controller ever ran here, so nothing stores health events: said in one line.
+        assert "has a Marduk controller ever run" in r.stderr
+        r = marduk_cli("monitor", "status", "--timeout", "1", env={"MARDUK_ADDR": server.url})
+        assert r.returncode == 1 and "no Marduk controller answered" in r.stderr
     finally:
         server.stop()
 

@@ -18,9 +18,7 @@ def test_a_failure_joining_a_restart_in_flight_still_reaches_that_scope() -> Non
     r = p.on_health(failed("d2", "e2"), now=2)
     assert [(c.replica, c.epoch, c.devices) for c in r.outcome.commands] == [("r1", 1, ["d2"])]
     # r2 hears of d2 too: the command in flight, again, same epoch, the device merged in.
-    assert [(c.replica, c.epoch, c.devices) for c in r.outcome.resent] == [
-        ("r2", 1, ["d3", "d2"])
-    ]
+    assert [(c.replica, c.epoch, c.devices) for c in r.outcome.resent] == [("r2", 1, ["d3", "d2"])]
     assert {(a.replica, a.coalesced) for a in r.reply.actions} == {("r1", False), ("r2", True)}
     # A device already listed sends nothing more: a storm stays bounded per scope.
     for i in range(50):
@@ -120,3 +118,10 @@ def test_restore_gives_every_worker_a_full_ttl_and_remembers_handled_events() ->
     assert dup.reply.duplicate and not dup.outcome.commands
     assert [a.epoch for a in dup.reply.actions] == [1]
     assert q.epoch_of(EpochKey("j", "r2")) == 1
+
+
+def test_an_epoch_near_the_json_limit_is_not_adopted() -> None:
+    p = Policy()
+    with pytest.raises(PolicyError) as e:
+        p.register(reg("r1", ["d1"], epoch=2**53), now=0)
+    assert e.value.code == "invalid" and "r1" not in {w.replica for w in p.worker_infos()}
