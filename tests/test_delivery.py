@@ -1,0 +1,160 @@
+"""Issue 6 on a real server, in one process: notices that join a restart, resends, liveness."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nats
+import pytest
+
+from agent.client import AsyncClient, connect_async
+from marduk import protocol as wire
+from marduk.controller import Controller
+from marduk.policy import PolicyConfig
+from marduk.protocol import decode, encode
+from marduk.subjects import Subjects
+from monitor_cli import client as monitor
+from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving
+
+S = Subjects()
+
+
+async def agent(server: NatsServer, replica: str, devices: list[str]) -> AsyncClient:
+    return await connect_async(replica, devices, addr=server.url, timeout=10)
+
+
+async def serve(server: NatsServer, tmp_path: Path, **policy: object) -> Controller:
+    settings = controller_settings(server, tmp_path)
+    settings.policy = PolicyConfig(**policy)  # type: ignore[arg-type]
+    return await start_serving(Controller(settings))
+
+
+async def test_a_failure_joining_a_restart_in_flight_reaches_every_replica(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Issue 6's scenario: r1 on d1,d2, r2 on d2,d3; trainers that wait() and do not ack."""
+    c = await serve(nats_server, tmp_path)
+    r1 = await agent(nats_server, "r1", ["d1", "d2"])
+    r2 = await agent(nats_server, "r2", ["d2", "d3"])
+    nc = await nats.connect(nats_server.url)
+    try:
+        await health_event(nc, "d3")
+        first = await r2.wait(5)
+        assert first is not None and (first.epoch, first.devices) == (1, ("d3",))
+        reply = await health_event(nc, "d2")
+        assert {(a.replica, a.coalesced) for a in reply.actions} == {("r1", False), ("r2", True)}
+        got1, got2 = await r1.wait(5), await r2.wait(5)
+        assert got1 is not None and (got1.epoch, got1.devices) == (1, ("d2",))
+        # r2 learns d2 failed too: same epoch (it restarts once), the devices merged.
+        assert got2 is not None and (got2.epoch, got2.devices) == (1, ("d3", "d2"))
+        assert r2.stats["updates"] == 1 and r2.last_failure is not None
+        assert r2.last_failure.devices == ("d3", "d2")
+        # Resends of the same command (r2 has still not acked) are not delivered again.
+        await eventually(lambda: c.stats["commands.resent"] >= 3, timeout=10)
+        assert await r2.wait(0.2) is None and r2.stats["dropped_stale"] >= 1
+    finally:
+        await nc.close()
+        await r1.close()
+        await r2.close()
+        await c.stop()
+
+
+async def test_a_missed_command_arrives_by_resend_without_waiting_for_renewal(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A dropped core message costs about a resend interval (1 s), not the renewal period."""
+    c = await serve(nats_server, tmp_path, worker_ttl_s=300)  # renewals every 100 s
+    r1 = await agent(nats_server, "r1", ["d1"])
+    assert r1._nc is not None
+    subs = [s for s in r1._nc._subs.values() if ".cmd." in s.subject]
+    for sub in subs:  # lose the command subscription, as a slow consumer or a blip would
+        await sub.unsubscribe()
+    nc = await nats.connect(nats_server.url)
+    try:
+        await health_event(nc, "d1")
+        assert await r1.wait(0.3) is None
+        await r1._nc.subscribe(S.replica_commands("default", "r1"), cb=r1._on_msg)
+        got = await r1.wait(5)  # the next resend, ~1 s later
+        assert got is not None and (got.kind, got.epoch) == ("restart", 1)
+        assert r1.stats["registrations"] == 1  # no re-registration was needed
+        assert c.stats["commands.resent"] >= 1
+        await r1.ack()
+        resent = c.stats["commands.resent"]
+        await eventually(lambda: c.stats["received.ack"] >= 1)
+        assert await r1.wait(1.5) is None and c.stats["commands.resent"] <= resent + 1
+    finally:
+        await nc.close()
+        await r1.close()
+        await c.stop()
+
+
+async def test_stale_worker_is_shown_releases_its_restart_and_expires(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    c = await serve(nats_server, tmp_path, worker_ttl_s=1.0, worker_expiry_s=3.0)
+    r1 = await agent(nats_server, "r1", ["d1"])
+    assert r1.renew_interval == pytest.approx(1 / 3)  # told by the controller
+    silent = await agent(nats_server, "r2", ["d2"])
+    for task in list(silent._tasks):  # its renewals stop, as if the process hung
+        task.cancel()
+    try:
+        await eventually(lambda: ("default", "r2", 0) in c.policy.stale, timeout=10)
+        status = await monitor.query(nats_server.url, "marduk", "map")
+        assert {w.replica: w.state for w in status.workers} == {"r1": "live", "r2": "stale"}
+        await eventually(lambda: not c.policy.drmap.has_device("d2"), timeout=15)
+        status = await monitor.query(nats_server.url, "marduk", "map")
+        assert [w.replica for w in status.workers] == ["r1"]
+        assert "d2" not in [d.device for d in status.devices]
+        assert c.stats["rejected"] == 0
+    finally:
+        await r1.close()
+        await silent.close(deregister=False)
+        await c.stop()
+
+
+async def test_a_second_live_process_is_refused_with_duplicate_worker(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    r1 = await agent(nats_server, "r1", ["d1"])
+    nc = await nats.connect(nats_server.url)
+    try:
+        events = await nc.subscribe(S.all_events)
+        other = wire.Registration(
+            job="default", replica="r1", devices=["d9"], host="elsewhere", pid=os.getpid() + 1
+        )
+        msg = await nc.request(S.register("default"), encode(other), timeout=5)
+        err = decode(msg.data, wire.ErrorReply)
+        assert err.code == "duplicate_worker" and "is held by pid" in err.message
+        assert controller.stats["rejected.duplicate_worker"] == 1
+        ev = decode((await events.next_msg(timeout=5)).data, wire.ControllerEvent)
+        assert ev.kind == "duplicate_worker"
+        # Not merged: the map still has the live holder's devices only.
+        assert controller.policy.drmap.devices_for_worker(("default", "r1", 0)) == {"d1"}  # type: ignore[arg-type]
+    finally:
+        await nc.close()
+        await r1.close()
+
+
+def test_forget_and_mark_healthy_all_from_the_cli(controller_env: dict[str, str]) -> None:
+    from tests.conftest import marduk_cli
+    from tests.processes import inject, status, trainer
+
+    t = trainer(controller_env, "r1", "d1,d2")
+    try:
+        inject(controller_env, "d1")
+        r = marduk_cli("monitor", "mark-healthy", "--all", env=controller_env)
+        assert r.returncode == 0 and "d1" in r.stdout and "healthy" in r.stdout
+        assert {d["device"]: d["state"] for d in status(controller_env)["devices"]} == {
+            "d1": "healthy",
+            "d2": "healthy",
+        }
+        r = marduk_cli("monitor", "forget", "bad/", env=controller_env)
+        assert r.returncode == 1 and "is not JOB" in r.stderr and "Traceback" not in r.stderr
+        r = marduk_cli("monitor", "forget", "default/r1", env=controller_env)
+        assert r.returncode == 0 and "removed 1 worker(s): default/r1/0" in r.stdout, r.stdout
+        assert status(controller_env)["workers"] == []
+        r = marduk_cli("monitor", "forget", "default", env=controller_env)
+        assert r.returncode == 0 and "nothing registered" in r.stdout
+    finally:
+        t.stop()
