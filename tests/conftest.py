@@ -132,6 +132,15 @@ async def eventually(predicate, timeout: float = 10.0, interval: float = 0.02) -
         await asyncio.sleep(interval)
 
 
+def eventually_sync(predicate, timeout: float = 10.0, interval: float = 0.1) -> None:  # type: ignore[no-untyped-def]
+    """``eventually`` for tests that drive real processes from plain (non-async) code."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(interval)
+
+
 def marduk_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 30
 ) -> subprocess.CompletedProcess[str]:

@@ -109,3 +109,12 @@ def inject(env: dict[str, str], device: str) -> str:
 def agent_run(env: dict[str, str], *options: str, cmd: list[str]) -> Proc:
     """``marduk agent run OPTIONS -- CMD`` as a collected child process."""
     return Proc([sys.executable, "-m", "marduk", "agent", "run", *options, "--", *cmd], env)
+
+
+def commands_seen(p: Proc) -> list[str]:
+    """The demo trainer's COMMAND lines so far, as "epoch=N devices=..."."""
+    return [
+        " ".join(line.split("COMMAND restart ")[1].split()[:2])
+        for line in p.all
+        if "COMMAND restart " in line
+    ]

@@ -16,17 +16,12 @@ import psutil
 import pytest
 
 from tests.conftest import free_port, marduk_cli
-from tests.processes import Proc, controller, inject, status, trainer
+from tests.processes import Proc, commands_seen, controller, inject, status, trainer
 
 pytestmark = pytest.mark.e2e
 
 
-def commands(p: Proc) -> list[str]:
-    return [
-        " ".join(line.split("COMMAND restart ")[1].split()[:2])
-        for line in p.all
-        if "COMMAND" in line
-    ]
+commands = commands_seen
 
 
 def test_acceptance_targeted_notices_and_restart(env: dict[str, str]) -> None:
