@@ -28,6 +28,9 @@ TAGGED = (
     | wire.Query
     | wire.QueryReply
     | wire.ErrorReply
+    | wire.Forget
+    | wire.ForgetReply
+    | wire.Standby
 )
 
 
@@ -55,7 +58,9 @@ def test_every_subject_in_code_is_documented() -> None:
     for subject in (
         s.health,
         s.query,
+        s.forget,
         s.hello,
+        s.standby,
         s.ctl_events,
         s.register("<job>"),
         s.deregister("<job>"),
