@@ -157,6 +157,12 @@ class Leadership:
             entry = await self.kv.get(KEY)
         except (KeyNotFoundError, KeyDeletedError):
             entry = None
+        except Exception:
+            # Cannot see the lease (NATS away, the bucket electing a leader): the holder cannot
+            # renew either, so time without sight does not count towards its expiry. It
+            # resumes when the bucket is back; we would otherwise race it for nothing.
+            self._observed_at = time.monotonic()
+            raise
         if entry is None:
             await self._take(0, (self.lease.term if self.lease else 0) + 1, now)
             return
@@ -166,6 +172,11 @@ class Leadership:
             if lease is not None and lease.holder == self.holder:
                 # Our own lease from before a NATS outage, untouched since: resume at once.
                 await self._take(self._revision, lease.term + 1, now)
+            return
+        if lease is not None and lease.holder == self.holder:
+            # Ours, untouched since we last wrote it (we stepped down because we could not
+            # renew): nobody took it over, so take it back at once (compare-and-set).
+            await self._take(self._revision, lease.term + 1, now)
             return
         ttl = lease.ttl if lease is not None else self.ttl
         if now - self._observed_at >= ttl:

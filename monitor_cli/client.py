@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -11,8 +12,10 @@ from typing import Any
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.js.api import PubAck
 
 from marduk import bus
+from marduk.credentials import redact
 from marduk.errors import MardukError, RequestRejected
 from marduk.protocol import (
     ControllerEvent,
@@ -87,17 +90,7 @@ async def publish_durably(
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, max_msgs=1)
     try:
-        js = nc.jetstream(timeout=timeout)
-        try:
-            ack = await js.publish(subjects.health, encode(event), headers={REPLY_HEADER: inbox})
-        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):
-            raise NoHealthStreamError(
-                f"nothing stores health events at {addr or 'the server'} on "
-                f"{subjects.health}: has a Marduk controller ever run with prefix "
-                f"{subjects.prefix!r}?"
-            ) from None
-        except (TimeoutError, nats.errors.TimeoutError, nats.js.errors.Error) as e:
-            raise MardukError(f"the health stream did not accept the event: {e}") from None
+        ack = await _store(nc, subjects, encode(event), inbox, timeout=timeout, addr=addr)
         try:
             msg = await sub.next_msg(timeout=timeout)
         except (TimeoutError, nats.errors.TimeoutError):
@@ -109,6 +102,53 @@ async def publish_durably(
     if isinstance(reply, ErrorReply):
         raise RequestRejected(reply.code, reply.message)
     return reply  # type: ignore[no-any-return]
+
+
+async def _store(
+    nc: NATS, subjects: Subjects, payload: bytes, inbox: str, *, timeout: float, addr: str
+) -> PubAck:
+    """Publish to the health stream until it acknowledges (stored) or ``timeout`` runs out.
+
+    JetStream answers nothing (or 503) while the stream has no leader: a NATS node was lost and
+    the cluster is electing one (seconds). That is retried; a stream that does not exist is not.
+    """
+    js = nc.jetstream(timeout=min(timeout, 2.0))
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await js.publish(subjects.health, payload, headers={REPLY_HEADER: inbox})
+        except (
+            nats.errors.NoRespondersError,
+            nats.js.errors.NoStreamResponseError,
+            nats.errors.TimeoutError,
+            TimeoutError,
+        ) as e:
+            if time.monotonic() + 0.25 >= deadline:
+                raise await _unstored(nc, subjects, addr, timeout, e) from None
+            await asyncio.sleep(0.25)
+        except nats.js.errors.Error as e:
+            raise MardukError(f"the health stream did not accept the event: {e}") from None
+
+
+async def _unstored(
+    nc: NATS, subjects: Subjects, addr: str, timeout: float, cause: Exception
+) -> MardukError:
+    from marduk.health_stream import stream_name
+
+    try:
+        await nc.jetstream(timeout=1.0).stream_info(stream_name(subjects.prefix))
+    except nats.js.errors.NotFoundError:
+        return NoHealthStreamError(
+            f"nothing stores health events at {redact(addr) or 'the server'} on "
+            f"{subjects.health}: has a Marduk controller ever run with prefix "
+            f"{subjects.prefix!r}?"
+        )
+    except Exception:
+        pass
+    return MardukError(
+        f"the health stream did not store the event within {timeout:g}s "
+        f"({type(cause).__name__}): is JetStream available (a NATS node down, an election)?"
+    )
 
 
 async def forget(
