@@ -38,6 +38,8 @@ from nats.aio.msg import Msg
 
 from marduk import bus
 from marduk import protocol as wire
+from marduk.auth import SIG_HEADER, verify
+from marduk.credentials import Credentials
 from marduk.errors import MardukError, RequestRejected
 from marduk.subjects import Subjects, check_job, check_replica
 
@@ -115,6 +117,30 @@ class Options:
     role: Literal["library", "supervisor"] = "library"
     resync_interval: float = 30.0
     host: str = field(default_factory=socket.gethostname)
+    credentials: Credentials = field(default_factory=Credentials)
+    # Public keys commands must be signed with; None: signatures are not checked (no auth).
+    controller_keys: list[str] | None = None
+
+
+# A command more than this many epochs above the last one received is not believed until the
+# controller confirms it (a re-registration): real jumps (a restarted controller issuing above
+# its reserved block) are far smaller, and a forged huge epoch would fence out every real one.
+MAX_EPOCH_JUMP = 10_000
+
+
+def resolve_controller_keys(
+    given: str | None, credentials: Credentials, env: dict[str, str] | None = None
+) -> list[str] | None:
+    """Keys to verify command signatures with: the argument, MARDUK_CONTROLLER_KEY, or the
+    ``controller.pub`` that ``marduk auth init`` wrote beside the nkey seed file."""
+    from marduk.auth import CONTROLLER_PUB, load_public_keys
+
+    env = dict(os.environ) if env is None else env
+    value = given or env.get("MARDUK_CONTROLLER_KEY")
+    if not value and credentials.nkey is not None:
+        beside = credentials.nkey.parent / CONTROLLER_PUB
+        value = str(beside) if beside.is_file() else None
+    return load_public_keys(value) if value else None
 
 
 def resolve_options(
@@ -128,6 +154,8 @@ def resolve_options(
     prefix: str | None = None,
     timeout: float = 30.0,
     role: Literal["library", "supervisor"] = "library",
+    credentials: Credentials | None = None,
+    controller_key: str | None = None,
 ) -> Options:
     env = os.environ
     replica = replica_id or env.get("MARDUK_REPLICA_ID")
@@ -149,6 +177,12 @@ def resolve_options(
         from agent.devices import local_device_uuids
 
         devices = local_device_uuids()
+    creds = credentials if credentials is not None else Credentials.from_env()
+    try:
+        creds.check()
+        keys = resolve_controller_keys(controller_key, creds)
+    except MardukError as e:
+        raise AgentError(str(e)) from None
     return Options(
         job=job,
         replica=replica,
@@ -161,6 +195,8 @@ def resolve_options(
         incarnation=incarnation,
         epoch=epoch,
         role=role,
+        credentials=creds,
+        controller_keys=keys,
     )
 
 
@@ -195,6 +231,10 @@ class CommandInbox:
         self.last_step: int | None = None
         self.last_progress = 0.0
 
+    def _verify_by_asking(self) -> None:
+        """Re-register: the reply carries the real current command (the local channel's
+        supervisor already vetted what it forwards)."""
+
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -204,7 +244,16 @@ class CommandInbox:
         self.errors.append(f"{time.strftime('%H:%M:%S')} {message}")
         log.warning("%s", message)
 
-    def _accept(self, c: wire.Command) -> None:
+    def _accept(self, c: wire.Command, *, confirmed: bool = False) -> None:
+        """Fence and deliver a command. ``confirmed``: it came in the controller's reply."""
+        if not confirmed and c.epoch > self._received_epoch + MAX_EPOCH_JUMP:
+            self.stats["dropped_implausible"] += 1
+            self._record(
+                f"dropped a command with epoch {c.epoch} (last {self._received_epoch}): "
+                "beyond what the controller could have issued; asking it"
+            )
+            self._verify_by_asking()
+            return
         update = c.epoch == self._received_epoch and not set(c.devices) <= self._received_devices
         if c.epoch < self._received_epoch or (c.epoch == self._received_epoch and not update):
             self.stats["dropped_stale"] += 1
@@ -283,6 +332,7 @@ class AsyncClient(CommandInbox):
         self._register_lock = asyncio.Lock()
         self._registered_once = False
         self.renew_interval = opts.resync_interval
+        self._last_hello = 0.0
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -298,6 +348,7 @@ class AsyncClient(CommandInbox):
                 reconnect=True,
                 on_disconnected=self._on_disconnected,
                 on_reconnected=self._on_reconnected,
+                credentials=o.credentials,
             )
             nc = self._nc
             await nc.subscribe(self.subjects.replica_commands(o.job, o.replica), cb=self._on_msg)
@@ -395,7 +446,7 @@ class AsyncClient(CommandInbox):
             )
         ):
             self.stats["converged"] += 1
-            self._accept(reply.command)
+            self._accept(reply.command, confirmed=True)
         else:
             self._received_epoch = max(self._received_epoch, reply.epoch)
 
@@ -415,6 +466,16 @@ class AsyncClient(CommandInbox):
             self._spawn(self.reregister())
 
     async def _on_hello(self, msg: Msg) -> None:
+        # At most one re-registration a second: a flood of hellos (forged, or many controllers
+        # starting) must not become a flood of registrations.
+        now = time.monotonic()
+        if self.state == "closed" or not self._registered_once or now - self._last_hello < 1.0:
+            self.stats["hello_ignored"] += 1
+            return
+        self._last_hello = now
+        self._spawn(self.reregister())
+
+    def _verify_by_asking(self) -> None:
         if self.state != "closed" and self._registered_once:
             self._spawn(self.reregister())
 
@@ -428,6 +489,11 @@ class AsyncClient(CommandInbox):
     # --- commands --------------------------------------------------------------------------------
 
     async def _on_msg(self, msg: Msg) -> None:
+        keys = self.opts.controller_keys
+        if keys is not None and not verify(keys, msg.data, (msg.headers or {}).get(SIG_HEADER)):
+            self.stats["dropped_forged"] += 1
+            self._record(f"dropped a command on {msg.subject} not signed by the controller")
+            return
         try:
             command = wire.decode(msg.data, wire.Command)
         except ValueError as e:

@@ -50,10 +50,13 @@ DEFAULT_STEP_REGEX = r"\bstep[\s:=#]+(\d+)"
 
 
 class ExitCode(enum.IntEnum):
-    OK = 0  # the trainer finished (exit 0), or a stop command
+    OK = 0  # the trainer finished (exit 0)
     SETUP = 1  # could not register with the controller, or could not start the trainer
     GAVE_UP = 70  # restarted max_restarts times within the window: replace the pod
     DEVICE_FAILED = 71  # the controller sent `fail`: a device of this pod is bad
+    # The controller sent `stop`. Never 0: a scheduler must not record a job stopped from
+    # outside as finished (no controller path issues `stop` today; reserved for operators).
+    STOPPED = 72
     PREEMPTED = 143  # SIGTERM/SIGINT (128 + 15): the trainer got the grace period
 
 
@@ -140,10 +143,12 @@ class Supervisor:
         self._first_step = asyncio.Event()
         self.progress_at = 0.0  # monotonic time of the last step or heartbeat; 0: none yet
         self.sections: dict[str, tuple[float, float | None]] = {}
-        self.socket_path = os.path.join(
-            os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(),
-            f"marduk-agent-{os.getpid()}.sock",
+        # A private directory (0700, made race-free by mkdtemp) holds the trainer's socket: no
+        # other user can connect to it, or guess and squat its path.
+        self.socket_dir = tempfile.mkdtemp(
+            prefix="marduk-agent-", dir=os.environ.get("XDG_RUNTIME_DIR") or None
         )
+        self.socket_path = os.path.join(self.socket_dir, "agent.sock")
         self._trainers: set[asyncio.StreamWriter] = set()
         self.standby_cmd = standby_command(config.cmd, config.preload) if config.prespawn else None
 
@@ -172,6 +177,8 @@ class Supervisor:
             server.close()
             with contextlib.suppress(OSError):
                 os.unlink(self.socket_path)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.socket_dir)
             await self._discard_standby()
             await self.client.close(deregister=False)
 
@@ -197,8 +204,8 @@ class Supervisor:
                 assert ended.command is not None
                 cmd = ended.command
                 if cmd.kind == "stop":
-                    log.info("stop command: %s", cmd.reason)
-                    return ExitCode.OK
+                    log.warning("stop command (epoch %d): %s", cmd.epoch, cmd.reason)
+                    return ExitCode.STOPPED
                 if cmd.kind == "fail":
                     log.error("fail command (epoch %d): %s; giving up", cmd.epoch, cmd.reason)
                     await self._report("gave_up", summary=f"fail command: {cmd.reason}")

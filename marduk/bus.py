@@ -8,6 +8,10 @@ attempt, and with ``max_reconnect_attempts=0`` an initial connect never gives up
   the initial connect is bounded by ``timeout`` and raises ``ConnectError`` when it runs out.
 
 Errors nats-py reports while (re)connecting are logged at debug level, never printed raw.
+Credentials (``marduk.credentials``) are the ones given, else the CLI's process default, else
+the MARDUK_* variables. A permission violation the server reports is one warning line (the
+first few per subject), counted in ``STATS``, and turns the request that caused it into a
+``PermissionDeniedError`` instead of a timeout. Addresses in messages are redacted.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -24,7 +31,8 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from marduk.errors import ConnectError, NoControllerError, RequestRejected
+from marduk.credentials import Credentials, redact
+from marduk.errors import ConnectError, NoControllerError, PermissionDeniedError, RequestRejected
 from marduk.protocol import ErrorReply, decode, encode
 
 DEFAULT_ADDR = "nats://localhost:4222"
@@ -34,8 +42,29 @@ T = TypeVar("T")
 Callback = Callable[[], Awaitable[None]]
 
 
+STATS: Counter[str] = Counter()
+"""Process-wide counters of connection trouble (permission violations, auth failures)."""
+
+_default_credentials: Credentials | None = None
+_PERMISSION_RE = re.compile(
+    r"permissions violation for (publish|subscription) to \"?([^\"\s]+)", re.I
+)
+# Subjects the server refused to this process, with when: a request that then times out says so.
+_denied: dict[str, tuple[str, float]] = {}
+
+
 def default_addr() -> str:
     return os.environ.get("MARDUK_ADDR") or DEFAULT_ADDR
+
+
+def set_default_credentials(credentials: Credentials) -> None:
+    """The CLI edge resolves options once; every connection of the process uses them."""
+    global _default_credentials
+    _default_credentials = credentials
+
+
+def default_credentials() -> Credentials:
+    return _default_credentials if _default_credentials is not None else Credentials.from_env()
 
 
 async def connect(
@@ -47,11 +76,20 @@ async def connect(
     on_disconnected: Callback | None = None,
     on_reconnected: Callback | None = None,
     on_closed: Callback | None = None,
+    credentials: Credentials | None = None,
 ) -> NATS:
     """Connect to the NATS server(s) at ``addr`` (comma-separated URLs allowed)."""
     last_error: list[BaseException] = []
+    creds = credentials if credentials is not None else default_credentials()
+    auth = creds.nats_options()  # CredentialsError (one line) for a missing file
 
     async def error_cb(e: Exception) -> None:
+        match = _PERMISSION_RE.search(str(e))
+        if match:
+            _permission_violation(match.group(1).lower(), match.group(2), creds)
+            return
+        if isinstance(e, nats.errors.AuthorizationError):
+            STATS["nats.authorization_errors"] += 1
         last_error[:] = [e]
         log.debug("nats: %s: %s", type(e).__name__, e)
 
@@ -74,17 +112,42 @@ async def connect(
         reconnect_time_wait=0.25 if reconnect else 0.1,
         ping_interval=10 if reconnect else 120,
         max_outstanding_pings=3,
+        **auth,
     )
     try:
         await asyncio.wait_for(nc.connect(**options), timeout)
     except (TimeoutError, OSError, nats.errors.Error) as e:
         await _close_quietly(nc)
         cause = last_error[0] if last_error else e
-        raise ConnectError(addr, _describe(cause)) from None
+        raise ConnectError(redact(addr), _describe(cause, creds)) from None
     return nc
 
 
-def _describe(e: BaseException) -> str:
+def _permission_violation(op: str, subject: str, creds: Credentials) -> None:
+    STATS["nats.permission_violations"] += 1
+    who = _credential_name(creds)
+    verb = "publish on" if op == "publish" else "subscribe to"
+    _denied[subject] = (f"authorization violation: {who} may not {verb} {subject}", time.time())
+    if STATS["nats.permission_violations"] <= 20:
+        log.warning("%s", _denied[subject][0])
+    if len(_denied) > 1000:
+        _denied.clear()
+
+
+def _credential_name(creds: Credentials) -> str:
+    if creds.nkey:
+        return f"the {creds.nkey.stem} credential"
+    if creds.creds:
+        return f"the {creds.creds.stem} credential"
+    if creds.user:
+        return f"user {creds.user}"
+    return "this connection"
+
+
+def _describe(e: BaseException, creds: Credentials | None = None) -> str:
+    if isinstance(e, nats.errors.AuthorizationError):
+        given = creds.describe() if creds is not None else "no credentials"
+        return f"authorization violation: the server refused {given} (wrong, revoked or missing)"
     if isinstance(e, ConnectionRefusedError):
         return "connection refused"
     if isinstance(e, TimeoutError | NatsTimeoutError):
@@ -125,11 +188,25 @@ async def request(
     try:
         msg = await nc.request(subject, encode(message), timeout=timeout)
     except NoRespondersError:
-        raise NoControllerError(subject, addr, "no responders") from None
+        _raise_if_denied(subject)
+        raise NoControllerError(subject, redact(addr), "no responders") from None
     except (TimeoutError, NatsTimeoutError):
-        raise NoControllerError(subject, addr, f"no reply within {timeout:g}s") from None
+        _raise_if_denied(subject)
+        raise NoControllerError(subject, redact(addr), f"no reply within {timeout:g}s") from None
     union: Any = reply_type | ErrorReply
     reply: Any = decode(msg.data, union)
     if isinstance(reply, ErrorReply):
         raise RequestRejected(reply.code, reply.message)
     return reply  # type: ignore[no-any-return]
+
+
+def _raise_if_denied(subject: str) -> None:
+    denied = _denied.get(subject)
+    if denied is not None and time.time() - denied[1] < 60:
+        raise PermissionDeniedError(denied[0])
+
+
+def denied(subject: str) -> str | None:
+    """The permission error the server reported for ``subject`` in the last minute, if any."""
+    entry = _denied.get(subject)
+    return entry[0] if entry is not None and time.time() - entry[1] < 60 else None

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,13 +34,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from marduk import __version__, bus
+from marduk import __version__, auth, bus
+from marduk.credentials import Credentials, redact
 from marduk.drmap import WorkerKey
 from marduk.embedded import (
     EmbeddedServer,
     StateDirLock,
     default_state_dir,
     is_local_host,
+    is_loopback,
     listening,
     parse_addr,
 )
@@ -105,6 +107,13 @@ class ControllerSettings:
     """A health event delivered but not acknowledged is redelivered after this long."""
     tick_interval_s: float = 0.25
     """How often the leader lets time pass in the policy (stale workers, resends)."""
+    credentials: Credentials = field(default_factory=Credentials)
+    """How the controller authenticates to NATS (``--nkey``, ``--creds``, TLS, ...)."""
+    auth_dir: Path | None = None
+    """``marduk auth init`` directory: the embedded server enforces its configuration, and the
+    controller uses its ``controller.nk`` unless other credentials are given."""
+    insecure: bool = False
+    """Allow an embedded server without auth on a non-loopback address."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
@@ -142,6 +151,16 @@ class Controller:
         self._event_seq = 0
         self._warned: Counter[str] = Counter()
         self._standbys: dict[str, tuple[ControllerInfo, float]] = {}
+        self.credentials = settings.credentials
+        if settings.auth_dir is not None and not (
+            settings.credentials.nkey or settings.credentials.creds
+        ):
+            self.credentials = replace(
+                settings.credentials, nkey=settings.auth_dir / "controller.nk"
+            )
+        # Commands are signed with the controller's nkey, so agents can tell them from forgeries.
+        self._signing_seed: bytes | None = None
+        self._config_mtime = 0.0
         self.serving = asyncio.Event()  # set while leading and subscribed
         self.fatal = asyncio.Event()
         self.fatal_reason = ""
@@ -151,6 +170,8 @@ class Controller:
 
     async def start(self) -> None:
         """Connect, open the durable state, and campaign; serving starts once elected."""
+        if self.credentials.nkey:
+            self._signing_seed = auth.read_seed(self.credentials.nkey)
         await self._ensure_server()
         self.nc = await bus.connect(
             self.url,
@@ -159,6 +180,7 @@ class Controller:
             reconnect=True,
             on_disconnected=self._on_disconnected,
             on_reconnected=self._on_reconnected,
+            credentials=self.credentials,
         )
         st = self.settings
         try:
@@ -181,7 +203,7 @@ class Controller:
             )
             await self.leadership.open()
         except Exception as e:
-            raise StartupError(f"cannot open the JetStream state at {self.url}: {e}") from e
+            raise StartupError(f"cannot open the JetStream state at {redact(self.url)}: {e}") from e
         self._health = HealthConsumer(
             self.nc, st.prefix, self.subjects.health, ack_wait_s=st.ack_wait_s
         )
@@ -191,30 +213,47 @@ class Controller:
         if self.server is not None:
             self._spawn(self._watch_server(), "embedded-server-watch")
         log.info(
-            "controller %s started on prefix %r at %s; campaigning for the lease (TTL %gs)",
+            "controller %s started on prefix %r at %s (%s; commands %s); "
+            "campaigning for the lease (TTL %gs)",
             self.controller_id,
             st.prefix,
-            self.url,
+            redact(self.url),
+            self.credentials.describe(),
+            "signed" if self._signing_seed else "unsigned",
             st.lease_ttl,
         )
 
     async def _ensure_server(self) -> None:
         host, port = parse_addr(self.settings.addr)
         if listening(host, port):
-            log.info("using the NATS server at %s", self.settings.addr)
+            log.info("using the NATS server at %s", redact(self.settings.addr))
             return
         if not self.settings.embedded:
             raise StartupError(
-                f"nothing listens at {self.settings.addr} and --no-embedded was given"
+                f"nothing listens at {redact(self.settings.addr)} and --no-embedded was given"
             )
         if not is_local_host(host):
             raise StartupError(
-                f"nothing listens at {self.settings.addr}; it is not on this machine, "
+                f"nothing listens at {redact(self.settings.addr)}; it is not on this machine, "
                 "so no embedded server is started"
+            )
+        config = None
+        if self.settings.auth_dir is not None:
+            config = self.settings.auth_dir / auth.CONFIG_FILE
+            if not config.is_file():
+                raise StartupError(
+                    f"{config} not found: run `marduk auth init {self.settings.auth_dir}` first"
+                )
+            self._config_mtime = config.stat().st_mtime
+        elif not is_loopback(host) and not self.settings.insecure:
+            raise StartupError(
+                f"refusing to serve NATS without authentication on {host}: anyone who reaches "
+                "it could stop or restart jobs. Use --auth DIR (see `marduk auth init`), bind "
+                "a loopback address, or pass --insecure"
             )
         self._lock = StateDirLock(self.settings.state_dir)
         self._lock.acquire()
-        self.server = EmbeddedServer(host, port, self.settings.state_dir)
+        self.server = EmbeddedServer(host, port, self.settings.state_dir, config)
         await asyncio.to_thread(self.server.start)
         self.url = self.server.url
         log.info(
@@ -280,6 +319,7 @@ class Controller:
         backoff = 0.1
         while self.server is not None:
             await asyncio.sleep(0.2)
+            self._reload_if_auth_changed()
             if self.server.alive() or self._stopping:
                 backoff = 0.1
                 continue
@@ -293,6 +333,20 @@ class Controller:
                 log.error("could not restart the embedded nats-server: %s", e)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    def _reload_if_auth_changed(self) -> None:
+        """`marduk auth add-agent|rotate|revoke` rewrote the config: the server re-reads it."""
+        if self.server is None or self.server.config is None:
+            return
+        try:
+            mtime = self.server.config.stat().st_mtime
+        except OSError:
+            return
+        if mtime != self._config_mtime:
+            self._config_mtime = mtime
+            self.server.reload()
+            self.stats["auth.reloads"] += 1
+            log.info("auth configuration changed; the embedded server reloaded it")
 
     async def _on_disconnected(self) -> None:
         if self._stopping:  # our own close, not a lost connection
@@ -373,7 +427,7 @@ class Controller:
             "%d worker(s), %d device(s), %d epoch(s) in %.0f ms)",
             self.controller_id,
             s.prefix,
-            self.url,
+            redact(self.url),
             term,
             source,
             len(loaded.workers),
@@ -642,10 +696,10 @@ class Controller:
                 await self._persist(outcome, write_ahead=True)
             assert self.nc is not None
             for command in outcome.commands:
-                await self.nc.publish(self._command_subject(command), encode(command))
+                await self._publish_command(command)
                 self.stats[f"commands.{command.kind}"] += 1
             for command in outcome.resent:
-                await self.nc.publish(self._command_subject(command), encode(command))
+                await self._publish_command(command)
                 self.stats["commands.resent"] += 1
             await self._persist(outcome)
             for event in outcome.events:
@@ -660,7 +714,8 @@ class Controller:
     async def _persist(self, outcome: Outcome, *, write_ahead: bool = False) -> None:
         if self.store is None or not (write_ahead or _has_writes(outcome)):
             return
-        for attempt in range(3):
+        delay = 0.05
+        for attempt in range(1, 31):
             try:
                 if write_ahead:
                     await self.store.write_ahead(outcome)
@@ -669,11 +724,24 @@ class Controller:
                 return
             except Exception as e:
                 self.stats["store.errors"] += 1
-                log.warning("state write failed (attempt %d/3): %s", attempt + 1, e)
-                await asyncio.sleep(0.05 * (attempt + 1))
+                self._log_limited("store", f"state write failed (attempt {attempt}): {e}")
+                # A JetStream election (a node lost) takes seconds: keep trying while we lead.
+                if not self._leading():
+                    break
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
         # Availability over durability: the restart still goes out. Agents report the epochs
         # they applied when they re-register, so a restarted controller will not reuse them.
-        log.error("state not persisted after 3 attempts; publishing the commands anyway")
+        self.stats["store.given_up"] += 1
+        log.error("state not persisted; publishing the commands anyway")
+
+    async def _publish_command(self, command: Command) -> None:
+        assert self.nc is not None
+        payload = encode(command)
+        headers = None
+        if self._signing_seed is not None:
+            headers = {auth.SIG_HEADER: auth.sign(self._signing_seed, payload)}
+        await self.nc.publish(self._command_subject(command), payload, headers=headers)
 
     def _command_subject(self, command: Command) -> str:
         if command.replica is None:

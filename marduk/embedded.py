@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -121,6 +122,22 @@ def find_binary() -> str:
     )
 
 
+def private_dir(path: Path) -> None:
+    """Create ``path`` readable by its owner only (0700), or tighten it if it exists."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with contextlib.suppress(OSError):  # not ours to change (a shared mount): leave it
+        os.chmod(path, 0o700)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 class StateDirLock:
     """An exclusive lock on the state directory, held for the controller's lifetime."""
 
@@ -129,7 +146,7 @@ class StateDirLock:
         self._file: IO[str] | None = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
         f = open(self.path, "a+")  # noqa: SIM115 - held open for the process lifetime
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -157,8 +174,9 @@ class StateDirLock:
 class EmbeddedServer:
     """A nats-server child process with JetStream."""
 
-    def __init__(self, host: str, port: int, state_dir: Path) -> None:
+    def __init__(self, host: str, port: int, state_dir: Path, config: Path | None = None) -> None:
         self.host, self.port, self.state_dir = host, port, state_dir
+        self.config = config  # a nats-server configuration (``marduk auth``'s), or None
         self.proc: subprocess.Popen[bytes] | None = None
         self.pid_file = state_dir / "nats-server.pid"
         self.log_file = state_dir / "nats-server.log"
@@ -171,11 +189,12 @@ class EmbeddedServer:
         return f"nats://{host}:{self.port}"
 
     def start(self, timeout: float = 10.0) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.state_dir)
         self._reap_orphan()
         bind = "127.0.0.1" if self.host == "localhost" else self.host
         cmd = [
             find_binary(),
+            *(["--config", str(self.config)] if self.config else []),
             "--addr", bind,
             "--port", str(self.port),
             "--jetstream",
@@ -234,6 +253,12 @@ class EmbeddedServer:
         except psutil.TimeoutExpired:
             proc.kill()
             proc.wait(5)
+
+    def reload(self) -> None:
+        """Make the server re-read its configuration (new or revoked identities)."""
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(signal.SIGHUP)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

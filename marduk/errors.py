@@ -50,3 +50,7 @@ class RequestRejected(MardukError):
         super().__init__(f"controller rejected the request ({code}): {message}")
         self.code = code
         self.detail = message
+
+
+class PermissionDeniedError(MardukError, PermissionError):
+    """The NATS server refused this credential a publish or subscription."""

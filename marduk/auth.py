@@ -1,0 +1,298 @@
+"""Identities, permissions and command signatures, on NATS's own security model.
+
+``marduk auth init DIR`` makes one nkey identity per role and a nats-server configuration that
+grants each role only what it needs under the prefix (DESIGN.md decision 10):
+
+* ``controller``: everything Marduk uses (its subjects, JetStream, replies);
+* ``agent``: request ``<job>.register|deregister|ack|report``, subscribe to command subjects and
+  ``ctl.hello``, and its own reply inboxes: it cannot publish commands, health, hello or queries;
+  ``add-agent --job NAME`` makes one valid for one job only;
+* ``monitor``: publish health events (and receive the stream's acknowledgement and the
+  controller's decision);
+* ``admin``: what ``marduk monitor`` does: health, query, forget, and watching events.
+
+Files in DIR: ``<name>.nk`` (the seed, mode 0600, what nats-py's ``nkeys_seed=`` and the ``nats``
+CLI's ``--nkey`` read), ``controller.pub`` (the controller's public key: agents verify command
+signatures with it), ``identities.json`` (who exists), ``nats-server.conf`` (generated from it;
+``include`` it from an existing server's configuration).
+
+Commands carry the controller's signature: an ed25519 signature by its nkey over the exact
+payload, in the header ``Marduk-Sig`` (base64). Agents given the controller's public key drop
+commands that are unsigned or signed by anyone else.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import nkeys
+
+from marduk.errors import MardukError
+from marduk.subjects import DEFAULT_PREFIX, check_job
+
+SIG_HEADER = "Marduk-Sig"
+ROLES = ("controller", "agent", "monitor", "admin")
+CONFIG_FILE = "nats-server.conf"
+IDENTITIES_FILE = "identities.json"
+CONTROLLER_PUB = "controller.pub"
+
+
+class AuthError(MardukError):
+    """An auth directory or key that cannot be used; the message says how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    name: str  # the seed file is <name>.nk
+    role: str
+    public_key: str
+    job: str | None = None  # agents only: valid for this job's subjects alone
+
+
+# --- keys ----------------------------------------------------------------------------------------
+
+
+def new_user_seed() -> bytes:
+    return bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+
+
+def read_seed(path: Path) -> bytes:
+    try:
+        seed = path.read_bytes().strip()
+        nkeys.from_seed(bytearray(seed))
+    except OSError as e:
+        raise AuthError(f"cannot read nkey seed {path}: {e.strerror or e}") from None
+    except Exception:
+        raise AuthError(f"{path} does not hold an nkey seed (SU...)") from None
+    return seed
+
+
+def public_key_of(seed: bytes) -> str:
+    return bytes(nkeys.from_seed(bytearray(seed)).public_key).decode()
+
+
+def sign(seed: bytes, data: bytes) -> str:
+    """The value of the ``Marduk-Sig`` header for ``data``."""
+    kp = nkeys.from_seed(bytearray(seed))
+    try:
+        return base64.b64encode(kp.sign(data)).decode()
+    finally:
+        kp.wipe()
+
+
+def verify(public_keys: list[str], data: bytes, signature: str | None) -> bool:
+    """True if ``signature`` is a valid signature of ``data`` by one of ``public_keys``."""
+    if not signature:
+        return False
+    try:
+        sig = base64.b64decode(signature, validate=True)
+    except ValueError:
+        return False
+    import nacl.exceptions
+    import nacl.signing
+
+    for key in public_keys:
+        raw = _raw_public_key(key)
+        if raw is None:
+            continue
+        try:
+            nacl.signing.VerifyKey(raw).verify(data, sig)
+            return True
+        except (nacl.exceptions.BadSignatureError, ValueError):
+            continue
+    return False
+
+
+def _raw_public_key(key: str) -> bytes | None:
+    """The 32 key bytes of an nkey public key (``U...``), or None if it is not one."""
+    try:
+        text = key.strip().encode()
+        decoded = base64.b32decode(text + b"=" * (-len(text) % 8))
+    except ValueError:
+        return None
+    if len(decoded) != 35 or decoded[0] != nkeys.PREFIX_BYTE_USER:
+        return None
+    body, crc = decoded[:-2], decoded[-2:]
+    if nkeys.crc16_checksum(body) != crc:
+        return None
+    return body[1:]
+
+
+def load_public_keys(value: str) -> list[str]:
+    """Controller public keys from a key (``U...``) or a file of them (one per line)."""
+    value = value.strip()
+    if value.startswith("U") and _raw_public_key(value) is not None:
+        return [value]
+    path = Path(value)
+    try:
+        lines = path.read_text().split()
+    except OSError as e:
+        raise AuthError(
+            f"controller key {value!r}: not a public key (U...) nor a readable file "
+            f"({e.strerror or e})"
+        ) from None
+    keys = [k for k in lines if _raw_public_key(k) is not None]
+    if not keys:
+        raise AuthError(f"{path} holds no nkey public key (U...)")
+    return keys
+
+
+# --- the directory -------------------------------------------------------------------------------
+
+
+def init(directory: Path, prefix: str = DEFAULT_PREFIX, *, force: bool = False) -> list[Identity]:
+    """Create DIR with one identity per role and the server configuration."""
+    directory = Path(directory)
+    if (directory / IDENTITIES_FILE).exists() and not force:
+        raise AuthError(
+            f"{directory} already holds identities; use `marduk auth add-agent`, `rotate` or "
+            "`revoke` (or --force to start over, which invalidates every key)"
+        )
+    _private_dir(directory)
+    identities = [_create(directory, role, role) for role in ROLES]
+    _save(directory, prefix, identities)
+    return identities
+
+
+def add_agent(directory: Path, job: str) -> Identity:
+    """An agent credential valid for one job's subjects only (``agent-<job>.nk``)."""
+    check_job(job)
+    prefix, identities = _load(directory)
+    name = f"agent-{job}"
+    if any(i.name == name for i in identities):
+        raise AuthError(f"{name} exists already in {directory}; rotate or revoke it")
+    identity = _create(Path(directory), name, "agent", job)
+    _save(Path(directory), prefix, [*identities, identity])
+    return identity
+
+
+def rotate(directory: Path, name: str) -> Identity:
+    """A new key for identity ``name``; the old one stops working when the server reloads."""
+    prefix, identities = _load(directory)
+    old = _find(identities, name, directory)
+    new = _create(Path(directory), name, old.role, old.job)
+    _save(Path(directory), prefix, [new if i.name == name else i for i in identities])
+    return new
+
+
+def revoke(directory: Path, name: str) -> Identity:
+    """Remove identity ``name`` (and its seed file) from DIR and the server configuration."""
+    prefix, identities = _load(directory)
+    old = _find(identities, name, directory)
+    (Path(directory) / f"{name}.nk").unlink(missing_ok=True)
+    _save(Path(directory), prefix, [i for i in identities if i.name != name])
+    return old
+
+
+def identities(directory: Path) -> tuple[str, list[Identity]]:
+    return _load(directory)
+
+
+def _find(identities: list[Identity], name: str, directory: Path) -> Identity:
+    for identity in identities:
+        if identity.name == name:
+            return identity
+    known = ", ".join(i.name for i in identities) or "none"
+    raise AuthError(f"no identity {name!r} in {directory} (known: {known})")
+
+
+def _create(directory: Path, name: str, role: str, job: str | None = None) -> Identity:
+    seed = new_user_seed()
+    path = directory / f"{name}.nk"
+    # Created 0600 before anything is written: the seed is never readable by others.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(seed + b"\n")
+    os.chmod(path, 0o600)
+    return Identity(name=name, role=role, public_key=public_key_of(seed), job=job)
+
+
+def _private_dir(directory: Path) -> None:
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(directory, 0o700)
+
+
+def _save(directory: Path, prefix: str, identities: list[Identity]) -> None:
+    doc = {"prefix": prefix, "identities": [asdict(i) for i in identities]}
+    _write(directory / IDENTITIES_FILE, json.dumps(doc, indent=2) + "\n", 0o600)
+    _write(directory / CONFIG_FILE, server_config(prefix, identities), 0o600)
+    controllers = [i.public_key for i in identities if i.role == "controller"]
+    _write(directory / CONTROLLER_PUB, "".join(k + "\n" for k in controllers), 0o644)
+
+
+def _write(path: Path, text: str, mode: int) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _load(directory: Path) -> tuple[str, list[Identity]]:
+    path = Path(directory) / IDENTITIES_FILE
+    try:
+        doc = json.loads(path.read_text())
+        return doc["prefix"], [Identity(**i) for i in doc["identities"]]
+    except FileNotFoundError:
+        raise AuthError(
+            f"{directory} is not an auth directory: run `marduk auth init {directory}`"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise AuthError(f"cannot read {path}: {e}") from None
+
+
+# --- the server configuration --------------------------------------------------------------------
+
+
+def permissions(role: str, prefix: str, job: str | None = None) -> dict[str, list[str]]:
+    """Subjects a role may publish to and subscribe to."""
+    p = prefix
+    if role == "controller":
+        return {
+            "publish": [f"{p}.>", "$JS.API.>", "$JS.ACK.>", "$JS.FC.>", "$KV.>", "_INBOX.>"],
+            "subscribe": [f"{p}.>", "$JS.>", "$KV.>", "_INBOX.>"],
+        }
+    if role == "agent":
+        j = job or "*"
+        return {
+            "publish": [f"{p}.{j}.{leaf}" for leaf in ("register", "deregister", "ack", "report")],
+            "subscribe": [f"{p}.{j}.cmd.>", f"{p}.ctl.hello", "_INBOX.>"],
+        }
+    if role == "monitor":
+        return {"publish": [f"{p}.health"], "subscribe": ["_INBOX.>"]}
+    if role == "admin":
+        return {
+            "publish": [f"{p}.health", f"{p}.ctl.query", f"{p}.ctl.forget"],
+            "subscribe": [f"{p}.*.events", "_INBOX.>"],
+        }
+    raise AuthError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
+
+
+def server_config(prefix: str, identities: list[Identity]) -> str:
+    """A nats-server ``authorization`` block: one nkey user per identity, with its permissions."""
+    if not re.fullmatch(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*", prefix):
+        raise AuthError(f"invalid prefix {prefix!r}")
+    lines = [
+        "# Generated by `marduk auth`; do not edit (regenerated by add-agent, rotate, revoke).",
+        "# Standalone: nats-server -c nats-server.conf -js. In an existing server's config:",
+        "#   include ./nats-server.conf   (then reload: nats-server --signal reload)",
+        "authorization {",
+        "  users = [",
+    ]
+    for i in identities:
+        perms = permissions(i.role, prefix, i.job)
+        scope = f" job {i.job}" if i.job else ""
+        lines += [
+            f"    # {i.name}: {i.role}{scope}",
+            f"    {{ nkey: {i.public_key}, permissions: {{",
+            f"        publish: {{ allow: {json.dumps(perms['publish'])} }},",
+            f"        subscribe: {{ allow: {json.dumps(perms['subscribe'])} }} }} }},",
+        ]
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)
