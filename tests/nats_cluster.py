@@ -206,7 +206,7 @@ async def _jetstream_answers(url: str) -> bool:
     except Exception:
         return False
     try:
-        await nc.jetstream(timeout=1).account_info()
+        await nc.jetstream(timeout=0.25).account_info()
         return True
     except Exception:
         # Before the meta group has a leader the server answers 503 or not at all.
