@@ -2,14 +2,15 @@
 
 Each node is a ``nats-server -c FILE`` process with its own client port, route port, JetStream
 store and log under a per-node directory. Routes go to every peer; the cluster name is shared.
-``start()`` returns once every node listens and every node answers ``$JS.API.INFO``, which a
-clustered server does only after the JetStream meta group has elected a leader.
+``start()`` returns once every node listens, the JetStream meta group has a leader and counts
+every node as a current peer (seen in each node's ``/jsz``), and every node answers
+``$JS.API.INFO``.
 
     cluster = NatsCluster(tmp_path)
     await cluster.start()
     nc = await nats.connect(cluster.servers)  # cluster.urls: the same, as MARDUK_ADDR
-    cluster.kill(cluster.node_of(nc))       # SIGKILL the node this client is connected to
-    await cluster.restart(i)                # same ports, same store: it rejoins
+    cluster.kill(cluster.node_of(nc))         # SIGKILL the node this client is connected to
+    await cluster.restart(i)                  # same ports, same store: it rejoins
     cluster.stop()
 """
 
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -40,6 +44,7 @@ class NatsNode:
         self.name = name
         self.port = free_port()
         self.route_port = free_port()
+        self.monitor_port = free_port()
         self.dir = root / name
         self.config = self.dir / "nats.conf"
         self.store = self.dir / "jetstream"
@@ -59,6 +64,8 @@ class NatsNode:
             f'server_name: "{self.name}"\n'
             f'listen: "127.0.0.1:{self.port}"\n'
             f'log_file: "{self.log}"\n'
+            # Monitoring: /jsz shows the JetStream meta group, which no client API does.
+            f'http: "127.0.0.1:{self.monitor_port}"\n'
             "jetstream {\n"
             f'  store_dir: "{self.store}"\n'
             "  max_memory_store: 64MB\n"
@@ -145,16 +152,55 @@ class NatsCluster:
         return self
 
     async def wait_ready(self, indices: range | list[int], timeout: float = 30.0) -> None:
-        """Wait until the given nodes listen and answer ``$JS.API.INFO`` (meta leader known)."""
+        """Wait until the given nodes listen, the JetStream meta group is complete, and each
+        given node answers ``$JS.API.INFO``."""
         deadline = time.monotonic() + timeout
         for i in indices:
             node = self.nodes[i]
             while not listening("127.0.0.1", node.port, 0.1):
                 self._check(node, deadline, "did not listen")
                 await asyncio.sleep(0.02)
+        # A meta leader alone is not enough: two nodes elect one before the third has joined,
+        # and an R3 stream created then fails with "no suitable peers for placement".
+        while not await self.meta_complete():
+            for i in indices:
+                self._check(self.nodes[i], deadline, "did not join the JetStream meta group")
+            await asyncio.sleep(0.02)
+        for i in indices:
+            node = self.nodes[i]
             while not await _jetstream_answers(node.url):
                 self._check(node, deadline, "JetStream did not answer")
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.02)
+
+    async def meta(self, i: int) -> dict[str, Any]:
+        """Node ``i``'s view of the JetStream meta group (``meta_cluster`` of its ``/jsz``)."""
+        url = f"http://127.0.0.1:{self.nodes[i].monitor_port}/jsz"
+        body = await asyncio.to_thread(_get, url)
+        meta: dict[str, Any] = json.loads(body).get("meta_cluster") or {}
+        return meta
+
+    async def meta_complete(self) -> bool:
+        """Every running node follows one meta leader that counts all nodes, and the leader
+        sees every running node as current."""
+        running = [i for i, n in enumerate(self.nodes) if n.alive()]
+        try:
+            views = [await self.meta(i) for i in running]
+        except OSError:
+            return False
+        leaders = {v.get("leader") for v in views}
+        if len(leaders) != 1 or None in leaders or "" in leaders:
+            return False
+        if any(v.get("cluster_size") != len(self.nodes) for v in views):
+            return False
+        (leader,) = leaders
+        if leader not in {self.nodes[i].name for i in running}:
+            return False
+        current = {
+            r["name"]
+            for r in views[running.index(self.index(leader))].get("replicas") or []
+            if r.get("current")
+        }
+        return current >= {self.nodes[i].name for i in running} - {leader}
 
     def _check(self, node: NatsNode, deadline: float, what: str) -> None:
         if node.proc is not None and node.proc.poll() is not None:
@@ -195,6 +241,11 @@ class NatsCluster:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=1.0) as r:
+        return bytes(r.read())
 
 
 async def _jetstream_answers(url: str) -> bool:
