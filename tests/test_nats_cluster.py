@@ -68,7 +68,7 @@ async def eventually(
     while not await predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not reached within {timeout:g}s")
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.02)
 
 
 class Writer:
@@ -162,28 +162,34 @@ async def leader_of(js: JetStreamContext, stream: str) -> str | None:
     return info.cluster.leader if info.cluster else None
 
 
-async def move_leaders(w: Writer, name: str) -> None:
+async def move_leaders(w: Writer, name: str, timeout: float = 20.0) -> None:
     """Make node ``name`` the leader of both streams, so that killing it forces elections.
 
-    A stepdown with a preferred server (nats-server 2.11+) hands leadership over at once.
+    A stepdown with a preferred server (nats-server 2.11+) hands leadership over at once; it is
+    asked again if the handover has not happened within a couple of seconds.
     """
     for stream in (STREAM, f"KV_{BUCKET}"):
-        if await leader_of(w.js, stream) == name:
-            continue
-        await w.nc.request(
-            f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
-            json.dumps({"placement": {"preferred": name}}).encode(),
-            timeout=2,
-        )
-        await eventually(
-            lambda stream=stream: _leads(w.js, stream, name),  # type: ignore[misc]
-            f"{name} leads {stream}",
-            timeout=10,
-        )
-
-
-async def _leads(js: JetStreamContext, stream: str, name: str) -> bool:
-    return await leader_of(js, stream) == name
+        deadline = time.monotonic() + timeout
+        answer: object = None
+        while (leader := await leader_of(w.js, stream)) != name:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} does not lead {stream}: {leader=}, {answer=}")
+            if leader is None:  # mid-election, or the request was lost in the handover
+                continue
+            try:
+                reply = await w.nc.request(
+                    f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}",
+                    json.dumps({"placement": {"preferred": name}}).encode(),
+                    timeout=1.0,
+                )
+                answer = reply.data
+            except TRANSIENT as e:
+                answer = e
+            handover = time.monotonic() + 2.0
+            while time.monotonic() < handover:
+                if await leader_of(w.js, stream) != leader:
+                    break
+                await asyncio.sleep(0.02)
 
 
 async def test_the_cluster_is_three_routed_jetstream_nodes(
