@@ -76,16 +76,44 @@ def test_every_subject_in_code_is_documented() -> None:
 def test_docker_compose_parses_and_wires_the_services() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"nats", "controller", "trainer-r1", "trainer-r2"} <= set(services)
-    nats = services["nats"]
-    assert nats["image"].startswith("nats:")
-    assert any("-js" in str(c) or "--jetstream" in str(c) for c in nats["command"])
-    ctl = services["controller"]
-    assert ctl["environment"]["MARDUK_ADDR"] == "nats://nats:4222"
-    assert "--no-embedded" in ctl["command"]
+    nodes = ["nats-1", "nats-2", "nats-3"]
+    controllers = ["controller-1", "controller-2"]
+    assert {*nodes, *controllers, "trainer-r1", "trainer-r2"} <= set(services)
+    all_urls = [f"nats://{n}:4222" for n in nodes]
+
+    # Three JetStream nodes, one cluster, each routed to the other two, each with its own store.
+    def flag(cmd: list[str], name: str) -> str:
+        return cmd[cmd.index(name) + 1]
+
+    volumes = set()
+    for node in nodes:
+        svc = services[node]
+        cmd = [str(c) for c in svc["command"]]
+        assert svc["image"].startswith("nats:")
+        assert "--jetstream" in cmd or "-js" in cmd
+        assert flag(cmd, "--name") == node
+        assert flag(cmd, "--cluster_name") == "marduk"
+        assert flag(cmd, "--cluster").endswith(":6222")
+        routes = set(flag(cmd, "--routes").split(","))
+        assert routes == {f"nats://{peer}:6222" for peer in nodes if peer != node}
+        store = flag(cmd, "--store_dir")
+        (volume,) = [v.split(":")[0] for v in svc["volumes"] if v.endswith(f":{store}")]
+        volumes.add(volume)
+        assert "healthz" in " ".join(svc["healthcheck"]["test"])
+    assert len(volumes) == 3 and volumes <= set(compose["volumes"])
+
+    # Two controllers on every node's URL, with the state bucket on 3 replicas.
+    for name in controllers:
+        ctl = services[name]
+        assert ctl["image"] == "marduk:dev"
+        assert ctl["environment"]["MARDUK_ADDR"].split(",") == all_urls
+        assert "--no-embedded" in ctl["command"]
+        assert flag(ctl["command"], "--kv-replicas") == "3"
+        assert set(nodes) <= set(ctl["depends_on"])
+    build = services["controller-1"]["build"]
+    assert (ROOT / build["context"] / build.get("dockerfile", "Dockerfile")).exists()
+
     for name in ("trainer-r1", "trainer-r2"):
         t = services[name]
-        assert t["environment"]["MARDUK_ADDR"] == "nats://nats:4222"
-        assert "controller" in t["depends_on"]
-    build = ctl["build"]
-    assert (ROOT / build["context"] / build.get("dockerfile", "Dockerfile")).exists()
+        assert t["environment"]["MARDUK_ADDR"].split(",") == all_urls
+        assert set(controllers) <= set(t["depends_on"])
