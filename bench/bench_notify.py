@@ -9,7 +9,9 @@ Measured:
   trial, so no coalescing), from the monitor's publish to the library's receipt of the command;
 * the same for scope job (``--scope job``): one command fanned out to every replica; the
   latency of the last replica to receive it;
-* a one-hop nats-py publish -> subscriber baseline in the same setup, for context;
+* a one-hop nats-py publish -> subscriber baseline in the same setup, for context, and the same
+  through JetStream (a plain publish stored by a stream, delivered by a durable push consumer
+  with explicit acks), which is how health events reach the controller;
 * registration time for all replicas, and the controller's peak RSS (VmHWM).
 
 Timestamps are CLOCK_MONOTONIC (time.monotonic_ns), shared by all processes on Linux.
@@ -25,7 +27,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,10 +43,74 @@ from marduk import protocol as wire
 from marduk.embedded import find_binary, listening
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def start_nats_server(tmp: Path, timeout: float = 10.0) -> tuple[subprocess.Popen[bytes], str]:
+    """A nats-server with JetStream on a port it picks itself (``-p -1``), read back from its
+    ports file: no window in which another process could take the port."""
+    ports_dir = tmp / "ports"
+    ports_dir.mkdir(parents=True, exist_ok=True)
+    server = subprocess.Popen(
+        [find_binary(), "-a", "127.0.0.1", "-p", "-1", "-js", "-sd", str(tmp / "js"),
+         "--ports_file_dir", str(ports_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"nats-server exited with code {server.returncode}")
+        for f in ports_dir.glob(f"*_{server.pid}.ports"):
+            try:
+                url = json.loads(f.read_text())["nats"][0]
+            except (ValueError, KeyError, IndexError):
+                continue  # being written
+            host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+            if listening(host, int(port), 0.1):
+                return server, url
+        time.sleep(0.01)
+    server.kill()
+    raise RuntimeError("nats-server did not write its ports file in time")
+
+
+def source_version() -> str:
+    """The commit the benchmark ran (``+dirty``: with uncommitted changes to the code)."""
+
+    def git(*a: str) -> str:
+        return subprocess.run(
+            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout.strip()
+
+    sha = git("rev-parse", "--short", "HEAD")
+    if not sha:
+        return (
+            (ROOT / "SOURCE_COMMIT").read_text().strip()
+            if (ROOT / "SOURCE_COMMIT").exists()
+            else "?"
+        )
+    dirty = git("status", "--porcelain", "--", "marduk", "agent", "monitor_cli")
+    return sha + ("+dirty" if dirty else "")
+
+
+def machine() -> dict[str, str | int]:
+    model = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "?",
+    )
+    mem_kib = next(
+        int(line.split()[1])
+        for line in Path("/proc/meminfo").read_text().splitlines()
+        if line.startswith("MemTotal:")
+    )
+    return {
+        "nproc": os.cpu_count() or 0,
+        "cpu": model,
+        "ram_gib": round(mem_kib / 2**20, 1),
+        "python": platform.python_version(),
+        "note": "2-core VM shared with other work",
+    }
 
 
 # --- agent side (runs in child processes) --------------------------------------------------------
@@ -56,6 +121,7 @@ async def agents_main(url: str, first: int, count: int, dpr: int, scope: str) ->
 
     received: list[tuple[str, int, int]] = []  # (event_id, epoch, recv_ns)
     pings: list[tuple[int, int]] = []
+    js_pings: list[tuple[int, int]] = []
     clients = []
 
     def make_cb(idx: int):  # type: ignore[no-untyped-def]
@@ -97,13 +163,21 @@ async def agents_main(url: str, first: int, count: int, dpr: int, scope: str) ->
     async def on_done(msg) -> None:  # type: ignore[no-untyped-def]
         done.set()
 
+    async def on_js_ping(msg) -> None:  # type: ignore[no-untyped-def]
+        # Like the controller's health consumer: durable push, explicit ack after handling.
+        js_pings.append((int(msg.data), time.monotonic_ns()))
+        await msg.ack()
+
     if first == 0:
         await nc.subscribe("bench.ping", cb=on_ping)
+        await nc.jetstream().subscribe(
+            "bench.jsping", durable="bench-js", stream="bench_js", cb=on_js_ping, manual_ack=True
+        )
     await nc.subscribe("bench.done", cb=on_done)
     await nc.flush()
     print(json.dumps({"ready": True, "registration_s": reg_s}), flush=True)
     await done.wait()
-    print(json.dumps({"received": received, "pings": pings}), flush=True)
+    print(json.dumps({"received": received, "pings": pings, "js_pings": js_pings}), flush=True)
     for c in clients:
         await c.close(deregister=False)
     await nc.close()
@@ -138,15 +212,7 @@ def vm_hwm_mib(pid: int) -> float:
 
 async def driver(args: argparse.Namespace) -> None:
     tmp = Path(tempfile.mkdtemp(prefix="marduk-bench-"))
-    port = free_port()
-    url = f"nats://127.0.0.1:{port}"
-    server = subprocess.Popen(
-        [find_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(tmp / "js")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    while not listening("127.0.0.1", port, 0.1):
-        time.sleep(0.01)
+    server, url = start_nats_server(tmp)
     env = {**os.environ, "MARDUK_ADDR": url}
     ctl = subprocess.Popen(
         [sys.executable, "-m", "marduk", "controller", "--no-embedded", "--log-level", "warning"],
@@ -167,6 +233,8 @@ async def driver(args: argparse.Namespace) -> None:
                 break
             except Exception:
                 await asyncio.sleep(0.1)
+        # A stream like the health stream, for the one-hop JetStream baseline.
+        await nc.jetstream().add_stream(name="bench_js", subjects=["bench.jsping"])
         per = args.replicas // args.procs
         t0 = time.monotonic()
         for p in range(args.procs):
@@ -199,6 +267,11 @@ async def driver(args: argparse.Namespace) -> None:
             await nc.publish("bench.ping", str(time.monotonic_ns()).encode())
             await nc.flush()
             await asyncio.sleep(args.gap)
+        # The same through JetStream: a plain publish the stream stores, a durable push consumer.
+        for _ in range(args.trials):
+            await nc.publish("bench.jsping", str(time.monotonic_ns()).encode())
+            await nc.flush()
+            await asyncio.sleep(args.gap)
 
         sent: dict[str, int] = {}
         trials = args.trials if args.scope == "replica" else min(args.trials, 200)
@@ -226,11 +299,13 @@ async def driver(args: argparse.Namespace) -> None:
         await nc.flush()
         received: list[tuple[str, int, int]] = []
         pings: list[tuple[int, int]] = []
+        js_pings: list[tuple[int, int]] = []
         for p in procs:
             out, _ = p.communicate(timeout=120)
             data = json.loads(out.strip().splitlines()[-1])
             received += [tuple(x) for x in data["received"]]  # type: ignore[misc]
             pings += [tuple(x) for x in data["pings"]]  # type: ignore[misc]
+            js_pings += [tuple(x) for x in data["js_pings"]]  # type: ignore[misc]
         await nc.close()
     finally:
         for p in procs:
@@ -253,15 +328,19 @@ async def driver(args: argparse.Namespace) -> None:
             continue
         notify += [(r - t) / 1e6 for r in recvs]
         last.append((max(recvs) - t) / 1e6)
-    results = [summary("one-hop nats-py publish->subscriber", one_hop)]
+    js_hop = [(recv - sent_ns) / 1e6 for sent_ns, recv in js_pings]
+    results = [
+        summary("one-hop nats-py publish->subscriber", one_hop),
+        summary("one-hop JetStream publish (stored) -> durable push consumer", js_hop),
+    ]
     if args.scope == "replica":
         results.append(summary("event publish -> library receives command (scope replica)", notify))
     else:
         results.append(summary("event publish -> every replica received (scope job), last", last))
         results.append(summary("event publish -> each replica received (scope job)", notify))
     report = {
-        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu "
-        f"python {platform.python_version()}",
+        "machine": machine(),
+        "source": source_version(),
         "replicas": args.replicas,
         "devices": args.replicas * args.devices_per_replica,
         "scope": args.scope,
