@@ -103,8 +103,10 @@ class ControllerSettings:
     """Seconds a leader's lease lasts without renewal; a standby takes over after that."""
     dedup_window_s: float = 3600.0
     """How long handled health event ids are remembered (across restarts and failovers)."""
-    ack_wait_s: float = 5.0
-    """A health event delivered but not acknowledged is redelivered after this long."""
+    ack_wait_s: float = 2.0
+    """A health event delivered but not acknowledged is redelivered after this long (also the
+    worst delay of an event delivered just before a new leader's subscription reached the
+    consumer's node, on a cluster)."""
     tick_interval_s: float = 0.25
     """How often the leader lets time pass in the policy (stale workers, resends)."""
     credentials: Credentials = field(default_factory=Credentials)

@@ -64,7 +64,7 @@ async def ensure_stream(
 class HealthConsumer:
     """The leader's subscription to the durable consumer of the health stream."""
 
-    def __init__(self, nc: NATS, prefix: str, subject: str, *, ack_wait_s: float = 5.0) -> None:
+    def __init__(self, nc: NATS, prefix: str, subject: str, *, ack_wait_s: float = 2.0) -> None:
         self.nc = nc
         self.stream = stream_name(prefix)
         self.subject = subject
@@ -85,7 +85,8 @@ class HealthConsumer:
                 ack_policy=AckPolicy.EXPLICIT,
                 deliver_policy=DeliverPolicy.ALL,
                 ack_wait=self.ack_wait_s,
-                max_ack_pending=10_000,
+                # Few enough in flight that a backlog is acked well within ack_wait.
+                max_ack_pending=1_000,
             ),
         )
 

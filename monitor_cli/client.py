@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
@@ -88,19 +89,34 @@ async def publish_durably(
 ) -> HealthReply:
     """Publish ``event`` to the health stream on ``nc`` and wait for the controller's reply."""
     inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, max_msgs=1)
+    sub = await nc.subscribe(inbox)
+    await nc.flush()
+    deadline = time.monotonic() + timeout
+    payload = encode(event)
+    asked = 0
     try:
-        ack = await _store(nc, subjects, encode(event), inbox, timeout=timeout, addr=addr)
-        try:
-            msg = await sub.next_msg(timeout=timeout)
-        except (TimeoutError, nats.errors.TimeoutError):
-            raise UndecidedError(event.event_id, ack.seq, timeout) from None
+        ack = await _store(nc, subjects, payload, inbox, timeout=timeout, addr=addr)
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                msg = await sub.next_msg(timeout=max(0.05, min(left, 1.0)))
+                break
+            except (TimeoutError, nats.errors.TimeoutError):
+                if left <= 1.0:
+                    raise UndecidedError(event.event_id, ack.seq, timeout) from None
+            # On a cluster the answer can beat our inbox's interest to the controller's node
+            # and be dropped. Ask again with the same event id: the controller answers a
+            # repeat with its first decision (and does nothing else).
+            asked += 1
+            await _store(nc, subjects, payload, inbox, timeout=max(0.5, left), addr=addr)
     finally:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
     reply: Any = decode(msg.data, HealthReply | ErrorReply)  # type: ignore[arg-type]
     if isinstance(reply, ErrorReply):
         raise RequestRejected(reply.code, reply.message)
+    if asked and reply.duplicate:
+        reply = msgspec.structs.replace(reply, duplicate=False)  # our own repeat, not theirs
     return reply  # type: ignore[no-any-return]
 
 
