@@ -19,6 +19,7 @@ def _opt(envvar: str, help: str, **kw: object) -> typer.models.OptionInfo:
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
+@options.connection_options
 def run(
     cmd: Annotated[list[str], typer.Argument(help="The trainer command, after --.")],
     job: Annotated[str, _opt("MARDUK_JOB", "Job name.")] = "default",
@@ -119,13 +120,23 @@ def run(
     connect_timeout: Annotated[
         float, _opt("MARDUK_CONNECT_TIMEOUT", "Seconds to register with the controller at start.")
     ] = 60.0,
+    controller_key: Annotated[
+        str | None,
+        _opt(
+            "MARDUK_CONTROLLER_KEY",
+            "The controller's public key (U...) or a file of them: commands not signed with it "
+            "are dropped [default: controller.pub beside --nkey, if there].",
+            show_default=False,
+        ),
+    ] = None,
     json_logs: options.JsonLogs = False,
     log_level: options.LogLevel = "info",
 ) -> None:
     """Run CMD as the trainer: restart it on crashes, hangs and controller commands.
 
-    Exit codes: 0 the trainer finished; 1 setup error; 70 gave up after --max-restarts;
-    71 the controller sent 'fail' (a bad device); 143 SIGTERM (preemption).
+    Exit codes: 0 the trainer finished; 1 setup error; 2 bad options; 70 gave up after
+    --max-restarts; 71 the controller sent 'fail' (a bad device); 72 the controller sent 'stop';
+    143 SIGTERM (preemption).
     """
     import re
 
@@ -148,6 +159,7 @@ def run(
             prefix=prefix,
             timeout=connect_timeout,
             role="supervisor",
+            controller_key=controller_key,
         )
     except (AgentError, re.error) as e:
         err(f"error: {e}", err=True)

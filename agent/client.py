@@ -177,7 +177,7 @@ def resolve_options(
         from agent.devices import local_device_uuids
 
         devices = local_device_uuids()
-    creds = credentials if credentials is not None else Credentials.from_env()
+    creds = credentials if credentials is not None else bus.default_credentials()
     try:
         creds.check()
         keys = resolve_controller_keys(controller_key, creds)
@@ -563,19 +563,45 @@ async def connect_async(
     worker: int | None = None,
     prefix: str | None = None,
     timeout: float = 30.0,
+    nkey: str | os.PathLike[str] | None = None,
+    credentials: Credentials | None = None,
+    controller_key: str | None = None,
 ) -> AsyncClient:
     """Register this worker and return once registered; raise AgentError after ``timeout``.
 
     Arguments left out come from MARDUK_REPLICA_ID, MARDUK_JOB (default ``default``),
     MARDUK_ADDR, MARDUK_SCOPE (default ``replica``), MARDUK_WORKER, MARDUK_PREFIX; ``devices``
-    from MARDUK_DEVICES or ``local_device_uuids()``.
+    from MARDUK_DEVICES or ``local_device_uuids()``. Credentials: ``nkey`` (a seed file) or
+    ``credentials``, else MARDUK_NKEY / MARDUK_CREDS / MARDUK_USER, MARDUK_PASSWORD /
+    MARDUK_TOKEN / MARDUK_TLS_*. ``controller_key`` (or MARDUK_CONTROLLER_KEY, or the
+    ``controller.pub`` beside the nkey file): commands not signed with it are dropped.
     """
     opts = resolve_options(
-        replica_id, devices, job, addr, scope, worker=worker, prefix=prefix, timeout=timeout
+        replica_id,
+        devices,
+        job,
+        addr,
+        scope,
+        worker=worker,
+        prefix=prefix,
+        timeout=timeout,
+        credentials=_credentials(nkey, credentials),
+        controller_key=controller_key,
     )
     client = _make_async(opts, on_command, None)
     await client.start()
     return client
+
+
+def _credentials(
+    nkey: str | os.PathLike[str] | None, credentials: Credentials | None
+) -> Credentials | None:
+    if nkey is None:
+        return credentials
+    from dataclasses import replace
+    from pathlib import Path
+
+    return replace(credentials or Credentials.from_env(), nkey=Path(nkey))
 
 
 def _make_async(
@@ -741,6 +767,9 @@ def connect(
     worker: int | None = None,
     prefix: str | None = None,
     timeout: float = 30.0,
+    nkey: str | os.PathLike[str] | None = None,
+    credentials: Credentials | None = None,
+    controller_key: str | None = None,
 ) -> Client:
     """Register this worker with the controller and return a ``Client``.
 
@@ -748,6 +777,15 @@ def connect(
     seconds. See ``connect_async`` for where arguments left out come from.
     """
     opts = resolve_options(
-        replica_id, devices, job, addr, scope, worker=worker, prefix=prefix, timeout=timeout
+        replica_id,
+        devices,
+        job,
+        addr,
+        scope,
+        worker=worker,
+        prefix=prefix,
+        timeout=timeout,
+        credentials=_credentials(nkey, credentials),
+        controller_key=controller_key,
     )
     return Client(opts, on_command)

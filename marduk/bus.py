@@ -145,7 +145,7 @@ def _credential_name(creds: Credentials) -> str:
 
 
 def _describe(e: BaseException, creds: Credentials | None = None) -> str:
-    if isinstance(e, nats.errors.AuthorizationError):
+    if isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower():
         given = creds.describe() if creds is not None else "no credentials"
         return f"authorization violation: the server refused {given} (wrong, revoked or missing)"
     if isinstance(e, ConnectionRefusedError):

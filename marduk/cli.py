@@ -23,6 +23,7 @@ app = typer.Typer(
 
 
 @app.command()
+@options.connection_options
 def controller(
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
@@ -118,6 +119,24 @@ def controller(
             help="A worker silent this long is removed from the map.",
         ),
     ] = 600.0,
+    auth_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--auth",
+            envvar="MARDUK_AUTH_DIR",
+            help="A `marduk auth init` directory: the embedded server enforces its roles, and "
+            "the controller signs in (and signs commands) with its controller.nk.",
+            show_default=False,
+        ),
+    ] = None,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            envvar="MARDUK_INSECURE",
+            help="Let the embedded server listen on a non-loopback address without auth.",
+        ),
+    ] = False,
     json_logs: options.JsonLogs = False,
     log_level: options.LogLevel = "info",
 ) -> None:
@@ -127,6 +146,7 @@ def controller(
     Several controllers may run against one NATS: one leads (holds the lease), the others are
     hot standbys that take over when it dies. Stops cleanly on SIGINT/SIGTERM.
     """
+    from marduk import bus
     from marduk.controller import ControllerSettings, run_controller
     from marduk.logs import setup_logging
     from marduk.policy import PolicyConfig
@@ -139,6 +159,9 @@ def controller(
         embedded=embedded,
         kv_replicas=kv_replicas,
         lease_ttl=lease_ttl,
+        credentials=bus.default_credentials(),
+        auth_dir=auth_dir,
+        insecure=insecure,
         policy=PolicyConfig(
             pending_timeout_s=pending_timeout,
             restart_on_degraded=restart_on_degraded,
@@ -163,10 +186,12 @@ def controller(
 
 def _mount() -> None:
     from agent.cli import app as agent_app
+    from marduk.auth_cli import app as auth_app
     from monitor_cli.cli import app as monitor_app
 
     app.add_typer(monitor_app, name="monitor")
     app.add_typer(agent_app, name="agent")
+    app.add_typer(auth_app, name="auth")
 
 
 _mount()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+import functools
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
@@ -39,3 +43,84 @@ LogLevel = Annotated[
 ]
 
 DEFAULTS = {"addr": DEFAULT_ADDR, "prefix": "marduk"}
+
+
+# --- connection options, shared by every command that talks to NATS ----------------------------
+
+_CONNECTION_OPTIONS: dict[str, Any] = {
+    "nkey": Annotated[
+        Path | None,
+        typer.Option(
+            "--nkey",
+            envvar="MARDUK_NKEY",
+            help="nkey seed file to authenticate with (as `marduk auth init` writes).",
+            show_default=False,
+        ),
+    ],
+    "creds": Annotated[
+        Path | None,
+        typer.Option(
+            "--creds",
+            envvar="MARDUK_CREDS",
+            help="NATS credentials file (decentralized auth: user JWT and seed).",
+            show_default=False,
+        ),
+    ],
+    "tls_ca": Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-ca",
+            envvar="MARDUK_TLS_CA",
+            help="CA bundle to verify the server (TLS).",
+            show_default=False,
+        ),
+    ],
+    "tls_cert": Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-cert",
+            envvar="MARDUK_TLS_CERT",
+            help="Client certificate (TLS).",
+            show_default=False,
+        ),
+    ],
+    "tls_key": Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-key",
+            envvar="MARDUK_TLS_KEY",
+            help="Client certificate's key (TLS).",
+            show_default=False,
+        ),
+    ],
+}
+
+
+def connection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Add --nkey, --creds and --tls-* to a command; its NATS connections use them.
+
+    User and password or a token go in the URL or MARDUK_USER / MARDUK_PASSWORD /
+    MARDUK_TOKEN (never on a command line other users can read).
+    """
+    sig = inspect.signature(fn, eval_str=True)  # typer needs the real Annotated objects
+    extra = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ann)
+        for name, ann in _CONNECTION_OPTIONS.items()
+    ]
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        from marduk import bus
+        from marduk.credentials import Credentials
+
+        given = {name: kwargs.pop(name, None) for name in _CONNECTION_OPTIONS}
+        bus.set_default_credentials(Credentials.from_env(**given))
+        return fn(*args, **kwargs)
+
+    params = [p for p in sig.parameters.values() if p.kind != inspect.Parameter.VAR_KEYWORD]
+    wrapper.__signature__ = sig.replace(parameters=[*params, *extra])  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {
+        **{p.name: p.annotation for p in params},
+        **_CONNECTION_OPTIONS,
+    }
+    return wrapper

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import json
+import logging
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, TypeVar
@@ -26,7 +27,11 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False)
+# soft_wrap: an error stays one line in a pipe or a narrow terminal (grep-able, no wrapping).
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Warnings the bus logs (e.g. a permission violation) reach the user as the command's error
+# line; without this, Python's last-resort handler would print them a second time.
+logging.getLogger("marduk").addHandler(logging.NullHandler())
 T = TypeVar("T")
 
 EXIT_ERROR = 1
@@ -89,6 +94,7 @@ def _report(reply: HealthReply, as_json: bool) -> None:
 
 
 @app.command("inject-failure")
+@options.connection_options
 def inject_failure(
     device: Annotated[str, typer.Argument(help="UUID of the device, as agents registered it.")],
     reason: Annotated[str, typer.Option(help="Why (free text, shown to the replicas).")] = "",
@@ -120,6 +126,7 @@ def inject_failure(
 
 
 @app.command("mark-healthy")
+@options.connection_options
 def mark_healthy(
     device: Annotated[
         str | None, typer.Argument(help="UUID of the device (omit with --all).", show_default=False)
@@ -158,6 +165,7 @@ def mark_healthy(
 
 
 @app.command()
+@options.connection_options
 def forget(
     target: Annotated[
         str,
@@ -248,6 +256,7 @@ def _status_tables(reply: QueryReply) -> list[Table]:
 
 
 @app.command()
+@options.connection_options
 def status(
     job: options.Job = None,
     addr: options.Addr = options.DEFAULTS["addr"],
@@ -292,6 +301,7 @@ def _event_line(e: ControllerEvent) -> str:
 
 
 @app.command()
+@options.connection_options
 def watch(
     job: options.Job = None,
     addr: options.Addr = options.DEFAULTS["addr"],

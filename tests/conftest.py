@@ -28,9 +28,10 @@ def free_port() -> int:
 class NatsServer:
     """A nats-server process on a loopback port, with JetStream in ``store``."""
 
-    def __init__(self, store: Path, port: int | None = None) -> None:
+    def __init__(self, store: Path, port: int | None = None, args: list[str] | None = None) -> None:
         self.store = store
         self.port = port or free_port()
+        self.args = args or []  # e.g. ["-c", "nats-server.conf"] or ["--user", "u", ...]
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -47,6 +48,7 @@ class NatsServer:
             "-js",
             "-sd",
             str(self.store),
+            *self.args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
@@ -55,6 +57,13 @@ class NatsServer:
                 raise RuntimeError(f"nats-server did not start on port {self.port}")
             time.sleep(0.01)
         return self
+
+    def reload(self) -> None:
+        """Re-read the configuration (SIGHUP), as `nats-server --signal reload` does."""
+        import signal
+
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGHUP)
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None

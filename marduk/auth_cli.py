@@ -1,0 +1,111 @@
+"""``marduk auth``: issue, rotate and revoke the NATS identities of a deployment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from marduk import options
+
+app = typer.Typer(
+    help="Identities and permissions on NATS: one nkey per role, a server config that enforces "
+    "them, and the controller's public key agents verify commands with.",
+    no_args_is_help=True,
+)
+
+Dir = Annotated[Path, typer.Argument(help="The auth directory (private: 0700, seeds 0600).")]
+
+
+def _fail(e: Exception) -> None:
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(1) from None
+
+
+@app.command()
+def init(
+    directory: Dir,
+    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace existing identities (every key changes).")
+    ] = False,
+) -> None:
+    """Create controller, agent, monitor and admin identities and nats-server.conf."""
+    from marduk import auth
+
+    try:
+        created = auth.init(directory, prefix, force=force)
+    except auth.AuthError as e:
+        _fail(e)
+        return
+    for i in created:
+        typer.echo(f"{i.role:10} {directory / (i.name + '.nk')}  {i.public_key}")
+    typer.echo(
+        f"server config: {directory / auth.CONFIG_FILE} "
+        f"(marduk controller --auth {directory}, or include it in your nats-server config)"
+    )
+
+
+@app.command("add-agent")
+def add_agent(
+    directory: Dir,
+    job: Annotated[str, typer.Option("--job", help="The only job this credential may serve.")],
+) -> None:
+    """An agent credential valid for one job's subjects only (agent-JOB.nk)."""
+    from marduk import auth
+
+    try:
+        i = auth.add_agent(directory, job)
+    except (auth.AuthError, ValueError) as e:
+        _fail(e)
+        return
+    typer.echo(f"agent for job {job}: {directory / (i.name + '.nk')}  {i.public_key}")
+    typer.echo("reload the NATS server to apply (the embedded one reloads by itself)")
+
+
+@app.command()
+def rotate(
+    directory: Dir, name: Annotated[str, typer.Argument(help="Identity, e.g. agent or admin.")]
+) -> None:
+    """Give an identity a new key; the old one stops working when the server reloads."""
+    from marduk import auth
+
+    try:
+        i = auth.rotate(directory, name)
+    except auth.AuthError as e:
+        _fail(e)
+        return
+    typer.echo(f"{name}: new key {i.public_key} in {directory / (name + '.nk')}")
+    if i.role == "controller":
+        typer.echo("agents verify commands with controller.pub: hand them the new one")
+
+
+@app.command()
+def revoke(
+    directory: Dir, name: Annotated[str, typer.Argument(help="Identity to remove.")]
+) -> None:
+    """Remove an identity: its key is refused once the server reloads."""
+    from marduk import auth
+
+    try:
+        i = auth.revoke(directory, name)
+    except auth.AuthError as e:
+        _fail(e)
+        return
+    typer.echo(f"revoked {name} ({i.public_key}); reload the NATS server to apply")
+
+
+@app.command("list")
+def list_(directory: Dir) -> None:
+    """Show the identities in DIR: name, role, job and public key (never a seed)."""
+    from marduk import auth
+
+    try:
+        prefix, found = auth.identities(directory)
+    except auth.AuthError as e:
+        _fail(e)
+        return
+    typer.echo(f"prefix {prefix}")
+    for i in found:
+        typer.echo(f"{i.name:20} {i.role:10} {i.job or '*':12} {i.public_key}")
