@@ -97,6 +97,10 @@ def test_docker_compose_parses_and_wires_the_services() -> None:
         routes = set(flag(cmd, "--routes").split(","))
         assert routes == {f"nats://{peer}:6222" for peer in nodes if peer != node}
         store = flag(cmd, "--store_dir")
+        # Auth: every node enforces the roles `marduk auth init` generated (issue 7).
+        assert flag(cmd, "--config") == "/auth/nats-server.conf"
+        assert "marduk-auth:/auth:ro" in svc["volumes"]
+        assert svc["depends_on"]["auth-init"]["condition"] == "service_completed_successfully"
         (volume,) = [v.split(":")[0] for v in svc["volumes"] if v.endswith(f":{store}")]
         volumes.add(volume)
         assert "healthz" in " ".join(svc["healthcheck"]["test"])
@@ -110,10 +114,14 @@ def test_docker_compose_parses_and_wires_the_services() -> None:
         assert "--no-embedded" in ctl["command"]
         assert flag(ctl["command"], "--kv-replicas") == "3"
         assert set(nodes) <= set(ctl["depends_on"])
-    build = services["controller-1"]["build"]
+        assert ctl["environment"]["MARDUK_NKEY"] == "/auth/controller.nk"
+    init = services["auth-init"]
+    assert "marduk auth init /auth" in " ".join(init["command"])
+    build = init["build"]
     assert (ROOT / build["context"] / build.get("dockerfile", "Dockerfile")).exists()
 
     for name in ("trainer-r1", "trainer-r2"):
         t = services[name]
         assert t["environment"]["MARDUK_ADDR"].split(",") == all_urls
+        assert t["environment"]["MARDUK_NKEY"] == "/auth/agent.nk"  # controller.pub beside it
         assert set(controllers) <= set(t["depends_on"])
