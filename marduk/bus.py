@@ -88,9 +88,12 @@ async def connect(
         if match:
             _permission_violation(match.group(1).lower(), match.group(2), creds)
             return
-        if isinstance(e, nats.errors.AuthorizationError):
+        refused = isinstance(e, nats.errors.AuthorizationError) or _is_auth_error(e)
+        if refused:
             STATS["nats.authorization_errors"] += 1
-        last_error[:] = [e]
+        # The server says why it refuses, then closes: the reset that follows must not hide it.
+        if refused or not (last_error and _is_auth_error(last_error[0])):
+            last_error[:] = [e]
         log.debug("nats: %s: %s", type(e).__name__, e)
 
     async def noop() -> None:
@@ -144,8 +147,14 @@ def _credential_name(creds: Credentials) -> str:
     return "this connection"
 
 
+def _is_auth_error(e: BaseException) -> bool:
+    return (
+        isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower()
+    )
+
+
 def _describe(e: BaseException, creds: Credentials | None = None) -> str:
-    if isinstance(e, nats.errors.AuthorizationError) or "authorization violation" in str(e).lower():
+    if _is_auth_error(e):
         given = creds.describe() if creds is not None else "no credentials"
         return f"authorization violation: the server refused {given} (wrong, revoked or missing)"
     if isinstance(e, ConnectionRefusedError):
@@ -159,6 +168,12 @@ def _describe(e: BaseException, creds: Credentials | None = None) -> str:
 async def _close_quietly(nc: NATS) -> None:
     try:
         await asyncio.wait_for(nc.close(), 2.0)
+    except asyncio.CancelledError:
+        # nats-py can raise this from close() when the server dropped the connection first
+        # (a revoked credential); only a cancellation of our own task goes on up.
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
     except Exception:
         pass
 
