@@ -6,14 +6,16 @@ Setup (all on loopback): one nats-server with JetStream on a port it picks itsel
 real ``agent`` clients (one NATS connection each) in this process. After each kill a fresh
 controller is started once the trial's measurements are done, so two always run at a kill.
 
-``--mode takeover`` (default 12 kills): find the leader (status query), SIGKILL it, publish one
-failure event for one replica's device through the health stream (stored at once, handled when a
-controller serves), and measure from the kill to
+``--mode takeover`` (default 12 kills): find the leader (status query), SIGKILL it, and at once
+(or ``--publish-delay`` later) publish failure events, each for a different replica's device:
+one plain core publish (like ``nats pub``), one ``publish_durably`` (like ``marduk monitor``),
+and one published again every ``--repeat-every`` until its command comes. Measured from the kill:
 * the first status query answered by a different controller (serving again),
-* the replica's library receiving its restart command (a targeted notice works again),
+* each replica's library receiving its restart command (a targeted notice works again),
 * the monitor receiving the controller's decision (``publish_durably``'s reply),
 * every replica having re-registered (they do on the new leader's hello);
-from the new leader's JSON log: kill -> lease taken, lease -> serving (state, subscriptions).
+from the new leader's JSON log: kill -> lease taken, lease -> serving (state, subscriptions);
+and how many deliveries the new leader counted against the events the stream stored.
 
 ``--mode storm`` (default 3 rounds): ``--replicas`` replicas, one failure event per replica's
 device published as plain core NATS publishes (like ``nats pub``), ``--storm-gap`` apart; the
@@ -237,6 +239,13 @@ async def publish_timed(
     return reply
 
 
+async def publish_plain(nc: nats.NATS, event: wire.DeviceHealth, delay: float) -> None:
+    """One core NATS publish, as ``nats pub`` does: stored by the stream, nothing waited for."""
+    await asyncio.sleep(delay)
+    await nc.publish(SUBJECTS.health, wire.encode(event))
+    await nc.flush()
+
+
 async def ack_all(replicas: list[Replica]) -> None:
     """Confirm every pending restart, so the next round's events are not coalesced into them."""
     sem = asyncio.Semaphore(50)
@@ -253,7 +262,7 @@ async def ack_all(replicas: list[Replica]) -> None:
 
 async def takeover(args: argparse.Namespace, url: str, ctls: Controllers) -> dict[str, object]:
     r_count, kills = args.takeover_replicas, args.kills
-    per = -(-2 * kills // r_count)  # a fresh device per event: no device failure budget in play
+    per = -(-3 * kills // r_count)  # a fresh device per event: no device failure budget in play
     specs = [(f"t{i}", [f"fo-{i}-{k}" for k in range(per)]) for i in range(r_count)]
     replicas = await start_replicas(url, specs)
     nc = await bus.connect(url, name="bench-failover", timeout=10)
@@ -266,18 +275,20 @@ async def takeover(args: argparse.Namespace, url: str, ctls: Controllers) -> dic
             await asyncio.sleep(random.uniform(0.5, 1.0))  # any phase of the lease renewal
             before = await status(nc, 2.0)
             assert before is not None
-            # Two replicas per kill: one hears of a failure published once, right at the kill;
-            # the other of one published again every --repeat-every until its command comes.
-            j_once, j_rep = (2 * i) % r_count, (2 * i + 1) % r_count
-            once, rep = replicas[j_once], replicas[j_rep]
-            dev_once, dev_rep = (
-                f"fo-{j_once}-{(2 * i) // r_count}",
-                f"fo-{j_rep}-{i * 2 // r_count}",
+            # Three replicas per kill, each hears of one failure: published once as a plain
+            # core publish (like `nats pub`); published with publish_durably (what `marduk
+            # monitor` does: stored, then waits for the decision, asking again if none comes);
+            # published again every --repeat-every until its command comes.
+            js_ = [(3 * i + k) % r_count for k in range(3)]
+            plain, once, rep = (replicas[j] for j in js_)
+            dev_plain, dev_once, dev_rep = (
+                f"fo-{j}-{(3 * i + k) // r_count}" for k, j in enumerate(js_)
             )
-            marks = {r.name: len(r.received) for r in (once, rep)}
-            for r in (once, rep):
+            marks = {r.name: len(r.received) for r in (plain, once, rep)}
+            for r in (plain, once, rep):
                 drain(r)
             regs_before = [r.client.stats["registrations"] for r in replicas]  # type: ignore[attr-defined]
+            stored_before = (await js.stream_info(stream)).state.messages
 
             t_kill, wall_kill = time.monotonic(), time.time()
             old = ctls.kill(before.controller.pid)
@@ -288,6 +299,10 @@ async def takeover(args: argparse.Namespace, url: str, ctls: Controllers) -> dic
             pub = asyncio.create_task(
                 publish_timed(nc, event_once, args.wait, decided, args.publish_delay)
             )
+            event_plain = wire.DeviceHealth(
+                device=dev_plain, state="failed", source="bench", event_id=f"plain-{uuid.uuid4()}"
+            )
+            pub_plain = asyncio.create_task(publish_plain(nc, event_plain, args.publish_delay))
             repeats = 0
             t_next = t_kill
             t_serving = t_regs = None
@@ -320,14 +335,17 @@ async def takeover(args: argparse.Namespace, url: str, ctls: Controllers) -> dic
                     and t_regs
                     and first_command(rep, marks, dev_rep)
                     and first_command(once, marks, dev_once)
+                    and first_command(plain, marks, dev_plain)
                 ):
                     break
                 await asyncio.sleep(0.005)
-            got_once, got_rep = (
+            got_plain, got_once, got_rep = (
+                first_command(plain, marks, dev_plain),
                 first_command(once, marks, dev_once),
                 first_command(rep, marks, dev_rep),
             )
-            if got_once is None or got_rep is None or new_ctl is None:
+            await pub_plain
+            if got_plain is None or got_once is None or got_rep is None or new_ctl is None:
                 raise RuntimeError(
                     f"trial {i}: a command or the new leader missing after {args.wait}s"
                 )
@@ -342,26 +360,33 @@ async def takeover(args: argparse.Namespace, url: str, ctls: Controllers) -> dic
                     t_drained = time.monotonic()
                     break
                 await asyncio.sleep(0.02)
-            await asyncio.gather(once.client.ack(), rep.client.ack())  # type: ignore[attr-defined]
+            await asyncio.gather(*(r.client.ack() for r in (plain, once, rep)))  # type: ignore[attr-defined]
+            stored = (await js.stream_info(stream)).state.messages - stored_before
             after = await status(nc, 2.0)
             elected, serving, state_ms = log_times(ctls.running[new_ctl.pid], new_ctl.term)
             trial = {
                 "kill_to_status_s": round(t_serving - t_kill, 4) if t_serving else None,
                 "kill_to_command_s": round(got_rep[0] - t_kill, 4),
-                "kill_to_command_single_event_s": round(got_once[0] - t_kill, 4),
-                "kill_to_decision_reply_single_event_s": round(decided["t"] - t_kill, 4),
+                "kill_to_command_plain_event_s": round(got_plain[0] - t_kill, 4),
+                "kill_to_command_durable_event_s": round(got_once[0] - t_kill, 4),
+                "kill_to_decision_reply_durable_event_s": round(decided["t"] - t_kill, 4),
                 "kill_to_all_reregistered_s": round(t_regs - t_kill, 4) if t_regs else None,
                 "kill_to_lease_s": round(elected - wall_kill, 4) if elected else None,
                 "lease_to_serving_s": round(serving - elected, 4) if serving and elected else None,
                 "state_load_ms": state_ms,
                 "term": new_ctl.term,
                 "repeated_events": repeats,
-                "commands": {"single": got_once[1:], "repeated": got_rep[1:]},
+                "commands": {
+                    "plain": got_plain[1:],
+                    "durable": got_once[1:],
+                    "repeated": got_rep[1:],
+                },
                 "decision_actions": len(health_reply.actions),
                 # Every event of the trial acknowledged (none pending, none awaiting an ack).
                 "kill_to_stream_drained_s": round(t_drained - t_kill, 4) if t_drained else None,
-                "events_published": repeats + 1,
-                # More deliveries than events: some were delivered, not acked, and redelivered.
+                # Events the stream stored during the trial (publish_durably's repeats included);
+                # more deliveries than that: some were delivered, not acked, and redelivered.
+                "events_stored": stored,
                 "new_leader_health_deliveries": after.stats.get("received.devicehealth")
                 if after
                 else None,
@@ -389,8 +414,9 @@ async def takeover(args: argparse.Namespace, url: str, ctls: Controllers) -> dic
             for key in (
                 "kill_to_status_s",
                 "kill_to_command_s",
-                "kill_to_command_single_event_s",
-                "kill_to_decision_reply_single_event_s",
+                "kill_to_command_plain_event_s",
+                "kill_to_command_durable_event_s",
+                "kill_to_decision_reply_durable_event_s",
                 "kill_to_all_reregistered_s",
                 "kill_to_lease_s",
                 "lease_to_serving_s",
@@ -400,8 +426,11 @@ async def takeover(args: argparse.Namespace, url: str, ctls: Controllers) -> dic
         "state_load_ms": stats_ms([v / 1000 for v in col("state_load_ms")]),
         "target_s": 3.0,
         "kills_notice_within_target": sum(1 for v in cmd_s if v <= 3.0),
-        "kills_single_event_within_target": sum(
-            1 for v in col("kill_to_command_single_event_s") if v <= 3.0
+        "kills_plain_event_within_target": sum(
+            1 for v in col("kill_to_command_plain_event_s") if v <= 3.0
+        ),
+        "kills_durable_event_within_target": sum(
+            1 for v in col("kill_to_command_durable_event_s") if v <= 3.0
         ),
         "trials": trials,
     }
@@ -605,7 +634,7 @@ def main() -> None:
     p.add_argument("--mode", choices=["takeover", "storm"], default="takeover")
     p.add_argument("--lease-ttl", type=float, default=2.0, help="the controllers' --lease-ttl")
     p.add_argument("--kills", type=int, default=12, help="takeover: leader kills")
-    p.add_argument("--takeover-replicas", type=int, default=4, help="takeover: replicas")
+    p.add_argument("--takeover-replicas", type=int, default=6, help="takeover: replicas")
     p.add_argument(
         "--publish-delay", type=float, default=0.0, help="takeover: s from kill to the event"
     )
