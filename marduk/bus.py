@@ -209,7 +209,8 @@ async def request(
         _raise_if_denied(subject)
         raise NoControllerError(subject, redact(addr), f"no reply within {timeout:g}s") from None
     union: Any = reply_type | ErrorReply
-    reply: Any = decode(msg.data, union)
+    # Replies may be as large as the server allows (queries are paged to fit it).
+    reply: Any = decode(msg.data, union, max_bytes=max(nc.max_payload, len(msg.data)))
     if isinstance(reply, ErrorReply):
         raise RequestRejected(reply.code, reply.message)
     return reply  # type: ignore[no-any-return]

@@ -49,6 +49,7 @@ from marduk.embedded import (
 from marduk.errors import MardukError, ProtocolError
 from marduk.health_stream import HealthConsumer, ensure_stream
 from marduk.leadership import Leadership
+from marduk.paging import ENVELOPE_BYTES, page_end
 from marduk.policy import Outcome, Policy, PolicyConfig, PolicyError
 from marduk.protocol import (
     MAX_MESSAGE_BYTES,
@@ -60,6 +61,7 @@ from marduk.protocol import (
     DeregisterReply,
     Deregistration,
     DeviceHealth,
+    DeviceInfo,
     ErrorReply,
     Forget,
     ForgetReply,
@@ -71,6 +73,7 @@ from marduk.protocol import (
     Report,
     ReportReply,
     Standby,
+    WorkerInfo,
     decode,
     encode,
 )
@@ -123,6 +126,17 @@ class StartupError(MardukError):
     pass
 
 
+@dataclass(slots=True)
+class _Snapshot:
+    """One query's answer, kept while its pages are fetched (consistent across pages)."""
+
+    id: str
+    at: float
+    workers: list[WorkerInfo]
+    devices: list[DeviceInfo]
+    sizes: list[int]  # encoded size of each item: the workers, then the devices
+
+
 class NotServing(MardukError):
     """This controller lost the lease between deciding and committing: drop, do not answer."""
 
@@ -163,6 +177,9 @@ class Controller:
         # Commands are signed with the controller's nkey, so agents can tell them from forgeries.
         self._signing_seed: bytes | None = None
         self._config_mtime = 0.0
+        self._snapshots: dict[str, _Snapshot] = {}
+        self._snapshot_seq = 0
+        self._enc = msgspec.json.Encoder()
         self.serving = asyncio.Event()  # set while leading and subscribed
         self.fatal = asyncio.Event()
         self.fatal_reason = ""
@@ -553,6 +570,17 @@ class Controller:
             return
         try:
             await self.nc.publish(subject, encode(reply))
+        except nats.errors.MaxPayloadError as e:
+            # Say so, rather than leave the client to conclude nobody answered.
+            self.stats["errors.reply_too_large"] += 1
+            self._log_limited("reply", f"reply on {subject} too large: {e}")
+            too_large = ErrorReply(
+                code="reply_too_large",
+                message=f"the answer ({len(encode(reply))} bytes) exceeds the server's max "
+                f"payload ({self.nc.max_payload} bytes)",
+            )
+            with contextlib.suppress(Exception):
+                await self.nc.publish(subject, encode(too_large))
         except Exception as e:
             self.stats["errors.reply"] += 1
             self._log_limited("reply", f"could not answer on {subject}: {e}")
@@ -673,18 +701,48 @@ class Controller:
         return result.reply
 
     async def _on_query(self, query: Query, msg: Msg) -> QueryReply:
+        """Answer a query, one page at a time: every reply fits the server's max payload."""
         now = time.monotonic()
         self._standbys = {k: v for k, v in self._standbys.items() if now - v[1] < 3.0}
+        snap = self._snapshot(query, now)
+        budget = (self.nc.max_payload if self.nc is not None else 1 << 20) - ENVELOPE_BYTES
+        start = min(query.offset, len(snap.sizes))
+        end = page_end(snap.sizes, start, budget)
+        nw = len(snap.workers)
         reply = QueryReply(
             controller=self.info(),
             standbys=[info for info, _ in self._standbys.values()],
-            stats=dict(self.stats),
+            stats=dict(self.stats) if start == 0 else {},
+            workers=snap.workers[min(start, nw) : min(end, nw)],
+            devices=snap.devices[max(start - nw, 0) : max(end - nw, 0)],
+            snapshot=snap.id,
+            offset=start,
+            next_offset=end if end < len(snap.sizes) else None,
+            total_workers=nw,
+            total_devices=len(snap.devices),
         )
-        if query.what in ("map", "devices"):
-            reply.devices = self.policy.device_infos(query.job)
-        if query.what == "map":
-            reply.workers = self.policy.worker_infos(query.job)
+        if end > start + 1 or reply.next_offset is None:
+            self.stats["queries.pages"] += 1
         return reply
+
+    def _snapshot(self, query: Query, now: float) -> _Snapshot:
+        """The answer to ``query``, computed once and kept while its pages are fetched."""
+        for key in [k for k, v in self._snapshots.items() if now - v.at > 30.0]:
+            del self._snapshots[key]
+        snap = self._snapshots.get(query.snapshot) if query.snapshot else None
+        if snap is not None:
+            return snap
+        workers = self.policy.worker_infos(query.job) if query.what == "map" else []
+        devices = self.policy.device_infos(query.job) if query.what in ("map", "devices") else []
+        sizes = [len(self._enc.encode(w)) for w in workers]
+        sizes += [len(self._enc.encode(d)) for d in devices]
+        self._snapshot_seq += 1
+        snap = _Snapshot(f"q{self._snapshot_seq}", now, workers, devices, sizes)
+        if len(sizes) > 0:
+            self._snapshots[snap.id] = snap
+            while len(self._snapshots) > 8:
+                self._snapshots.pop(next(iter(self._snapshots)))
+        return snap
 
     # --- commit: persist, then publish -----------------------------------------------------------
 

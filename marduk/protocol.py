@@ -257,6 +257,10 @@ class ForgetReply(Message, tag="forget_reply", kw_only=True):
 class Query(Message, tag="query", kw_only=True):
     what: QueryWhat = "map"
     job: JobName | None = None
+    # Paging (every reply fits the server's max payload): ask for the items from ``offset`` of
+    # the answer ``snapshot`` (empty: a new one). Items are the workers, then the devices.
+    offset: NonNegInt = 0
+    snapshot: ShortText = ""
 
 
 WorkerState = Literal["live", "stale"]
@@ -322,6 +326,13 @@ class QueryReply(Message, tag="query_reply", kw_only=True):
     workers: list[WorkerInfo] = []
     devices: list[DeviceInfo] = []
     stats: dict[str, int] = {}
+    # Paging: this page holds items [offset, next_offset) of the snapshot's answer; ask again
+    # with next_offset (and the snapshot id) until it is null.
+    snapshot: str = ""
+    offset: int = 0
+    next_offset: int | None = None
+    total_workers: int = 0
+    total_devices: int = 0
 
 
 class ErrorReply(Message, tag="error", kw_only=True):

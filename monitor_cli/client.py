@@ -192,16 +192,32 @@ async def forget(
 async def query(
     addr: str, prefix: str, what: QueryWhat = "map", job: str | None = None, timeout: float = 5.0
 ) -> QueryReply:
+    """Ask the controller; large answers come in pages, assembled here into one reply."""
     nc = await bus.connect(addr, name="marduk-monitor", timeout=timeout)
     try:
-        return await bus.request(
-            nc,
-            Subjects(prefix).query,
-            Query(what=what, job=job),
-            QueryReply,
-            timeout=timeout,
-            addr=addr,
+        subject = Subjects(prefix).query
+        first = await bus.request(
+            nc, subject, Query(what=what, job=job), QueryReply, timeout=timeout, addr=addr
         )
+        page = first
+        while page.next_offset is not None:
+            page = await bus.request(
+                nc,
+                subject,
+                Query(what=what, job=job, offset=page.next_offset, snapshot=first.snapshot),
+                QueryReply,
+                timeout=timeout,
+                addr=addr,
+            )
+            if page.snapshot != first.snapshot:
+                raise MardukError(
+                    "the controller's answer changed while it was being read (a takeover?); "
+                    "ask again"
+                )
+            first.workers.extend(page.workers)
+            first.devices.extend(page.devices)
+        first.next_offset = None
+        return first
     finally:
         await bus.close(nc, drain=False)
 

@@ -13,7 +13,6 @@ import pytest
 from agent.client import AsyncClient, connect_async
 from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.errors import ProtocolError
 from monitor_cli.client import publish_health, query
 from tests.conftest import NatsServer
 
@@ -56,12 +55,6 @@ async def test_a_worker_with_4096_devices_registers_and_hears_a_failure(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    raises=ProtocolError,
-    reason="the map of 4,096 devices is one ~710 KB reply (a WorkerInfo of ~180 KB plus a "
-    "DeviceInfo per device), over MAX_MESSAGE_BYTES; replies must be paged (DESIGN.md, 12)",
-)
 async def test_the_map_holds_all_4096_devices(
     controller: Controller, nats_server: NatsServer
 ) -> None:
