@@ -129,6 +129,7 @@ def run(
             show_default=False,
         ),
     ] = None,
+    metrics_addr: options.MetricsAddr = None,
     json_logs: options.JsonLogs = False,
     log_level: options.LogLevel = "info",
 ) -> None:
@@ -167,6 +168,7 @@ def run(
     config = SupervisorConfig(
         cmd=cmd,
         opts=opts,
+        metrics_addr=metrics_addr,
         max_restarts=max_restarts,
         restart_window_s=restart_window,
         hang_timeout_s=hang_timeout,

@@ -32,10 +32,13 @@ import signal
 import sys
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 
 from agent.client import AsyncClient, Command, Options
 from agent.reclaim import wait_for_release
@@ -43,6 +46,7 @@ from agent.signatures import Diagnosis, diagnose
 from marduk import protocol as wire
 from marduk.children import die_with_parent
 from marduk.errors import MardukError
+from marduk.metrics import MetricsServer, Probes, StatsCollector, gauge, histogram
 
 log = logging.getLogger("agent.supervisor")
 
@@ -78,6 +82,8 @@ class SupervisorConfig:
     preload: list[str] = field(default_factory=list)
     # How often a running trainer's progress (last step and when) is reported.
     status_interval_s: float = 15.0
+    # Serve /metrics, /healthz and /readyz (ready: the trainer is stepping) on HOST:PORT.
+    metrics_addr: str | None = None
     # Between incarnations, wait for the GPUs' memory to drop below this (0 s: don't wait).
     reclaim_timeout_s: float = 50.0
     reclaim_tolerance_mib: float = 512.0
@@ -151,6 +157,20 @@ class Supervisor:
         self.socket_path = os.path.join(self.socket_dir, "agent.sock")
         self._trainers: set[asyncio.StreamWriter] = set()
         self.standby_cmd = standby_command(config.cmd, config.preload) if config.prespawn else None
+        self.stats: Counter[str] = Counter()
+        self.registry = CollectorRegistry()
+        self.registry.register(StatsCollector(self.stats, self._gauges))
+        self._restart_seconds = histogram(
+            self.registry,
+            "marduk_agent_restart_seconds",
+            "From a trainer's end (crash, hang, command) to the next trainer running.",
+        )
+        self._first_step_seconds = histogram(
+            self.registry,
+            "marduk_agent_time_to_first_step_seconds",
+            "From a trainer's start to its first step (or heartbeat).",
+        )
+        self._ended_at: float | None = None
 
     # --- top level -------------------------------------------------------------------------------
 
@@ -167,6 +187,17 @@ class Supervisor:
             log.error("cannot register with the controller: %s", e)
             return ExitCode.SETUP
         self.epoch = max(self.epoch, self.client.epoch)
+        # The library client's counters (commands, dropped forgeries, ...) are exported too.
+        self.registry.register(StatsCollector(self.client.stats, lambda: []))
+        metrics = None
+        if self.config.metrics_addr:
+            metrics = MetricsServer(self.config.metrics_addr, Probes(self.registry, self._ready))
+            try:
+                await metrics.start()
+            except MardukError as e:
+                log.error("%s", e)
+                await self.client.close(deregister=False)
+                return ExitCode.SETUP
         server = await asyncio.start_unix_server(self._serve_trainer, self.socket_path)
         os.chmod(self.socket_path, 0o600)
         status = asyncio.create_task(self._status_loop())
@@ -181,6 +212,36 @@ class Supervisor:
                 os.rmdir(self.socket_dir)
             await self._discard_standby()
             await self.client.close(deregister=False)
+            if metrics is not None:
+                await metrics.stop()
+
+    def _ready(self) -> tuple[bool, str]:
+        if self.proc is None or self.proc.returncode is not None:
+            return False, "no trainer running"
+        if not self._first_step.is_set():
+            return False, f"trainer (incarnation {self.incarnation}) has not stepped yet"
+        return True, f"trainer stepping (epoch {self.epoch}, step {self.step})"
+
+    def _gauges(self) -> Iterator[Metric]:
+        running = float(self.proc is not None and self.proc.returncode is None)
+        yield gauge(
+            "marduk_agent_trainer_running",
+            "1 while a trainer runs.",
+            {"trainer": running},
+            "process",
+        )
+        yield gauge(
+            "marduk_agent_epoch",
+            "The epoch the trainer runs at.",
+            {"current": float(self.epoch)},
+            "epoch",
+        )
+        yield gauge(
+            "marduk_agent_incarnation",
+            "Trainer starts so far (0: the first).",
+            {"current": float(max(self.incarnation, 0))},
+            "incarnation",
+        )
 
     async def _loop(self) -> int:
         while True:
@@ -191,6 +252,7 @@ class Supervisor:
                 await self._report("gave_up", summary=f"cannot start: {e}")
                 return ExitCode.SETUP
             ended = await self._watch()
+            self._ended_at = time.monotonic()
             if ended.reason == "exited":
                 log.info("trainer finished (exit 0)")
                 await self._report("exited", exit_code=0)
@@ -211,6 +273,7 @@ class Supervisor:
                     await self._report("gave_up", summary=f"fail command: {cmd.reason}")
                     return ExitCode.DEVICE_FAILED
                 log.warning("restart command epoch %d: %s", cmd.epoch, cmd.reason)
+                self.stats["restarts.command"] += 1
                 self.epoch = cmd.epoch
                 if self.client is not None:
                     await self.client.ack(cmd)
@@ -223,6 +286,8 @@ class Supervisor:
                     )
                     await self._report_failure("gave_up", ended)
                     return ExitCode.GAVE_UP
+                what = ended.diagnosis.failure_class if ended.diagnosis else "unclassified"
+                self.stats[f"restarts.{ended.reason}/{what}"] += 1
                 self.epoch = await self._report_failure(ended.reason, ended)
             await self._cleanup()
 
@@ -251,6 +316,10 @@ class Supervisor:
             task = asyncio.create_task(self._prepare_standby(env))
             self._standby_task = task
         self.started_at = time.monotonic()
+        self.stats["trainer_starts"] += 1
+        if self._ended_at is not None:
+            self._restart_seconds.observe(self.started_at - self._ended_at)
+            self._ended_at = None
         self.step, self.step_at, self.progress_at = None, 0.0, 0.0
         self.sections.clear()
         self.tail.clear()
@@ -458,6 +527,8 @@ class Supervisor:
         if step is not None:
             self.step, self.step_at = step, now
         self.progress_at = now
+        if not self._first_step.is_set():
+            self._first_step_seconds.observe(now - self.started_at)
         self._first_step.set()
 
     async def _hang_watch(self) -> str:

@@ -256,7 +256,7 @@ def permissions(role: str, prefix: str, job: str | None = None) -> dict[str, lis
     if role == "controller":
         return {
             "publish": [f"{p}.>", "$JS.API.>", "$JS.ACK.>", "$JS.FC.>", "$KV.>", "_INBOX.>"],
-            "subscribe": [f"{p}.>", "$JS.>", "$KV.>", "_INBOX.>"],
+            "subscribe": [f"{p}.>", "$JS.>", "$KV.>", "$SRV.>", "_INBOX.>"],
         }
     if role == "agent":
         j = job or "*"
@@ -268,7 +268,7 @@ def permissions(role: str, prefix: str, job: str | None = None) -> dict[str, lis
         return {"publish": [f"{p}.health"], "subscribe": ["_INBOX.>"]}
     if role == "admin":
         return {
-            "publish": [f"{p}.health", f"{p}.ctl.query", f"{p}.ctl.forget"],
+            "publish": [f"{p}.health", f"{p}.ctl.query", f"{p}.ctl.forget", "$SRV.>"],
             "subscribe": [f"{p}.*.events", "_INBOX.>"],
         }
     raise AuthError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")

@@ -137,6 +137,7 @@ def controller(
             help="Let the embedded server listen on a non-loopback address without auth.",
         ),
     ] = False,
+    metrics_addr: options.MetricsAddr = None,
     json_logs: options.JsonLogs = False,
     log_level: options.LogLevel = "info",
 ) -> None:
@@ -162,6 +163,7 @@ def controller(
         credentials=bus.default_credentials(),
         auth_dir=auth_dir,
         insecure=insecure,
+        metrics_addr=metrics_addr,
         policy=PolicyConfig(
             pending_timeout_s=pending_timeout,
             restart_on_degraded=restart_on_degraded,

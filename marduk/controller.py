@@ -23,16 +23,21 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
 import nats.errors
+from nats import micro
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.micro.request import Request as MicroRequest
+from nats.micro.service import Service as MicroService
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 
 from marduk import __version__, auth, bus
 from marduk.credentials import Credentials, redact
@@ -49,6 +54,7 @@ from marduk.embedded import (
 from marduk.errors import MardukError, ProtocolError
 from marduk.health_stream import HealthConsumer, ensure_stream
 from marduk.leadership import Leadership
+from marduk.metrics import MetricsServer, Probes, StatsCollector, gauge, histogram
 from marduk.paging import ENVELOPE_BYTES, page_end
 from marduk.policy import Outcome, Policy, PolicyConfig, PolicyError
 from marduk.protocol import (
@@ -119,6 +125,8 @@ class ControllerSettings:
     controller uses its ``controller.nk`` unless other credentials are given."""
     insecure: bool = False
     """Allow an embedded server without auth on a non-loopback address."""
+    metrics_addr: str | None = None
+    """Serve /metrics, /healthz and /readyz on HOST:PORT (off when None)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
@@ -177,10 +185,20 @@ class Controller:
         # Commands are signed with the controller's nkey, so agents can tell them from forgeries.
         self._signing_seed: bytes | None = None
         self._config_mtime = 0.0
+        self.registry = CollectorRegistry()
+        self.registry.register(StatsCollector(self.stats, self._gauges))
+        self._notice_latency = histogram(
+            self.registry,
+            "marduk_event_to_command_seconds",
+            "From a health event's delivery to its commands being published.",
+        )
+        self._metrics: MetricsServer | None = None
+        self._service: MicroService | None = None
         self._snapshots: dict[str, _Snapshot] = {}
         self._snapshot_seq = 0
         self._enc = msgspec.json.Encoder()
         self.serving = asyncio.Event()  # set while leading and subscribed
+        self._accepting = False  # handlers may decide (set just before subscribing)
         self.fatal = asyncio.Event()
         self.fatal_reason = ""
         self._stopping = False
@@ -226,6 +244,9 @@ class Controller:
         self._health = HealthConsumer(
             self.nc, st.prefix, self.subjects.health, ack_wait_s=st.ack_wait_s
         )
+        if st.metrics_addr:
+            self._metrics = MetricsServer(st.metrics_addr, Probes(self.registry, self._ready))
+            await self._metrics.start()
         self._spawn(self.leadership.run(), "leadership")
         self._spawn(self._tick_loop(), "tick")
         self._spawn(self._standby_loop(), "standby-heartbeat")
@@ -295,6 +316,8 @@ class Controller:
         self._tasks = []
         if self.mirror is not None:
             await self.mirror.stop()
+        if self._metrics is not None:
+            await self._metrics.stop()
         if self.nc is not None:
             await bus.close(self.nc)
             self.nc = None
@@ -424,16 +447,34 @@ class Controller:
             now=time.time(),
         )
         self.stats["state.skipped_records"] += loaded.skipped
+        # Handlers act from here on: a stored event the consumer delivers the moment it is
+        # subscribed must be handled, not left for redelivery after ack_wait.
+        self._accepting = True
         s = self.subjects
-        self._subs = [
-            await self._serve(s.any_job("register"), Registration, self._on_register),
-            await self._serve(s.any_job("deregister"), Deregistration, self._on_deregister),
-            await self._serve(s.any_job("ack"), Ack, self._on_ack),
-            await self._serve(s.any_job("report"), Report, self._on_report),
-            await self._serve(s.query, Query, self._on_query),
-            await self._serve(s.forget, Forget, self._on_forget),
-            await self.nc.subscribe(s.standby, cb=self._on_standby),
-        ]
+        # A NATS micro service: `nats micro ls|info|stats` and $SRV.PING find the leader, its
+        # endpoints and version (standbys serve nothing, so they are not listed).
+        self._service = await micro.add_service(
+            self.nc,
+            name="marduk",
+            version=__version__,
+            description="Marduk controller: device<->replica map, targeted restarts",
+            metadata={"prefix": s.prefix, "controller_id": self.controller_id, "term": str(term)},
+            queue_group="marduk-controller",
+        )
+        for name, subject, type_, handler in (
+            ("register", s.any_job("register"), Registration, self._on_register),
+            ("deregister", s.any_job("deregister"), Deregistration, self._on_deregister),
+            ("ack", s.any_job("ack"), Ack, self._on_ack),
+            ("report", s.any_job("report"), Report, self._on_report),
+            ("query", s.query, Query, self._on_query),
+            ("forget", s.forget, Forget, self._on_forget),
+        ):
+            await self._service.add_endpoint(
+                name=name,
+                subject=subject,
+                handler=self._endpoint(type_, handler),  # type: ignore[arg-type]
+            )
+        self._subs = [await self.nc.subscribe(s.standby, cb=self._on_standby)]
         assert self._health is not None
         await self._health.start(self._on_health_msg)
         await self.nc.flush()
@@ -464,7 +505,12 @@ class Controller:
         log.warning("standby now (%s)", why)
 
     async def _stop_serving(self) -> None:
+        self._accepting = False
         self.serving.clear()
+        service, self._service = self._service, None
+        if service is not None:
+            with contextlib.suppress(Exception):
+                await service.stop()
         subs, self._subs = self._subs, []
         for sub in subs:
             with contextlib.suppress(Exception):
@@ -474,8 +520,38 @@ class Controller:
         async with self._commit_lock:  # let a commit in flight finish (or find it is fenced)
             pass
 
+    def _ready(self) -> tuple[bool, str]:
+        if self._leading():
+            return True, f"leader (term {self.leadership.term if self.leadership else 0})"
+        if self.mirror is not None and self.mirror.healthy and self.nc and self.nc.is_connected:
+            return True, "hot standby (state mirror current)"
+        return False, "not leading and no current state mirror"
+
+    def _gauges(self) -> Iterator[Metric]:
+        leading = self._leading()
+        yield gauge(
+            "marduk_leader", "1 if this controller leads.", {"leader": float(leading)}, "role"
+        )
+        if not leading:
+            return
+        p = self.policy
+        workers = {"live": float(len(p.workers) - len(p.stale)), "stale": float(len(p.stale))}
+        yield gauge("marduk_workers", "Registered workers, by state.", workers, "state")
+        devices: Counter[str] = Counter({"healthy": 0, "degraded": 0, "failed": 0})
+        for name in p.drmap.devices():
+            rec = p.devices.get(name)
+            devices[rec.state if rec else "healthy"] += 1
+        yield gauge(
+            "marduk_devices",
+            "Devices in use, by health state.",
+            {k: float(v) for k, v in devices.items()},
+            "state",
+        )
+        standbys = float(len(self._standbys))
+        yield gauge("marduk_standbys", "Hot standbys heard from.", {"all": standbys}, "scope")
+
     def _leading(self) -> bool:
-        return self.serving.is_set() and self.leadership is not None and self.leadership.serving()
+        return self._accepting and self.leadership is not None and self.leadership.serving()
 
     async def _publish_hello(self) -> None:
         assert self.nc is not None
@@ -531,39 +607,39 @@ class Controller:
 
     # --- the edge: decode, dispatch, reply -------------------------------------------------------
 
-    async def _serve(
+    def _endpoint(
         self,
-        subject: str,
         type_: type[T],
-        handler: Callable[[T, Msg], Awaitable[msgspec.Struct | None]],
-    ) -> Subscription:
+        handler: Callable[[T, str], Awaitable[msgspec.Struct | None]],
+    ) -> Callable[[MicroRequest], Awaitable[None]]:
+        """A micro endpoint handler: decode strictly, decide, answer; never raise."""
         kind = type_.__name__.lower()
         limit = self.settings.max_message_bytes
 
-        async def on_message(msg: Msg) -> None:
+        async def on_request(request: MicroRequest) -> None:
             self.stats[f"received.{kind}"] += 1
             reply: msgspec.Struct | None
             try:
-                req = decode(msg.data, type_, max_bytes=limit)
-                reply = await handler(req, msg)
+                req = decode(request.data, type_, max_bytes=limit)
+                reply = await handler(req, request.subject)
             except NotServing:
                 return  # no answer: the client retries and reaches the new leader
             except ProtocolError as e:
-                reply = self._reject(kind, e.reason, str(e), msg.subject)
+                reply = self._reject(kind, e.reason, str(e), request.subject)
             except PolicyError as e:
-                reply = self._reject(kind, e.code, str(e), msg.subject)
+                reply = self._reject(kind, e.code, str(e), request.subject)
                 if e.code == "duplicate_worker":
                     await self._announce(
                         ControllerEvent(kind="duplicate_worker", ts=time.time(), detail=str(e))
                     )
             except Exception as e:  # the controller never crashes on input
-                self._log_internal(f"{kind} on {msg.subject}")
+                self._log_internal(f"{kind} on {request.subject}")
                 reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
-            if reply is not None and msg.reply:
-                await self._answer(msg.reply, reply)
+            reply_to = request._msg.reply
+            if reply is not None and reply_to:
+                await self._answer(reply_to, reply)
 
-        assert self.nc is not None
-        return await self.nc.subscribe(subject, cb=on_message, pending_msgs_limit=1_000_000)
+        return on_request
 
     async def _answer(self, subject: str, reply: msgspec.Struct) -> None:
         if self.nc is None:
@@ -610,17 +686,14 @@ class Controller:
         if self._warned[bucket] == 1:
             log.exception("internal error handling %s (repeats this minute are counted)", what)
 
-    def _check_subject_job(self, job: str, msg: Msg) -> None:
-        subject_job = self.subjects.job_of(msg.subject)
-        if subject_job != job:
-            raise ProtocolError(
-                "subject_mismatch", f"message for job {job!r} sent on {msg.subject}"
-            )
+    def _check_subject_job(self, job: str, subject: str) -> None:
+        if self.subjects.job_of(subject) != job:
+            raise ProtocolError("subject_mismatch", f"message for job {job!r} sent on {subject}")
 
     # --- handlers --------------------------------------------------------------------------------
 
-    async def _on_register(self, reg: Registration, msg: Msg) -> RegisterReply:
-        self._check_subject_job(reg.job, msg)
+    async def _on_register(self, reg: Registration, subject: str) -> RegisterReply:
+        self._check_subject_job(reg.job, subject)
         result = self.policy.register(reg, time.time())
         await self._commit(result.outcome)
         return RegisterReply(
@@ -633,28 +706,31 @@ class Controller:
             renew_interval=result.renew_interval,
         )
 
-    async def _on_deregister(self, req: Deregistration, msg: Msg) -> DeregisterReply:
-        self._check_subject_job(req.job, msg)
+    async def _on_deregister(self, req: Deregistration, subject: str) -> DeregisterReply:
+        self._check_subject_job(req.job, subject)
         key = WorkerKey(req.job, req.replica, req.worker)
         outcome, known = self.policy.deregister(key, req.reason, time.time())
         await self._commit(outcome)
         return DeregisterReply(known=known)
 
-    async def _on_ack(self, ack: Ack, msg: Msg) -> AckReply:
-        self._check_subject_job(ack.job, msg)
+    async def _on_ack(self, ack: Ack, subject: str) -> AckReply:
+        self._check_subject_job(ack.job, subject)
         key = WorkerKey(ack.job, ack.replica, ack.worker)
         outcome = self.policy.ack(key, ack.epoch, time.time())
         await self._commit(outcome)
         return AckReply(epoch=self.policy.epoch_of_worker(key))
 
-    async def _on_report(self, report: Report, msg: Msg) -> ReportReply:
-        self._check_subject_job(report.job, msg)
+    async def _on_report(self, report: Report, subject: str) -> ReportReply:
+        self._check_subject_job(report.job, subject)
         result = self.policy.on_report(report, time.time())
         self.stats[f"reports.{report.status}"] += 1
+        if any(not a.coalesced for a in result.actions):
+            what = report.failure_class or "unclassified"
+            self.stats[f"restarts.{report.status}/{what}"] += 1
         await self._commit(result.outcome)
         return ReportReply(actions=result.actions)
 
-    async def _on_forget(self, req: Forget, msg: Msg) -> ForgetReply:
+    async def _on_forget(self, req: Forget, subject: str) -> ForgetReply:
         outcome = self.policy.forget(req.job, req.replica, req.worker, time.time())
         await self._commit(outcome)
         return ForgetReply(removed=[str(k) for k in outcome.deleted_workers])
@@ -692,15 +768,34 @@ class Controller:
         now = time.time()
         if not event.timestamp:
             event.timestamp = now
+        t0 = time.perf_counter()
         result = self.policy.on_health(event, now)
-        if result.reply.duplicate:
+        reply = result.reply
+        if reply.duplicate:
             self.stats["health.duplicates"] += 1
-        elif not result.reply.known:
+        elif not reply.known:
             self.stats["health.unknown_device"] += 1
+        else:
+            self.stats[f"events.{event.state}"] += 1
+            self._count_source(event.source)
+            for action in reply.actions:
+                if action.coalesced:
+                    self.stats["health.coalesced"] += 1
+                else:
+                    self.stats[f"restarts.device/{action.kind}"] += 1
         await self._commit(result.outcome)
-        return result.reply
+        if result.outcome.commands:
+            self._notice_latency.observe(time.perf_counter() - t0)
+        return reply
 
-    async def _on_query(self, query: Query, msg: Msg) -> QueryReply:
+    def _count_source(self, source: str) -> None:
+        # Bounded: a label per source up to 100, then "other" (label cardinality).
+        key = f"sources.{source or 'unknown'}"
+        if key not in self.stats and sum(k.startswith("sources.") for k in self.stats) >= 100:
+            key = "sources.other"
+        self.stats[key] += 1
+
+    async def _on_query(self, query: Query, subject: str) -> QueryReply:
         """Answer a query, one page at a time: every reply fits the server's max payload."""
         now = time.monotonic()
         self._standbys = {k: v for k, v in self._standbys.items() if now - v[1] < 3.0}
@@ -820,7 +915,16 @@ class Controller:
         if event.kind == "unknown_device":
             self._log_limited("unknown_device", line, level)
         else:
-            log.log(level, "%s", line)
+            # As fields too, for JSON logs: job, replica, worker, epoch, device, event.
+            fields = {
+                "event": event.kind,
+                "job": event.job,
+                "replica": event.replica,
+                "worker": event.worker,
+                "epoch": event.epoch,
+                "device": event.device,
+            }
+            log.log(level, "%s", line, extra={k: v for k, v in fields.items() if v is not None})
 
 
 _WARN_EVENTS = frozenset(

@@ -42,6 +42,17 @@ LogLevel = Annotated[
     typer.Option("--log-level", envvar="MARDUK_LOG_LEVEL", help="debug, info, warning or error."),
 ]
 
+MetricsAddr = Annotated[
+    str | None,
+    typer.Option(
+        "--metrics-addr",
+        envvar="MARDUK_METRICS_ADDR",
+        help="Serve Prometheus /metrics and /healthz, /readyz probes on HOST:PORT (off unless "
+        "set), e.g. 0.0.0.0:9090.",
+        show_default=False,
+    ),
+]
+
 DEFAULTS = {"addr": DEFAULT_ADDR, "prefix": "marduk"}
 
 

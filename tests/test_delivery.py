@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 from agent.client import AsyncClient, connect_async
 from marduk import protocol as wire
 from marduk.controller import Controller
+from marduk.health_stream import HealthConsumer
 from marduk.policy import PolicyConfig
 from marduk.protocol import decode, encode
 from marduk.subjects import Subjects
@@ -158,3 +160,41 @@ def test_forget_and_mark_healthy_all_from_the_cli(controller_env: dict[str, str]
         assert r.returncode == 0 and "nothing registered" in r.stdout
     finally:
         t.stop()
+
+
+async def test_a_new_leader_handles_the_stored_backlog_on_first_delivery(
+    nats_server: NatsServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Events stored while no controller runs are handled as the consumer delivers them.
+
+    A leader that ignored deliveries arriving before it marked itself serving left them for
+    redelivery after ack_wait: they would then be delivered twice (counted here).
+    """
+    first = await serve(nats_server, tmp_path)
+    r1 = await agent(nats_server, "r1", ["g1"])
+    await first.stop()
+    nc = await nats.connect(nats_server.url)
+    backlog = 300
+    try:
+        for i in range(backlog):  # a backlog: devices nobody uses, then one that r1 uses
+            await nc.publish(S.health, f'{{"device": "x{i}", "state": "degraded"}}'.encode())
+        await nc.publish(S.health, b'{"device": "g1", "state": "failed"}')
+        await nc.flush()
+        # Widen the moment between subscribing and the rest of taking over, so deliveries
+        # surely arrive in it (on loopback it is a round trip, and was hit 3 times in 24).
+        original = HealthConsumer.start
+
+        async def slow_start(self, cb):  # type: ignore[no-untyped-def]
+            await original(self, cb)
+            await asyncio.sleep(0.3)
+
+        monkeypatch.setattr(HealthConsumer, "start", slow_start)
+        second = await serve(nats_server, tmp_path)
+        got = await r1.wait(10)
+        assert got is not None and got.kind == "restart"
+        await eventually(lambda: second.stats["health.unknown_device"] == backlog)
+        assert second.stats["received.devicehealth"] == backlog + 1, dict(second.stats)
+        await second.stop()
+    finally:
+        await nc.close()
+        await r1.close(deregister=False)
