@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import socket
 import time
 import uuid
@@ -199,6 +200,7 @@ class Controller:
         self._enc = msgspec.json.Encoder()
         self.serving = asyncio.Event()  # set while leading and subscribed
         self._accepting = False  # handlers may decide (set just before subscribing)
+        self._background: set[asyncio.Task[None]] = set()
         self.fatal = asyncio.Event()
         self.fatal_reason = ""
         self._stopping = False
@@ -217,6 +219,7 @@ class Controller:
             reconnect=True,
             on_disconnected=self._on_disconnected,
             on_reconnected=self._on_reconnected,
+            on_closed=self._on_closed,
             credentials=self.credentials,
         )
         st = self.settings
@@ -390,6 +393,12 @@ class Controller:
             self.stats["auth.reloads"] += 1
             log.info("auth configuration changed; the embedded server reloaded it")
 
+    async def _on_closed(self) -> None:
+        # nats-py gives up on a connection only after a protocol error: nothing will bring it
+        # back, so end (exit 1); the process's supervisor restarts it, a standby leads meanwhile.
+        if not self._stopping:
+            self._die("the NATS connection was closed (a protocol error?)")
+
     async def _on_disconnected(self) -> None:
         if self._stopping:  # our own close, not a lost connection
             return
@@ -459,7 +468,10 @@ class Controller:
             version=__version__,
             description="Marduk controller: device<->replica map, targeted restarts",
             metadata={"prefix": s.prefix, "controller_id": self.controller_id, "term": str(term)},
-            queue_group="marduk-controller",
+            # Its own queue group, not a shared one: a leader whose lease lapsed and has not
+            # unsubscribed yet must not take a share of the requests (it drops them); each
+            # controller sees every request and only the one that leads answers.
+            queue_group=f"marduk-{self.controller_id}",
         )
         for name, subject, type_, handler in (
             ("register", s.any_job("register"), Registration, self._on_register),
@@ -495,6 +507,18 @@ class Controller:
             len(loaded.epochs),
             (time.monotonic() - t0) * 1000,
         )
+
+    def _spawn_step_down(self, why: str) -> None:
+        async def step_down() -> None:
+            log.error("stepping down: %s", why)
+            await self._stop_serving()
+            if self.leadership is not None:
+                await self.leadership.resign()
+
+        # Not from inside the commit: _stop_serving waits for the commit lock we hold.
+        task = asyncio.create_task(step_down(), name="step-down")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _on_deposed(self, why: str) -> None:
         if self._term_task is not None:
@@ -618,6 +642,11 @@ class Controller:
 
         async def on_request(request: MicroRequest) -> None:
             self.stats[f"received.{kind}"] += 1
+            if not self._leading():
+                # Our lease lapsed (a paused process) and we have not noticed yet: the new
+                # leader answers; one reply per request.
+                self.stats["fenced"] += 1
+                return
             reply: msgspec.Struct | None
             try:
                 req = decode(request.data, type_, max_bytes=limit)
@@ -741,6 +770,13 @@ class Controller:
         if not self._leading():
             return  # not acked: redelivered to whoever leads after ack_wait
         reply_to = (msg.headers or {}).get(REPLY_HEADER, "")
+        if reply_to and (
+            len(reply_to) > _REPLY_SUBJECT_MAX or not _REPLY_SUBJECT.fullmatch(reply_to)
+        ):
+            # A subject the server would refuse (too long, spaces, wildcards) would make our
+            # publish fail and nats-py drop the connection: decide, but answer nobody.
+            self._reject("devicehealth", "reply_header", f"bad {REPLY_HEADER} header", msg.subject)
+            reply_to = ""
         reply: msgspec.Struct
         try:
             event = decode(msg.data, DeviceHealth, max_bytes=self.settings.max_message_bytes)
@@ -848,7 +884,17 @@ class Controller:
                 self.stats["fenced"] += 1
                 raise NotServing("not the leader")
             if outcome.write_ahead:
-                await self._persist(outcome, write_ahead=True)
+                if not await self._persist(outcome, write_ahead=True):
+                    # The ceiling is not durable: publishing would let a restored controller
+                    # issue the same epoch again. Our in-memory state is now ahead of the
+                    # store, so step down: whoever leads next rebuilds it from the store, and
+                    # the event (not acknowledged) is redelivered to it.
+                    self.stats["store.write_ahead_failed"] += 1
+                    self._spawn_step_down("epoch ceilings could not be written")
+                    raise NotServing("write-ahead failed")
+                if not self._leading():  # the lease lapsed while we were writing
+                    self.stats["fenced"] += 1
+                    raise NotServing("not the leader")
             assert self.nc is not None
             for command in outcome.commands:
                 await self._publish_command(command)
@@ -866,29 +912,37 @@ class Controller:
             with contextlib.suppress(Exception):
                 await self.nc.publish(self.subjects.events(event.job), encode(event))
 
-    async def _persist(self, outcome: Outcome, *, write_ahead: bool = False) -> None:
+    async def _persist(self, outcome: Outcome, *, write_ahead: bool = False) -> bool:
+        """Write the outcome's records; False if they could not be written while we lead."""
         if self.store is None or not (write_ahead or _has_writes(outcome)):
-            return
+            return True
         delay = 0.05
-        for attempt in range(1, 31):
+        for attempt in range(1, 7):
             try:
                 if write_ahead:
                     await self.store.write_ahead(outcome)
                 else:
                     await self.store.apply(outcome)
-                return
+                return True
             except Exception as e:
                 self.stats["store.errors"] += 1
                 self._log_limited("store", f"state write failed (attempt {attempt}): {e}")
-                # A JetStream election (a node lost) takes seconds: keep trying while we lead.
-                if not self._leading():
+                # Bounded, since we hold the commit lock: ~1.25 s for a write-ahead (then we
+                # step down and the event is redelivered to whoever leads, which rebuilds from
+                # the store: a JetStream election is ridden out that way), 3 quick tries for
+                # records written after publishing.
+                if not self._leading() or attempt >= (6 if write_ahead else 3):
                     break
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
-        # Availability over durability: the restart still goes out. Agents report the epochs
-        # they applied when they re-register, so a restarted controller will not reuse them.
         self.stats["store.given_up"] += 1
-        log.error("state not persisted; publishing the commands anyway")
+        if write_ahead:
+            log.error("epoch ceilings not persisted; the commands do not go out")
+            return False
+        # The commands went out already (their ceilings are durable). Agents report the epochs
+        # they applied when they re-register, which repairs the records.
+        log.error("state not persisted after publishing; agents' re-registration repairs it")
+        return False
 
     async def _publish_command(self, command: Command) -> None:
         assert self.nc is not None
@@ -925,6 +979,12 @@ class Controller:
                 "device": event.device,
             }
             log.log(level, "%s", line, extra={k: v for k, v in fields.items() if v is not None})
+
+
+# What a reply subject may be: tokens without wildcards or whitespace, well under the server's
+# control-line limit (4 KiB).
+_REPLY_SUBJECT = re.compile(r"[^\s.*>]+(\.[^\s.*>]+)*")
+_REPLY_SUBJECT_MAX = 512
 
 
 _WARN_EVENTS = frozenset(

@@ -400,7 +400,7 @@ async def test_the_store_ends_as_the_last_decision_left_it(
             await nc.close()
 
 
-# --- where the mechanism does not hold yet (strict xfail: they pass once fixed) -----------------
+# --- fencing and durability at the edges (each was a bug, found by these tests) ---------------
 
 
 class StalledLease:
@@ -423,12 +423,6 @@ class StalledLease:
         return getattr(self._kv, name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _commit checks leadership only before the write-ahead; a leader whose lease "
-    "lapsed while that write was in flight still publishes, with an epoch the new leader (which "
-    "loaded the state before the write landed) has already issued",
-)
 async def test_a_leader_whose_lease_lapsed_during_its_write_ahead_publishes_nothing(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -469,12 +463,6 @@ async def test_a_leader_whose_lease_lapsed_during_its_write_ahead_publishes_noth
         await nc.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="design gap: after 3 failed write-aheads _commit publishes anyway ('availability over "
-    "durability'); a controller restored after that issues the same epoch again, and an agent "
-    "that has not re-registered yet takes the new restart for an update of the old one",
-)
 async def test_a_command_whose_ceiling_could_not_be_written_is_not_reissued(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -502,12 +490,6 @@ async def test_a_command_whose_ceiling_could_not_be_written_is_not_reissued(
         await nc.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: request handlers do not check leadership; a leader whose lease lapsed keeps its "
-    "subscriptions until its lease loop notices, and answers ctl.query (as 'standby') beside the "
-    "new leader: seen in the chaos soak after SIGSTOP/SIGCONT of a leader",
-)
 async def test_a_leader_whose_lease_lapsed_does_not_answer_requests(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:

@@ -458,12 +458,6 @@ async def test_fuzz_every_subject_then_still_correct(
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a Marduk-Reply-To header longer than the server's max control line (4 KiB) "
-    "makes the controller's reply publish fail with -ERR; nats-py then closes the connection "
-    "for good, the event stays unacknowledged, and the controller never serves again",
-)
 async def test_reply_header_longer_than_a_control_line_does_not_silence_the_controller(
     controller: Controller, nats_server: NatsServer
 ) -> None:
