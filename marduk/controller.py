@@ -52,7 +52,7 @@ from marduk.embedded import (
     listening,
     parse_addr,
 )
-from marduk.errors import MardukError, ProtocolError
+from marduk.errors import ConnectError, MardukError, ProtocolError
 from marduk.health_stream import HealthConsumer, ensure_stream
 from marduk.leadership import Leadership
 from marduk.metrics import MetricsServer, Probes, StatsCollector, gauge, histogram
@@ -212,16 +212,21 @@ class Controller:
         if self.credentials.nkey:
             self._signing_seed = auth.read_seed(self.credentials.nkey)
         await self._ensure_server()
-        self.nc = await bus.connect(
-            self.url,
-            name=f"marduk-controller {self.controller_id}",
-            timeout=self.settings.connect_timeout,
-            reconnect=True,
-            on_disconnected=self._on_disconnected,
-            on_reconnected=self._on_reconnected,
-            on_closed=self._on_closed,
-            credentials=self.credentials,
-        )
+        try:
+            self.nc = await bus.connect(
+                self.url,
+                name=f"marduk-controller {self.controller_id}",
+                timeout=self.settings.connect_timeout,
+                reconnect=True,
+                on_disconnected=self._on_disconnected,
+                on_reconnected=self._on_reconnected,
+                on_closed=self._on_closed,
+                credentials=self.credentials,
+            )
+        except ConnectError as e:
+            if self.settings.embedded:
+                raise
+            raise StartupError(f"{e} (--no-embedded: start NATS there first)") from None
         st = self.settings
         try:
             self.store = await StateStore.open(
@@ -267,14 +272,16 @@ class Controller:
         )
 
     async def _ensure_server(self) -> None:
-        host, port = parse_addr(self.settings.addr)
-        if listening(host, port):
+        if not self.settings.embedded:
+            # An external server or cluster: connecting tries every listed URL (one node down
+            # must not keep a controller from starting).
+            log.info("using the NATS server(s) at %s", redact(self.settings.addr))
+            return
+        urls = [u.strip() for u in self.settings.addr.split(",") if u.strip()]
+        if any(listening(*parse_addr(u)) for u in urls):
             log.info("using the NATS server at %s", redact(self.settings.addr))
             return
-        if not self.settings.embedded:
-            raise StartupError(
-                f"nothing listens at {redact(self.settings.addr)} and --no-embedded was given"
-            )
+        host, port = parse_addr(self.settings.addr)
         if not is_local_host(host):
             raise StartupError(
                 f"nothing listens at {redact(self.settings.addr)}; it is not on this machine, "

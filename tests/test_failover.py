@@ -136,3 +136,19 @@ def test_embedded_nats_sigkill_is_survived(env: dict[str, str]) -> None:
     finally:
         t.stop()
         ctl.stop()
+
+
+def test_a_controller_starts_when_the_first_listed_node_is_down(
+    tmp_path, nats_server: NatsServer
+) -> None:  # type: ignore[no-untyped-def]
+    """On a cluster MARDUK_ADDR lists every node; a restarted controller must not crash-loop
+    because the first one is down."""
+    from tests.conftest import free_port
+
+    dead = f"nats://127.0.0.1:{free_port()}"
+    env = {"MARDUK_ADDR": f"{dead},{nats_server.url}", "PYTHONUNBUFFERED": "1"}
+    c = start_controller(env, "c", str(tmp_path))
+    try:
+        c.expect("serving prefix")
+    finally:
+        c.stop()
