@@ -48,7 +48,8 @@ Epoch = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
 Version = int
 
 Scope = Literal["replica", "job"]
-HealthState = Literal["failed", "degraded", "healthy"]
+# preempting: the device's host is about to go away (maintenance, preemption): checkpoint now.
+HealthState = Literal["failed", "degraded", "preempting", "healthy"]
 CommandKind = Literal["restart", "fail", "stop"]
 Role = Literal["library", "supervisor"]
 QueryWhat = Literal["map", "devices", "stats", "ping"]

@@ -246,7 +246,7 @@ def _status_tables(reply: QueryReply) -> list[Table]:
     for d in reply.devices:
         devices.add_row(
             d.device,
-            f"[{style[d.state]}]{d.state}[/]",
+            f"[{style.get(d.state, 'magenta')}]{d.state}[/]",
             _ts(d.since),
             str(d.failures),
             ",".join(d.replicas) or "-",
