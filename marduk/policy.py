@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
 
 import msgspec
 
@@ -46,12 +45,12 @@ from marduk.protocol import (
     DeviceHealth,
     DeviceInfo,
     HealthReply,
-    HealthState,
     Registration,
     Report,
     Scope,
     WorkerInfo,
 )
+from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 
 # Reports that make the controller restart the worker's restart scope.
 FAILURE_STATUSES = frozenset({"crashed", "hung", "gave_up", "preempted"})
@@ -92,46 +91,6 @@ class PolicyConfig:
     def renew_interval_s(self) -> float:
         """How often agents renew: three renewals fit in one TTL, so one lost one is harmless."""
         return self.worker_ttl_s / 3
-
-
-class EpochKey(NamedTuple):
-    """A restart scope: one replica, or the whole job (``replica`` None)."""
-
-    job: str
-    replica: str | None
-
-    def __str__(self) -> str:
-        return f"{self.job}/{self.replica or '*'}"
-
-
-# --- records (persisted by the shell, as JSON) --------------------------------------------------
-
-
-class WorkerRecord(msgspec.Struct, kw_only=True):
-    registration: Registration
-    registered_at: float
-    updated_at: float
-    applied_epoch: int = 0
-
-
-class EpochRecord(msgspec.Struct, kw_only=True):
-    job: str
-    replica: str | None
-    epoch: int = 0
-    issued_at: float = 0.0
-    command: Command | None = None
-    # Epochs up to the ceiling may be issued without a write: the ceiling is persisted before
-    # any command above the previous one goes out, and a restored controller issues above it.
-    # Epochs must only increase; gaps are harmless.
-    ceiling: int = 0
-
-
-class DeviceRecord(msgspec.Struct, kw_only=True):
-    device: str
-    state: HealthState = "healthy"
-    reason: str = ""
-    since: float = 0.0
-    failures: list[float] = []  # times of restarts this device caused, inside the window
 
 
 # --- outcomes ------------------------------------------------------------------------------------
@@ -819,66 +778,14 @@ class Policy:
     def awaiting(self, ekey: EpochKey) -> frozenset[WorkerKey]:
         return frozenset(self._awaiting.get(ekey, ()))
 
-    # --- views for queries -----------------------------------------------------------------------
+    # --- views for queries (marduk.views) --------------------------------------------------------
 
     def worker_infos(self, job: str | None = None) -> list[WorkerInfo]:
-        infos = []
-        for key in sorted(self.workers):
-            if job is not None and key.job != job:
-                continue
-            rec = self.workers[key]
-            reg = rec.registration
-            infos.append(
-                WorkerInfo(
-                    job=reg.job,
-                    replica=reg.replica,
-                    worker=reg.worker,
-                    host=reg.host,
-                    state="stale" if key in self.stale else "live",
-                    last_seen=self.last_seen.get(key, 0.0),
-                    devices=sorted(reg.devices),
-                    scope=reg.scope,
-                    role=reg.role,
-                    pid=reg.pid,
-                    incarnation=reg.incarnation,
-                    applied_epoch=rec.applied_epoch,
-                    epoch=self.epoch_of(self._epoch_key_of(rec)),
-                    registered_at=rec.registered_at,
-                    updated_at=rec.updated_at,
-                    **self._report_fields(key),
-                )
-            )
-        return infos
+        from marduk.views import worker_infos
 
-    def _report_fields(self, key: WorkerKey) -> dict[str, Any]:
-        r = self.reports.get(key)
-        if r is None:
-            return {}
-        return {
-            "status": r.status,
-            "step": r.step,
-            "step_at": r.step_at,
-            "failure_class": r.failure_class,
-        }
+        return worker_infos(self, job)
 
     def device_infos(self, job: str | None = None) -> list[DeviceInfo]:
-        names = set(self.drmap.devices()) | set(self.devices)
-        infos = []
-        for name in sorted(names):
-            replicas = sorted(
-                str(r) for r in self.drmap.replicas_for_device(name) if job is None or r.job == job
-            )
-            if job is not None and not replicas:
-                continue
-            rec = self.devices.get(name)
-            infos.append(
-                DeviceInfo(
-                    device=name,
-                    state=rec.state if rec else "healthy",
-                    reason=rec.reason if rec else "",
-                    since=rec.since if rec else 0.0,
-                    failures=len(rec.failures) if rec else 0,
-                    replicas=replicas,
-                )
-            )
-        return infos
+        from marduk.views import device_infos
+
+        return device_infos(self, job)

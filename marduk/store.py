@@ -40,8 +40,9 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from marduk.drmap import WorkerKey
-from marduk.policy import DeviceRecord, EpochKey, EpochRecord, Outcome, WorkerRecord
+from marduk.policy import Outcome
 from marduk.protocol import HealthReply
+from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 
 log = logging.getLogger("marduk.store")
 

@@ -33,8 +33,8 @@ from nats.aio.client import Client as NATS
 from marduk import protocol as wire
 from marduk.controller import Controller
 from marduk.drmap import WorkerKey
-from marduk.policy import EpochKey, EpochRecord
 from marduk.protocol import decode, encode
+from marduk.records import EpochKey, EpochRecord
 from marduk.store import epoch_kv_key, worker_kv_key
 from marduk.subjects import REPLY_HEADER, Subjects
 from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving

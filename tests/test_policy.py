@@ -6,8 +6,9 @@ import msgspec
 import pytest
 
 from marduk.drmap import WorkerKey
-from marduk.policy import EpochKey, Policy, PolicyConfig, PolicyError
+from marduk.policy import Policy, PolicyConfig, PolicyError
 from marduk.protocol import DeviceHealth, Registration
+from marduk.records import EpochKey
 
 
 def reg(
@@ -190,7 +191,7 @@ def test_restore_rebuilds_map_epochs_and_awaiting() -> None:
     p.ack(WorkerKey("j", "r1", 0), 1, now=2)
     # Round-trip through JSON as the store does.
     enc = msgspec.json.encode
-    from marduk.policy import DeviceRecord, EpochRecord, WorkerRecord
+    from marduk.records import DeviceRecord, EpochRecord, WorkerRecord
 
     w = [msgspec.json.decode(enc(x), type=WorkerRecord) for x in p.workers.values()]
     e = [msgspec.json.decode(enc(x), type=EpochRecord) for x in p.epochs.values()]

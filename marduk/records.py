@@ -1,0 +1,51 @@
+"""The records the controller persists (JetStream KV, ``marduk.store``) and restores from.
+
+Plain data: the policy decides, these hold what it decided. JSON on disk (msgspec), so a record
+written by one controller version is read by the next (fields are only ever added, with
+defaults).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import msgspec
+
+from marduk.protocol import Command, HealthState, Registration
+
+
+class EpochKey(NamedTuple):
+    """A restart scope: one replica, or the whole job (``replica`` None)."""
+
+    job: str
+    replica: str | None
+
+    def __str__(self) -> str:
+        return f"{self.job}/{self.replica or '*'}"
+
+
+class WorkerRecord(msgspec.Struct, kw_only=True):
+    registration: Registration
+    registered_at: float
+    updated_at: float
+    applied_epoch: int = 0
+
+
+class EpochRecord(msgspec.Struct, kw_only=True):
+    job: str
+    replica: str | None
+    epoch: int = 0
+    issued_at: float = 0.0
+    command: Command | None = None
+    # Epochs up to the ceiling may be issued without a write: the ceiling is persisted before
+    # any command above the previous one goes out, and a restored controller issues above it.
+    # Epochs must only increase; gaps are harmless.
+    ceiling: int = 0
+
+
+class DeviceRecord(msgspec.Struct, kw_only=True):
+    device: str
+    state: HealthState = "healthy"
+    reason: str = ""
+    since: float = 0.0
+    failures: list[float] = []  # times of restarts this device caused, inside the window

@@ -1,0 +1,79 @@
+"""Views of the policy's state for queries (``marduk monitor status``): read-only, pure."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from marduk.drmap import WorkerKey
+from marduk.protocol import DeviceInfo, WorkerInfo
+
+if TYPE_CHECKING:
+    from marduk.policy import Policy
+
+
+# --- views for queries -----------------------------------------------------------------------
+
+
+def worker_infos(policy: Policy, job: str | None = None) -> list[WorkerInfo]:
+    infos = []
+    for key in sorted(policy.workers):
+        if job is not None and key.job != job:
+            continue
+        rec = policy.workers[key]
+        reg = rec.registration
+        infos.append(
+            WorkerInfo(
+                job=reg.job,
+                replica=reg.replica,
+                worker=reg.worker,
+                host=reg.host,
+                state="stale" if key in policy.stale else "live",
+                last_seen=policy.last_seen.get(key, 0.0),
+                devices=sorted(reg.devices),
+                scope=reg.scope,
+                role=reg.role,
+                pid=reg.pid,
+                incarnation=reg.incarnation,
+                applied_epoch=rec.applied_epoch,
+                epoch=policy.epoch_of(policy._epoch_key_of(rec)),
+                registered_at=rec.registered_at,
+                updated_at=rec.updated_at,
+                **_report_fields(policy, key),
+            )
+        )
+    return infos
+
+
+def _report_fields(policy: Policy, key: WorkerKey) -> dict[str, Any]:
+    r = policy.reports.get(key)
+    if r is None:
+        return {}
+    return {
+        "status": r.status,
+        "step": r.step,
+        "step_at": r.step_at,
+        "failure_class": r.failure_class,
+    }
+
+
+def device_infos(policy: Policy, job: str | None = None) -> list[DeviceInfo]:
+    names = set(policy.drmap.devices()) | set(policy.devices)
+    infos = []
+    for name in sorted(names):
+        replicas = sorted(
+            str(r) for r in policy.drmap.replicas_for_device(name) if job is None or r.job == job
+        )
+        if job is not None and not replicas:
+            continue
+        rec = policy.devices.get(name)
+        infos.append(
+            DeviceInfo(
+                device=name,
+                state=rec.state if rec else "healthy",
+                reason=rec.reason if rec else "",
+                since=rec.since if rec else 0.0,
+                failures=len(rec.failures) if rec else 0,
+                replicas=replicas,
+            )
+        )
+    return infos
