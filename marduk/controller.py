@@ -43,20 +43,12 @@ from prometheus_client.core import Metric
 from marduk import __version__, auth, bus
 from marduk.credentials import Credentials, redact
 from marduk.drmap import WorkerKey
-from marduk.embedded import (
-    EmbeddedServer,
-    StateDirLock,
-    default_state_dir,
-    is_local_host,
-    is_loopback,
-    listening,
-    parse_addr,
-)
+from marduk.embedded import EmbeddedServer, ServerKeeper, default_state_dir
 from marduk.errors import ConnectError, MardukError, ProtocolError
 from marduk.health_stream import HealthConsumer, ensure_stream
 from marduk.leadership import Leadership
 from marduk.metrics import MetricsServer, Probes, StatsCollector, gauge, histogram
-from marduk.paging import ENVELOPE_BYTES, page_end
+from marduk.paging import ENVELOPE_BYTES, SnapshotCache
 from marduk.policy import Outcome, Policy, PolicyConfig, PolicyError
 from marduk.protocol import (
     MAX_MESSAGE_BYTES,
@@ -68,7 +60,6 @@ from marduk.protocol import (
     DeregisterReply,
     Deregistration,
     DeviceHealth,
-    DeviceInfo,
     ErrorReply,
     Forget,
     ForgetReply,
@@ -80,7 +71,6 @@ from marduk.protocol import (
     Report,
     ReportReply,
     Standby,
-    WorkerInfo,
     decode,
     encode,
 )
@@ -135,17 +125,6 @@ class StartupError(MardukError):
     pass
 
 
-@dataclass(slots=True)
-class _Snapshot:
-    """One query's answer, kept while its pages are fetched (consistent across pages)."""
-
-    id: str
-    at: float
-    workers: list[WorkerInfo]
-    devices: list[DeviceInfo]
-    sizes: list[int]  # encoded size of each item: the workers, then the devices
-
-
 class NotServing(MardukError):
     """This controller lost the lease between deciding and committing: drop, do not answer."""
 
@@ -167,7 +146,15 @@ class Controller:
         self.leadership: Leadership | None = None
         self.server: EmbeddedServer | None = None
         self.url = settings.addr
-        self._lock: StateDirLock | None = None
+        st = settings
+        self.keeper = ServerKeeper(
+            st.addr,
+            st.state_dir,
+            embedded=st.embedded,
+            auth_dir=st.auth_dir,
+            insecure=st.insecure,
+            stats=self.stats,
+        )
         self._subs: list[Subscription] = []
         self._health: HealthConsumer | None = None
         self._commit_lock = asyncio.Lock()
@@ -185,7 +172,6 @@ class Controller:
             )
         # Commands are signed with the controller's nkey, so agents can tell them from forgeries.
         self._signing_seed: bytes | None = None
-        self._config_mtime = 0.0
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(self.stats, self._gauges))
         self._notice_latency = histogram(
@@ -195,9 +181,7 @@ class Controller:
         )
         self._metrics: MetricsServer | None = None
         self._service: MicroService | None = None
-        self._snapshots: dict[str, _Snapshot] = {}
-        self._snapshot_seq = 0
-        self._enc = msgspec.json.Encoder()
+        self._snapshots = SnapshotCache()
         self.serving = asyncio.Event()  # set while leading and subscribed
         self._accepting = False  # handlers may decide (set just before subscribing)
         self._background: set[asyncio.Task[None]] = set()
@@ -211,7 +195,8 @@ class Controller:
         """Connect, open the durable state, and campaign; serving starts once elected."""
         if self.credentials.nkey:
             self._signing_seed = auth.read_seed(self.credentials.nkey)
-        await self._ensure_server()
+        self.url = await self.keeper.ensure()
+        self.server = self.keeper.server
         try:
             self.nc = await bus.connect(
                 self.url,
@@ -259,7 +244,7 @@ class Controller:
         self._spawn(self._tick_loop(), "tick")
         self._spawn(self._standby_loop(), "standby-heartbeat")
         if self.server is not None:
-            self._spawn(self._watch_server(), "embedded-server-watch")
+            self._spawn(self.keeper.watch(lambda: self._stopping), "embedded-server-watch")
         log.info(
             "controller %s started on prefix %r at %s (%s; commands %s); "
             "campaigning for the lease (TTL %gs)",
@@ -269,45 +254,6 @@ class Controller:
             self.credentials.describe(),
             "signed" if self._signing_seed else "unsigned",
             st.lease_ttl,
-        )
-
-    async def _ensure_server(self) -> None:
-        if not self.settings.embedded:
-            # An external server or cluster: connecting tries every listed URL (one node down
-            # must not keep a controller from starting).
-            log.info("using the NATS server(s) at %s", redact(self.settings.addr))
-            return
-        urls = [u.strip() for u in self.settings.addr.split(",") if u.strip()]
-        if any(listening(*parse_addr(u)) for u in urls):
-            log.info("using the NATS server at %s", redact(self.settings.addr))
-            return
-        host, port = parse_addr(self.settings.addr)
-        if not is_local_host(host):
-            raise StartupError(
-                f"nothing listens at {redact(self.settings.addr)}; it is not on this machine, "
-                "so no embedded server is started"
-            )
-        config = None
-        if self.settings.auth_dir is not None:
-            config = self.settings.auth_dir / auth.CONFIG_FILE
-            if not config.is_file():
-                raise StartupError(
-                    f"{config} not found: run `marduk auth init {self.settings.auth_dir}` first"
-                )
-            self._config_mtime = config.stat().st_mtime
-        elif not is_loopback(host) and not self.settings.insecure:
-            raise StartupError(
-                f"refusing to serve NATS without authentication on {host}: anyone who reaches "
-                "it could stop or restart jobs. Use --auth DIR (see `marduk auth init`), bind "
-                "a loopback address, or pass --insecure"
-            )
-        self._lock = StateDirLock(self.settings.state_dir)
-        self._lock.acquire()
-        self.server = EmbeddedServer(host, port, self.settings.state_dir, config)
-        await asyncio.to_thread(self.server.start)
-        self.url = self.server.url
-        log.info(
-            "embedded NATS with JetStream at %s (state: %s)", self.url, self.settings.state_dir
         )
 
     async def stop(self) -> None:
@@ -331,13 +277,8 @@ class Controller:
         if self.nc is not None:
             await bus.close(self.nc)
             self.nc = None
-        if self.server is not None:
-            code = await asyncio.to_thread(self.server.stop)
-            log.info("embedded NATS stopped (exit code %s)", code)
-            self.server = None
-        if self._lock is not None:
-            self._lock.release()
-            self._lock = None
+        await self.keeper.stop()
+        self.server = None
         interesting = {k: v for k, v in sorted(self.stats.items()) if v}
         log.info("controller stopped; counters: %s", interesting or "none")
 
@@ -361,44 +302,6 @@ class Controller:
         if not self.fatal.is_set():
             self.fatal_reason = reason
             self.fatal.set()
-
-    async def _watch_server(self) -> None:
-        """The embedded server died: start it again on the same port and state directory.
-
-        Poll rather than wait: a thread blocked in Popen.wait() would keep the process from
-        exiting if the loop closed with the server still up.
-        """
-        backoff = 0.1
-        while self.server is not None:
-            await asyncio.sleep(0.2)
-            self._reload_if_auth_changed()
-            if self.server.alive() or self._stopping:
-                backoff = 0.1
-                continue
-            code = self.server.returncode
-            self.stats["nats.server_restarts"] += 1
-            log.warning("embedded nats-server exited (code %s); starting it again", code)
-            try:
-                await asyncio.to_thread(self.server.restart)
-                log.info("embedded nats-server is back at %s", self.url)
-            except MardukError as e:
-                log.error("could not restart the embedded nats-server: %s", e)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
-
-    def _reload_if_auth_changed(self) -> None:
-        """`marduk auth add-agent|rotate|revoke` rewrote the config: the server re-reads it."""
-        if self.server is None or self.server.config is None:
-            return
-        try:
-            mtime = self.server.config.stat().st_mtime
-        except OSError:
-            return
-        if mtime != self._config_mtime:
-            self._config_mtime = mtime
-            self.server.reload()
-            self.stats["auth.reloads"] += 1
-            log.info("auth configuration changed; the embedded server reloaded it")
 
     async def _on_closed(self) -> None:
         # nats-py gives up on a connection only after a protocol error: nothing will bring it
@@ -842,45 +745,30 @@ class Controller:
         """Answer a query, one page at a time: every reply fits the server's max payload."""
         now = time.monotonic()
         self._standbys = {k: v for k, v in self._standbys.items() if now - v[1] < 3.0}
-        snap = self._snapshot(query, now)
+        job = query.job
+        snap = self._snapshots.get(
+            query.snapshot,
+            now,
+            lambda: (
+                self.policy.worker_infos(job) if query.what == "map" else [],
+                self.policy.device_infos(job) if query.what in ("map", "devices") else [],
+            ),
+        )
         budget = (self.nc.max_payload if self.nc is not None else 1 << 20) - ENVELOPE_BYTES
-        start = min(query.offset, len(snap.sizes))
-        end = page_end(snap.sizes, start, budget)
-        nw = len(snap.workers)
-        reply = QueryReply(
+        page, next_offset = snap.page(query.offset, budget)
+        self.stats["queries.pages"] += 1
+        return QueryReply(
             controller=self.info(),
             standbys=[info for info, _ in self._standbys.values()],
-            stats=dict(self.stats) if start == 0 else {},
-            workers=snap.workers[min(start, nw) : min(end, nw)],
-            devices=snap.devices[max(start - nw, 0) : max(end - nw, 0)],
+            stats=dict(self.stats) if page.offset == 0 else {},
+            workers=page.workers,
+            devices=page.devices,
             snapshot=snap.id,
-            offset=start,
-            next_offset=end if end < len(snap.sizes) else None,
-            total_workers=nw,
+            offset=page.offset,
+            next_offset=next_offset,
+            total_workers=len(snap.workers),
             total_devices=len(snap.devices),
         )
-        if end > start + 1 or reply.next_offset is None:
-            self.stats["queries.pages"] += 1
-        return reply
-
-    def _snapshot(self, query: Query, now: float) -> _Snapshot:
-        """The answer to ``query``, computed once and kept while its pages are fetched."""
-        for key in [k for k, v in self._snapshots.items() if now - v.at > 30.0]:
-            del self._snapshots[key]
-        snap = self._snapshots.get(query.snapshot) if query.snapshot else None
-        if snap is not None:
-            return snap
-        workers = self.policy.worker_infos(query.job) if query.what == "map" else []
-        devices = self.policy.device_infos(query.job) if query.what in ("map", "devices") else []
-        sizes = [len(self._enc.encode(w)) for w in workers]
-        sizes += [len(self._enc.encode(d)) for d in devices]
-        self._snapshot_seq += 1
-        snap = _Snapshot(f"q{self._snapshot_seq}", now, workers, devices, sizes)
-        if len(sizes) > 0:
-            self._snapshots[snap.id] = snap
-            while len(self._snapshots) > 8:
-                self._snapshots.pop(next(iter(self._snapshots)))
-        return snap
 
     # --- commit: persist, then publish -----------------------------------------------------------
 

@@ -16,6 +16,7 @@ State directory: ``--state-dir`` or MARDUK_STATE_DIR, else ``$XDG_STATE_HOME/mar
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import ipaddress
@@ -28,6 +29,8 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 from urllib.parse import urlsplit
@@ -35,6 +38,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from marduk.children import die_with_parent
+from marduk.credentials import redact
 from marduk.errors import MardukError
 
 log = logging.getLogger("marduk.embedded")
@@ -290,3 +294,114 @@ class EmbeddedServer:
         with contextlib.suppress(OSError):
             self.pid_file.unlink()
         return proc.returncode
+
+
+class ServerKeeper:
+    """The controller's embedded server, from decision to death: start it when nothing listens
+    at a local address (refusing an unauthenticated non-loopback bind), restart it when it
+    dies, reload it when the auth configuration changes, stop it with the controller."""
+
+    def __init__(
+        self,
+        addr: str,
+        state_dir: Path,
+        *,
+        embedded: bool,
+        auth_dir: Path | None,
+        insecure: bool,
+        stats: Counter[str],
+    ) -> None:
+        self.addr, self.state_dir = addr, state_dir
+        self.embedded, self.auth_dir, self.insecure = embedded, auth_dir, insecure
+        self.stats = stats
+        self.server: EmbeddedServer | None = None
+        self._lock: StateDirLock | None = None
+        self._config_mtime = 0.0
+
+    async def ensure(self) -> str:
+        """The URL to connect to: ``addr``, or the embedded server's once started."""
+        if not self.embedded:
+            # An external server or cluster: connecting tries every listed URL (one node down
+            # must not keep a controller from starting).
+            log.info("using the NATS server(s) at %s", redact(self.addr))
+            return self.addr
+        urls = [u.strip() for u in self.addr.split(",") if u.strip()]
+        if any(listening(*parse_addr(u)) for u in urls):
+            log.info("using the NATS server at %s", redact(self.addr))
+            return self.addr
+        host, port = parse_addr(self.addr)
+        if not is_local_host(host):
+            raise EmbeddedServerError(
+                f"nothing listens at {redact(self.addr)}; it is not on this machine, "
+                "so no embedded server is started"
+            )
+        config = None
+        if self.auth_dir is not None:
+            from marduk.auth import CONFIG_FILE
+
+            config = self.auth_dir / CONFIG_FILE
+            if not config.is_file():
+                raise EmbeddedServerError(
+                    f"{config} not found: run `marduk auth init {self.auth_dir}` first"
+                )
+            self._config_mtime = config.stat().st_mtime
+        elif not is_loopback(host) and not self.insecure:
+            raise EmbeddedServerError(
+                f"refusing to serve NATS without authentication on {host}: anyone who reaches "
+                "it could stop or restart jobs. Use --auth DIR (see `marduk auth init`), bind "
+                "a loopback address, or pass --insecure"
+            )
+        self._lock = StateDirLock(self.state_dir)
+        self._lock.acquire()
+        self.server = EmbeddedServer(host, port, self.state_dir, config)
+        await asyncio.to_thread(self.server.start)
+        log.info("embedded NATS with JetStream at %s (state: %s)", self.server.url, self.state_dir)
+        return self.server.url
+
+    async def watch(self, stopping: Callable[[], bool]) -> None:
+        """Restart the server when it dies; reload it when the auth config changes.
+
+        Poll rather than wait: a thread blocked in Popen.wait() would keep the process from
+        exiting if the loop closed with the server still up.
+        """
+        backoff = 0.1
+        while self.server is not None:
+            await asyncio.sleep(0.2)
+            self._reload_if_auth_changed()
+            if self.server.alive() or stopping():
+                backoff = 0.1
+                continue
+            self.stats["nats.server_restarts"] += 1
+            log.warning(
+                "embedded nats-server exited (code %s); starting it again", self.server.returncode
+            )
+            try:
+                await asyncio.to_thread(self.server.restart)
+                log.info("embedded nats-server is back at %s", self.server.url)
+            except MardukError as e:
+                log.error("could not restart the embedded nats-server: %s", e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _reload_if_auth_changed(self) -> None:
+        """`marduk auth add-agent|rotate|revoke` rewrote the config: the server re-reads it."""
+        if self.server is None or self.server.config is None:
+            return
+        try:
+            mtime = self.server.config.stat().st_mtime
+        except OSError:
+            return
+        if mtime != self._config_mtime:
+            self._config_mtime = mtime
+            self.server.reload()
+            self.stats["auth.reloads"] += 1
+            log.info("auth configuration changed; the embedded server reloaded it")
+
+    async def stop(self) -> None:
+        server, self.server = self.server, None
+        if server is not None:
+            code = await asyncio.to_thread(server.stop)
+            log.info("embedded NATS stopped (exit code %s)", code)
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

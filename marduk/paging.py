@@ -1,4 +1,4 @@
-"""Pages that fit: split an answer of many items into replies under a byte budget (pure).
+"""Pages that fit: split an answer of many items into replies under a byte budget (no I/O).
 
 DESIGN.md decision 12: no message exceeds the server's max payload. The controller measures
 each item's encoded size once, then cuts pages greedily; a page always holds at least one item
@@ -7,7 +7,12 @@ each item's encoded size once, then cuts pages greedily; a page always holds at 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from marduk.protocol import DeviceInfo, WorkerInfo
 
 # Room for the envelope of a page (controller info, counters, paging fields).
 ENVELOPE_BYTES = 16 * 1024
@@ -26,3 +31,65 @@ def page_end(sizes: Sequence[int], start: int, budget: int) -> int:
         used += cost
         end += 1
     return end
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One query's answer, kept while its pages are fetched (consistent across pages)."""
+
+    id: str
+    at: float
+    workers: list[WorkerInfo]
+    devices: list[DeviceInfo]
+    sizes: list[int]  # encoded size of each item: the workers, then the devices
+
+    def page(self, offset: int, budget: int) -> tuple[Page, int | None]:
+        """The items from ``offset`` that fit ``budget``, and the next offset (None: done)."""
+        start = min(offset, len(self.sizes))
+        end = page_end(self.sizes, start, budget)
+        nw = len(self.workers)
+        page = Page(
+            start,
+            self.workers[min(start, nw) : min(end, nw)],
+            self.devices[max(start - nw, 0) : max(end - nw, 0)],
+        )
+        return page, (end if end < len(self.sizes) else None)
+
+
+@dataclass(slots=True)
+class Page:
+    offset: int
+    workers: list[WorkerInfo]
+    devices: list[DeviceInfo]
+
+
+class SnapshotCache:
+    """Answers computed once per query and kept ``keep_s`` for their next pages (8 at most)."""
+
+    def __init__(self, keep_s: float = 30.0, capacity: int = 8) -> None:
+        self.keep_s, self.capacity = keep_s, capacity
+        self._snapshots: dict[str, Snapshot] = {}
+        self._seq = 0
+        self._enc = msgspec.json.Encoder()
+
+    def get(
+        self,
+        snapshot_id: str,
+        now: float,
+        compute: Callable[[], tuple[list[WorkerInfo], list[DeviceInfo]]],
+    ) -> Snapshot:
+        for key in [k for k, v in self._snapshots.items() if now - v.at > self.keep_s]:
+            del self._snapshots[key]
+        snap = self._snapshots.get(snapshot_id) if snapshot_id else None
+        if snap is not None:
+            return snap
+        workers, devices = compute()
+        sizes = [len(self._enc.encode(w)) for w in workers]
+        sizes += [len(self._enc.encode(d)) for d in devices]
+        self._seq += 1
+        snap = Snapshot(f"q{self._seq}", now, workers, devices, sizes)
+        if sizes:
+            self._snapshots[snap.id] = snap
+            while len(self._snapshots) > self.capacity:
+                self._snapshots.pop(next(iter(self._snapshots)))
+        return snap
