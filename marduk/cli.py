@@ -250,7 +250,7 @@ def main() -> None:
             message += f"; see '{e.ctx.command_path} -h'"
         options.error_line(message)
         sys.exit(e.exit_code)
-    except exceptions.Abort:
+    except typer.Abort:  # EOF at a prompt
         options.error_line("aborted")
         sys.exit(1)
     except KeyboardInterrupt:
