@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
@@ -32,7 +32,7 @@ def run(
         _opt("MARDUK_DEVICES", "Comma-separated device UUIDs (default: discovered through jax)."),
     ] = "",
     scope: Annotated[
-        str,
+        Literal["replica", "job"],
         _opt(
             "MARDUK_SCOPE",
             "replica: restart this replica only; job: "
@@ -125,8 +125,8 @@ def run(
         _opt(
             "MARDUK_CONTROLLER_KEY",
             "The controller's public key (U...) or a file of them: commands not signed with it "
-            "are dropped [default: controller.pub beside --nkey, if there].",
-            show_default=False,
+            "are dropped.",
+            show_default="controller.pub beside --nkey, if there",
         ),
     ] = None,
     metrics_addr: options.MetricsAddr = None,
@@ -147,7 +147,6 @@ def run(
     from marduk.runtime import run as run_loop
 
     setup_logging(json_logs=json_logs, level=log_level)
-    err = typer.echo
     try:
         re.compile(step_regex)
         opts = resolve_options(
@@ -163,8 +162,7 @@ def run(
             controller_key=controller_key,
         )
     except (AgentError, re.error) as e:
-        err(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        options.fail(str(e), 2)
     config = SupervisorConfig(
         cmd=cmd,
         opts=opts,

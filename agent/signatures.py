@@ -67,10 +67,11 @@ SIGNATURES: tuple[Signature, ...] = (
         "check_device",
         "uncorrectable memory error on the GPU",
     ),
+    # Before cuda_error: "CUDA error: out of memory" (PyTorch, CUDA runtime) is an OOM.
     _sig(
         "device_oom",
-        r"RESOURCE_EXHAUSTED.*(memory|HBM)|CUDA out of memory|"
-        r"out of memory.*(device|HBM|GPU)|cudaErrorMemoryAllocation",
+        r"RESOURCE_EXHAUSTED.*(memory|HBM)|CUDA out of memory|CUDA error: out of memory|"
+        r"CUDA_ERROR_OUT_OF_MEMORY|out of memory.*(device|HBM|GPU)|cudaErrorMemoryAllocation",
         "fix_code",
         "accelerator memory exhausted; reduce batch or model shard size",
     ),

@@ -12,6 +12,7 @@ Credentials (``marduk.credentials``) are the ones given, else the CLI's process 
 the MARDUK_* variables. A permission violation the server reports is one warning line (the
 first few per subject), counted in ``STATS``, and turns the request that caused it into a
 ``PermissionDeniedError`` instead of a timeout. Addresses in messages are redacted.
+An address is checked once, here (``parse_servers``), before anything connects.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
 import nats
@@ -32,10 +34,17 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from marduk.credentials import Credentials, redact
-from marduk.errors import ConnectError, NoControllerError, PermissionDeniedError, RequestRejected
+from marduk.errors import (
+    ConnectError,
+    MardukError,
+    NoControllerError,
+    PermissionDeniedError,
+    RequestRejected,
+)
 from marduk.protocol import ErrorReply, decode, encode
 
 DEFAULT_ADDR = "nats://localhost:4222"
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
 log = logging.getLogger("marduk.bus")
 
 T = TypeVar("T")
@@ -55,6 +64,81 @@ _denied: dict[str, tuple[str, float]] = {}
 
 def default_addr() -> str:
     return os.environ.get("MARDUK_ADDR") or DEFAULT_ADDR
+
+
+class InvalidAddressError(MardukError, ValueError):
+    """``--addr`` / MARDUK_ADDR is not a list of NATS URLs."""
+
+
+class NoJetStreamError(MardukError):
+    """The NATS server runs without JetStream, where Marduk keeps its state."""
+
+    def __init__(self, addr: str) -> None:
+        super().__init__(
+            f"the NATS server at {redact(addr)} has no JetStream: start it with -js "
+            "(Marduk keeps its state there)"
+        )
+        self.addr = addr
+
+
+def parse_servers(addr: str) -> list[str]:
+    """The server URLs in ``addr`` (comma-separated), or InvalidAddressError (one line).
+
+    The one check of an address, for every command and the library: ``nats://``, ``tls://``,
+    ``ws://`` or ``wss://`` URLs, or ``HOST:PORT`` (which nats-py reads as ``nats://``). A bare
+    word (``foo``) or another scheme (``http://``) is refused here rather than as a failed DNS
+    lookup or a connection that never speaks NATS.
+    """
+    servers = [s.strip() for s in addr.split(",") if s.strip()]
+    if not servers:
+        raise InvalidAddressError(f"no NATS URL given (expected {_URL_FORM})")
+    for url in servers:
+        problem = _url_problem(url)
+        if problem:
+            raise InvalidAddressError(
+                f"not a NATS URL: {_shown(url)!r} ({problem}; expected {_URL_FORM})"
+            )
+    return servers
+
+
+_URL_FORM = "nats://HOST:PORT, or tls://, ws://, wss://; several comma-separated"
+
+
+def _url_problem(url: str) -> str:
+    scheme, sep, _ = url.partition("://")
+    if sep and scheme.lower() not in NATS_SCHEMES:
+        return f"{scheme}:// is not a NATS scheme"
+    if not sep and ":" not in url:
+        return "no scheme and no port"
+    try:
+        parts = urlsplit(url if sep else "nats://" + url)
+        parts.port  # noqa: B018 - raises ValueError for a bad port
+    except ValueError:
+        return "bad port"
+    if not parts.hostname:
+        return "no host"
+    return ""
+
+
+def _shown(url: str) -> str:
+    try:
+        return redact(url)
+    except ValueError:  # unparsable: it may hold a password, show only its scheme
+        return url.partition("://")[0] + "://..." if "://" in url else "..."
+
+
+def has_jetstream(nc: NATS) -> bool | None:
+    """Whether the connected server announced JetStream (its INFO); None if unknown."""
+    info = getattr(nc, "_server_info", None)  # nats-py keeps the INFO only here
+    if not isinstance(info, dict) or not info:
+        return None
+    return bool(info.get("jetstream"))
+
+
+def require_jetstream(nc: NATS, addr: str) -> None:
+    """Raise NoJetStreamError when the server said it has no JetStream."""
+    if has_jetstream(nc) is False:
+        raise NoJetStreamError(addr)
 
 
 def set_default_credentials(credentials: Credentials) -> None:
@@ -79,6 +163,7 @@ async def connect(
     credentials: Credentials | None = None,
 ) -> NATS:
     """Connect to the NATS server(s) at ``addr`` (comma-separated URLs allowed)."""
+    servers = parse_servers(addr)
     last_error: list[BaseException] = []
     creds = credentials if credentials is not None else default_credentials()
     auth = creds.nats_options()  # CredentialsError (one line) for a missing file
@@ -99,7 +184,6 @@ async def connect(
     async def noop() -> None:
         return None
 
-    servers = [s.strip() for s in addr.split(",") if s.strip()]
     nc = NATS()
     options: dict[str, Any] = dict(
         servers=servers,

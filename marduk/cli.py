@@ -6,20 +6,46 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from marduk import options
 
+HELP_OPTIONS = ["-h", "--help"]
 app = typer.Typer(
     name="marduk",
     help="Marduk: restart only the trainers a device failure touches.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
+    context_settings={"help_option_names": HELP_OPTIONS},
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from marduk import __version__
+
+        typer.echo(f"marduk {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            "-V",
+            help="Print the version and exit.",
+            is_eager=True,
+            callback=_print_version,
+            metavar="",
+        ),
+    ] = False,
+) -> None:
+    pass
 
 
 @app.command()
@@ -35,16 +61,7 @@ def controller(
             help="Start a nats-server with JetStream when nothing listens at a local --addr.",
         ),
     ] = True,
-    state_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--state-dir",
-            envvar="MARDUK_STATE_DIR",
-            help="Embedded server's store, log and pid file "
-            "[default: $XDG_STATE_HOME/marduk or ~/.local/state/marduk].",
-            show_default=False,
-        ),
-    ] = None,
+    state_dir: options.StateDir = None,
     kv_replicas: Annotated[
         int,
         typer.Option(
@@ -199,11 +216,48 @@ def _mount() -> None:
 _mount()
 
 
+def _click_exceptions() -> Any:
+    try:  # typer >= 0.2x vendors click
+        from typer._click import exceptions
+    except ImportError:  # pragma: no cover - older typer uses click itself
+        from click import exceptions  # type: ignore[no-redef]
+    return exceptions
+
+
+def _without_bool_metavars(command: Any) -> None:
+    """Flags take no value: help shows ``--json``, not ``--json <bool>`` (typer's rich help)."""
+    params = list(command.params)
+    help_option = command.get_help_option(typer.Context(command, help_option_names=HELP_OPTIONS))
+    for param in [*params, help_option]:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    for sub in getattr(command, "commands", {}).values():
+        _without_bool_metavars(sub)
+
+
 def main() -> None:
+    """The ``marduk`` entry point. A usage error is one line (and exit 2), as other errors are."""
+    exceptions = _click_exceptions()
+    command = typer.main.get_command(app)
+    _without_bool_metavars(command)
     try:
-        app()
+        code = command.main(standalone_mode=False)
+    except exceptions.NoArgsIsHelpError as e:
+        sys.stderr.write(e.format_message())  # rich help printed itself: this is then empty
+        sys.exit(e.exit_code)
+    except exceptions.ClickException as e:
+        # typer draws a box wrapped at the terminal width; grep and log collectors want a line.
+        message = e.format_message().rstrip(".")
+        if getattr(e, "ctx", None) is not None:
+            message += f"; see '{e.ctx.command_path} -h'"
+        options.error_line(message)
+        sys.exit(e.exit_code)
+    except typer.Abort:  # EOF at a prompt
+        options.error_line("aborted")
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

@@ -58,17 +58,11 @@ def default_state_dir() -> Path:
 
 def parse_addr(addr: str) -> tuple[str, int]:
     """Host and port of the first URL in ``addr`` (``nats://host:port``, port default 4222)."""
-    first = addr.split(",")[0].strip()
-    if "://" not in first:
-        first = "nats://" + first
-    parts = urlsplit(first)
-    if parts.scheme not in ("nats", "tls", "ws", "wss"):
-        raise EmbeddedServerError(f"unsupported address {addr!r}: expected nats://host:port")
-    try:
-        port = parts.port or 4222
-    except ValueError:
-        raise EmbeddedServerError(f"invalid port in address {addr!r}") from None
-    return parts.hostname or "localhost", port
+    from marduk.bus import parse_servers
+
+    first = parse_servers(addr)[0]  # InvalidAddressError: "not a NATS URL: ..."
+    parts = urlsplit(first if "://" in first else "nats://" + first)
+    return parts.hostname or "localhost", parts.port or 4222
 
 
 def is_local_host(host: str) -> bool:

@@ -4,21 +4,57 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, NoReturn
 
 import typer
 
 from marduk.bus import DEFAULT_ADDR
+
+EXIT_ERROR = 1
+
+
+def error_line(message: str) -> None:
+    """``error: MESSAGE`` on stderr as one line, never wrapped (grep-able, log collectors)."""
+    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+
+
+def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
+    """End the command (from inside it) with ``error: MESSAGE`` and exit ``code``."""
+    error_line(message)
+    raise typer.Exit(code)
+
+
+def _check_addr(value: str) -> str:
+    # Every command's --addr / MARDUK_ADDR passes here, before anything connects.
+    from marduk.bus import InvalidAddressError, parse_servers
+
+    try:
+        parse_servers(value)
+    except InvalidAddressError as e:
+        fail(str(e))
+    return value
+
+
+def _state_dir_default() -> str:
+    # marduk.embedded.default_state_dir() without MARDUK_STATE_DIR (help shows the variable
+    # apart), and without importing it (psutil) for every command; a test keeps them equal.
+    xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(xdg) / "marduk")
+
 
 Addr = Annotated[
     str,
     typer.Option(
         "--addr",
         envvar="MARDUK_ADDR",
-        help="NATS server URL(s), comma-separated.",
+        help="NATS server URL(s), comma-separated: nats://HOST:PORT (or tls://, ws://, wss://).",
         show_default=True,
+        callback=_check_addr,
     ),
 ]
 Prefix = Annotated[
@@ -29,17 +65,35 @@ Job = Annotated[
     str | None,
     typer.Option("--job", "-j", envvar="MARDUK_JOB", help="Only this job."),
 ]
-Json = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.")]
+# metavar="": a flag takes no value, so help shows no "<bool>" after it.
+Json = Annotated[bool, typer.Option("--json", help="Machine-readable JSON output.", metavar="")]
 Timeout = Annotated[
     float, typer.Option("--timeout", help="Seconds to wait for the controller's answer.")
 ]
 JsonLogs = Annotated[
     bool,
-    typer.Option("--json-logs", envvar="MARDUK_JSON_LOGS", help="Log JSON lines instead of text."),
+    typer.Option(
+        "--json-logs",
+        envvar="MARDUK_JSON_LOGS",
+        help="Log JSON lines instead of text.",
+        metavar="",
+    ),
 ]
+LogLevelName = Literal["debug", "info", "warning", "error"]
 LogLevel = Annotated[
-    str,
-    typer.Option("--log-level", envvar="MARDUK_LOG_LEVEL", help="debug, info, warning or error."),
+    LogLevelName,
+    typer.Option(
+        "--log-level", envvar="MARDUK_LOG_LEVEL", help="How much to log.", case_sensitive=False
+    ),
+]
+StateDir = Annotated[
+    Path | None,
+    typer.Option(
+        "--state-dir",
+        envvar="MARDUK_STATE_DIR",
+        help="Embedded server's store, log and pid file ($XDG_STATE_HOME/marduk).",
+        show_default=_state_dir_default(),
+    ),
 ]
 
 MetricsAddr = Annotated[

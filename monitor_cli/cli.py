@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import contextlib
 import datetime as dt
 import enum
+import itertools
 import json
 import logging
 import sys
+import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 import typer
-from rich.console import Console
+from nats.aio.msg import Msg
+from rich.console import Console, Group
+from rich.live import Live
 from rich.markup import escape
-from rich.table import Table
 
-from marduk import options
+from marduk import bus, options
 from marduk.errors import MardukError
-from marduk.protocol import ControllerEvent, HealthReply, QueryReply
+from marduk.protocol import ControllerEvent, HealthReply, QueryReply, decode
 from marduk.runtime import run
-from monitor_cli import client
+from marduk.subjects import Subjects
+from monitor_cli import client, status_view
+from monitor_cli.status_view import plural
 
 app = typer.Typer(
     help="Publish device health events, inspect the device<->replica map, watch the controller.",
@@ -37,6 +45,8 @@ T = TypeVar("T")
 EXIT_ERROR = 1
 # The event is stored durably but no controller decided in time (it will be handled later).
 EXIT_UNDECIDED = 2
+# inject-failure: no registered worker uses the device (a typo, or a device never registered).
+EXIT_UNKNOWN_DEVICE = 3
 
 
 class FailureState(enum.StrEnum):
@@ -48,10 +58,10 @@ def _run(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
     try:
         return run(factory())
     except client.UndecidedError as e:
-        err.print(f"[yellow]warning:[/yellow] {e}")
+        err.print(f"[yellow]warning:[/yellow] {escape(str(e))}")
         raise typer.Exit(EXIT_UNDECIDED) from None
     except MardukError as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(EXIT_ERROR) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
@@ -70,27 +80,31 @@ def _report(reply: HealthReply, as_json: bool) -> None:
         out.print(f"event {reply.event_id} was already handled; nothing new was sent")
     if not reply.known:
         out.print(
-            f"device [bold]{reply.device}[/bold] is unknown to the controller: "
+            f"device [bold]{escape(reply.device)}[/bold] is unknown to the controller: "
             "no replica uses it, nobody was told"
         )
         return
     if not reply.actions:
-        out.print(f"device [bold]{reply.device}[/bold] marked {reply.state}; no replica restarted")
+        out.print(
+            f"device [bold]{escape(reply.device)}[/bold] marked {reply.state}; no replica restarted"
+        )
         return
     out.print(
-        f"device [bold]{reply.device}[/bold] {reply.state}: "
-        f"{len(reply.actions)} restart scope(s) acted on"
+        f"device [bold]{escape(reply.device)}[/bold] {reply.state}: "
+        f"{plural(len(reply.actions), 'restart scope')} acted on"
     )
-    table = Table("job", "replica", "command", "epoch", "note")
-    for a in reply.actions:
-        table.add_row(
+    rows: list[tuple[status_view.Cell, ...]] = [
+        (
             a.job,
             a.replica or "(whole job)",
             a.kind,
             str(a.epoch),
             "already in flight" if a.coalesced else "sent",
         )
-    out.print(table)
+        for a in reply.actions
+    ]
+    columns = ("job", "replica", "command", "epoch", "note")
+    _show([status_view.Grid("", columns, rows, right=frozenset({3}))])
 
 
 @app.command("inject-failure")
@@ -110,7 +124,11 @@ def inject_failure(
     timeout: options.Timeout = 5.0,
     as_json: options.Json = False,
 ) -> None:
-    """Publish a device health event as a monitor would; print which replicas were acted on."""
+    """Publish a device health event as a monitor would; print which replicas were acted on.
+
+    Exit codes: 0 acted on (or recorded); 1 error; 2 stored, but no controller decided in time
+    (it will be); 3 the device is unknown: no registered worker uses it (with --json too).
+    """
     reply = _run(
         lambda: client.publish_health(
             addr,
@@ -123,6 +141,8 @@ def inject_failure(
         )
     )
     _report(reply, as_json)
+    if not reply.known:
+        raise typer.Exit(EXIT_UNKNOWN_DEVICE)
 
 
 @app.command("mark-healthy")
@@ -199,96 +219,143 @@ def forget(
     if not reply.removed:
         out.print(f"nothing registered matches {target}")
         return
-    out.print(f"removed {len(reply.removed)} worker(s): " + ", ".join(reply.removed))
+    out.print(f"removed {plural(len(reply.removed), 'worker')}: " + ", ".join(reply.removed))
 
 
 def _ts(t: float) -> str:
     return dt.datetime.fromtimestamp(t).strftime("%H:%M:%S") if t else "-"
 
 
-def _status_tables(reply: QueryReply) -> list[Table]:
-    workers = Table(title="replicas", title_justify="left")
-    for col in (
-        "job",
-        "replica",
-        "worker",
-        "host",
-        "devices",
-        "scope",
-        "epoch",
-        "role",
-        "pid",
-        "state",
-        "status",
-        "step",
-    ):
-        workers.add_column(col)
-    for w in reply.workers:
-        epoch = str(w.epoch) if w.applied_epoch >= w.epoch else f"{w.applied_epoch}->{w.epoch}"
-        workers.add_row(
-            w.job,
-            w.replica,
-            str(w.worker),
-            w.host,
-            ",".join(w.devices) or "-",
-            w.scope,
-            epoch,
-            w.role,
-            str(w.pid),
-            "[yellow]stale[/]" if w.state == "stale" else "live",
-            w.status + (f" ({w.failure_class})" if w.failure_class else ""),
-            "-" if w.step is None else f"{w.step} at {_ts(w.step_at)}",
-        )
-    devices = Table(title="devices", title_justify="left")
-    for col in ("device", "state", "since", "failures", "replicas", "reason"):
-        devices.add_column(col)
-    style = {"failed": "red", "degraded": "yellow", "healthy": "green"}
-    for d in reply.devices:
-        devices.add_row(
-            d.device,
-            f"[{style.get(d.state, 'magenta')}]{d.state}[/]",
-            _ts(d.since),
-            str(d.failures),
-            ",".join(d.replicas) or "-",
-            d.reason,
-        )
-    return [workers, devices]
+def _show(blocks: list[status_view.Block]) -> None:
+    """Rich tables on a terminal; plain aligned lines in a pipe (rich would cut cells)."""
+    if out.is_terminal:
+        for r in status_view.rich_renderables(blocks, out.width):
+            out.print(r)
+    else:
+        sys.stdout.write("".join(line + "\n" for line in status_view.plain_lines(blocks)))
+        sys.stdout.flush()
+
+
+def _filtered(reply: QueryReply, f: status_view.Filters) -> QueryReply:
+    if not f.narrowing:
+        return reply
+    workers, devices = status_view.select(reply, f)
+    return msgspec.structs.replace(reply, workers=workers, devices=devices)
+
+
+State = Annotated[
+    status_view.StateFilter | None,
+    typer.Option(
+        "--state",
+        help="Only workers in this state (live, stale) or devices in this one (failed, "
+        "degraded, preempting, healthy), and what they touch.",
+        show_default=False,
+    ),
+]
 
 
 @app.command()
 @options.connection_options
 def status(
     job: options.Job = None,
+    replica: Annotated[
+        str | None, typer.Option("--replica", "-r", help="Only this replica (id).")
+    ] = None,
+    state: State = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "--device",
+            "-d",
+            help="Only this device: its id, a prefix, or the abbreviation status shows.",
+        ),
+    ] = None,
+    host: Annotated[str | None, typer.Option("--host", help="Only workers on this host.")] = None,
+    all_: Annotated[
+        bool, typer.Option("--all", "-a", help="List every worker, however many.")
+    ] = False,
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
     timeout: options.Timeout = 5.0,
     as_json: options.Json = False,
 ) -> None:
-    """Show the device<->replica map, device states and the controller's counters."""
+    """Show the jobs (summary first), then the workers and devices a filter selects.
+
+    With more than 50 workers and no filter but --job, only the summary is shown, with how to
+    see details. In a pipe the tables are plain aligned lines (never cut to the width).
+    --json prints the controller's QueryReply (with filters: only the matching workers and
+    devices).
+    """
+    f = status_view.Filters(replica=replica, state=state, device=device, host=host, everything=all_)
     reply = _run(lambda: client.query(addr, prefix, "map", job, timeout))
     if as_json:
-        _print_json(reply)
+        _print_json(_filtered(reply, f))
         return
-    c = reply.controller
-    out.print(
-        f"controller {c.controller_id} (leader, term {c.term}, pid {c.pid} on {c.host or '?'}, "
-        f"v{c.version}, up since {_ts(c.started_at)}), "
-        f"{len(reply.workers)} worker(s), {len(reply.devices)} device(s)"
-    )
-    if reply.standbys:
-        out.print(
-            "standbys: "
-            + ", ".join(
-                f"{s.controller_id} (pid {s.pid} on {s.host or '?'})" for s in reply.standbys
-            )
-        )
-    else:
-        out.print("standbys: none")
-    for table in _status_tables(reply):
-        out.print(table)
-    rejected = {k: v for k, v in reply.stats.items() if k.startswith("rejected.")}
-    if rejected:
-        out.print("rejected messages: " + ", ".join(f"{k[9:]}={v}" for k, v in rejected.items()))
+    _show(status_view.status_blocks(reply, f, time.time()))
+
+
+@app.command()
+@options.connection_options
+def top(
+    job: options.Job = None,
+    addr: options.Addr = options.DEFAULTS["addr"],
+    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    timeout: options.Timeout = 5.0,
+    count: Annotated[
+        int, typer.Option(help="Stop after this many refreshes (0: until Ctrl-C).", min=0)
+    ] = 0,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes.", min=0.1)] = 1.0,
+) -> None:
+    """A live view of the jobs, their restarts and recent failures, until Ctrl-C.
+
+    On a terminal the view redraws in place; in a pipe each refresh is a block of plain lines.
+    """
+
+    async def loop() -> None:
+        recent: collections.deque[ControllerEvent] = collections.deque(maxlen=10)
+        s = Subjects(prefix)
+        nc = await client.connect(addr, "marduk-monitor-top", timeout, reconnect=True)
+
+        async def on_event(msg: Msg) -> None:
+            try:
+                event = decode(msg.data, ControllerEvent)
+            except ValueError:
+                return
+            if event.kind in status_view.RECENT_KINDS:
+                recent.appendleft(event)
+
+        live = Live(console=out, auto_refresh=False) if out.is_terminal else None
+        try:
+            await nc.subscribe(s.all_events if job is None else s.events(job), cb=on_event)
+            reply: QueryReply | None = None
+            with live if live is not None else contextlib.nullcontext():
+                for n in itertools.count(1):
+                    problem = ""
+                    try:
+                        first = reply is None
+                        reply = await client.query_on(nc, prefix, "map", job, timeout, addr=addr)
+                        if first:
+                            recent.extend(status_view.current_failures(reply))
+                    except MardukError as e:
+                        problem = f"{_ts(time.time())} {e}"
+                    blocks = status_view.top_blocks(
+                        reply, list(recent), time.time(), problem=problem
+                    )
+                    if live is not None:
+                        live.update(
+                            Group(*status_view.rich_renderables(blocks, out.width)), refresh=True
+                        )
+                    else:
+                        lines = [f"--- {_ts(time.time())}", *status_view.plain_lines(blocks)]
+                        sys.stdout.write("".join(line + "\n" for line in lines))
+                        sys.stdout.flush()
+                    if count and n >= count:
+                        return
+                    await asyncio.sleep(interval)
+        finally:
+            await bus.close(nc, drain=False)
+
+    _run(loop)
 
 
 def _event_line(e: ControllerEvent) -> str:
@@ -312,7 +379,11 @@ def watch(
         int, typer.Option(help="Stop after this many events (0: until Ctrl-C).", min=0)
     ] = 0,
 ) -> None:
-    """Stream controller events live (registrations, failures, restarts) until Ctrl-C."""
+    """Stream controller events live (registrations, failures, restarts) until Ctrl-C.
+
+    Also says (on stderr) when NATS goes away and comes back, when the controller stops
+    answering, and when one serves again.
+    """
 
     async def loop() -> None:
         seen = 0
@@ -321,6 +392,10 @@ def watch(
             err.print("watching controller events (Ctrl-C to stop)")
 
         async for e in client.events(addr, prefix, job, timeout, on_ready=ready):
+            if isinstance(e, client.Notice):  # on stderr too: NATS or the controller came or went
+                colour = "green" if e.kind in ("nats_back", "controller_serving") else "yellow"
+                err.print(f"[{colour}]{escape(_ts(time.time()))} {escape(e.text)}[/]")
+                continue
             if isinstance(e, bytes):
                 err.print(f"[yellow]undecodable event:[/yellow] {e[:200]!r}")
                 continue

@@ -7,17 +7,19 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.js.api import PubAck
 
 from marduk import bus
 from marduk.credentials import redact
-from marduk.errors import MardukError, RequestRejected
+from marduk.errors import MardukError, NoControllerError, RequestRejected
 from marduk.protocol import (
     ControllerEvent,
     DeviceHealth,
@@ -26,6 +28,7 @@ from marduk.protocol import (
     ForgetReply,
     HealthReply,
     HealthState,
+    Hello,
     Query,
     QueryReply,
     QueryWhat,
@@ -49,6 +52,18 @@ class UndecidedError(MardukError):
         )
         self.event_id = event_id
         self.seq = seq
+
+
+async def connect(addr: str, name: str = "marduk-monitor", timeout: float = 5.0, **kw: Any) -> NATS:
+    """Connect as a monitor command; a server without JetStream is said so (no controller
+    can run there) rather than found out as a timeout."""
+    nc = await bus.connect(addr, name=name, timeout=timeout, **kw)
+    try:
+        bus.require_jetstream(nc, addr)
+    except MardukError:
+        await bus.close(nc, drain=False)
+        raise
+    return nc
 
 
 async def publish_health(
@@ -77,7 +92,7 @@ async def publish_health(
         event_id=event_id or f"{source}-{uuid.uuid4().hex[:12]}",
         timestamp=time.time(),
     )
-    nc = await bus.connect(addr, name="marduk-monitor", timeout=timeout)
+    nc = await connect(addr, timeout=timeout)
     try:
         return await publish_durably(nc, Subjects(prefix), event, timeout=timeout, addr=addr)
     finally:
@@ -175,7 +190,7 @@ async def forget(
     worker: int | None = None,
     timeout: float = 5.0,
 ) -> ForgetReply:
-    nc = await bus.connect(addr, name="marduk-monitor", timeout=timeout)
+    nc = await connect(addr, timeout=timeout)
     try:
         return await bus.request(
             nc,
@@ -193,33 +208,80 @@ async def query(
     addr: str, prefix: str, what: QueryWhat = "map", job: str | None = None, timeout: float = 5.0
 ) -> QueryReply:
     """Ask the controller; large answers come in pages, assembled here into one reply."""
-    nc = await bus.connect(addr, name="marduk-monitor", timeout=timeout)
+    nc = await connect(addr, timeout=timeout)
     try:
-        subject = Subjects(prefix).query
-        first = await bus.request(
-            nc, subject, Query(what=what, job=job), QueryReply, timeout=timeout, addr=addr
-        )
-        page = first
-        while page.next_offset is not None:
-            page = await bus.request(
-                nc,
-                subject,
-                Query(what=what, job=job, offset=page.next_offset, snapshot=first.snapshot),
-                QueryReply,
-                timeout=timeout,
-                addr=addr,
-            )
-            if page.snapshot != first.snapshot:
-                raise MardukError(
-                    "the controller's answer changed while it was being read (a takeover?); "
-                    "ask again"
-                )
-            first.workers.extend(page.workers)
-            first.devices.extend(page.devices)
-        first.next_offset = None
-        return first
+        return await query_on(nc, prefix, what, job, timeout, addr=addr)
     finally:
         await bus.close(nc, drain=False)
+
+
+async def query_on(
+    nc: NATS,
+    prefix: str,
+    what: QueryWhat = "map",
+    job: str | None = None,
+    timeout: float = 5.0,
+    *,
+    addr: str = "",
+) -> QueryReply:
+    """``query`` on a connection the caller keeps (``top`` asks every second)."""
+    subject = Subjects(prefix).query
+    first = await bus.request(
+        nc, subject, Query(what=what, job=job), QueryReply, timeout=timeout, addr=addr
+    )
+    page = first
+    while page.next_offset is not None:
+        page = await bus.request(
+            nc,
+            subject,
+            Query(what=what, job=job, offset=page.next_offset, snapshot=first.snapshot),
+            QueryReply,
+            timeout=timeout,
+            addr=addr,
+        )
+        if page.snapshot != first.snapshot:
+            raise MardukError(
+                "the controller's answer changed while it was being read (a takeover?); ask again"
+            )
+        first.workers.extend(page.workers)
+        first.devices.extend(page.devices)
+    first.next_offset = None
+    return first
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """What ``watch`` notices about NATS or the controller, apart from the controller's events."""
+
+    kind: Literal["nats_lost", "nats_back", "controller_silent", "controller_serving"]
+    text: str
+
+
+class _ControllerWatch:
+    """Turns pings and hellos into notices, each change said once."""
+
+    def __init__(self, say: Callable[[Notice], None]) -> None:
+        self.say = say
+        self.up: bool | None = None  # None: not asked yet
+        self.leader = ""
+
+    def serving(self, controller_id: str, detail: str) -> None:
+        if self.up and controller_id == self.leader:
+            return
+        if self.up:
+            text = f"controller {controller_id} took over from {self.leader} ({detail})"
+        elif self.up is False:
+            text = f"controller {controller_id} serving again ({detail})"
+        else:
+            text = f"controller {controller_id} serving ({detail})"
+        self.up, self.leader = True, controller_id
+        self.say(Notice("controller_serving", text))
+
+    def silent(self, detail: str) -> None:
+        if self.up is False:
+            return
+        self.up = False
+        self.say(Notice("controller_silent", f"controller not answering: {detail}"))
 
 
 async def events(
@@ -228,19 +290,83 @@ async def events(
     job: str | None = None,
     timeout: float = 5.0,
     on_ready: Callable[[], None] | None = None,
-) -> AsyncIterator[ControllerEvent | bytes]:
-    """Controller events as they happen; undecodable payloads are yielded raw."""
+    *,
+    ping_interval: float = 2.0,
+) -> AsyncIterator[ControllerEvent | bytes | Notice]:
+    """Controller events as they happen (undecodable payloads raw), and Notices.
+
+    No event for a while says nothing (a quiet job is normal), so the controller is pinged
+    every ``ping_interval`` and a new leader's hello is heard: "controller not answering",
+    "controller X serving again". NATS going away and coming back is noticed too.
+    """
     s = Subjects(prefix)
-    nc = await bus.connect(addr, name="marduk-monitor-watch", timeout=timeout, reconnect=True)
+    queue: asyncio.Queue[ControllerEvent | bytes | Notice] = asyncio.Queue()
+    watch = _ControllerWatch(queue.put_nowait)
+    closing = False
+
+    async def lost() -> None:
+        if not closing:
+            queue.put_nowait(
+                Notice("nats_lost", f"lost the connection to NATS at {redact(addr)}; reconnecting")
+            )
+
+    async def back() -> None:
+        url = nc.connected_url
+        where = f"{url.scheme}://{url.hostname}:{url.port}" if url else redact(addr)
+        queue.put_nowait(Notice("nats_back", f"reconnected to NATS at {where}"))
+
+    async def on_event(msg: Msg) -> None:
+        try:
+            queue.put_nowait(decode(msg.data, ControllerEvent))
+        except ValueError:
+            queue.put_nowait(msg.data)
+
+    async def on_hello(msg: Msg) -> None:
+        try:
+            hello = decode(msg.data, Hello)
+        except ValueError:
+            return
+        watch.serving(hello.controller_id, "it announced itself")
+
+    async def ping() -> None:
+        wait = min(timeout, ping_interval)
+        while True:
+            if nc.is_connected:
+                try:
+                    reply = await bus.request(
+                        nc, s.query, Query(what="ping"), QueryReply, timeout=wait, addr=addr
+                    )
+                    c = reply.controller
+                    watch.serving(c.controller_id, f"term {c.term}, pid {c.pid} on {c.host or '?'}")
+                except NoControllerError:
+                    watch.silent(f"no reply within {wait:g}s")
+                except Exception as e:  # keep watching whatever one ping met
+                    watch.silent(str(e) or type(e).__name__)
+            await asyncio.sleep(ping_interval)
+
+    nc = await connect(
+        addr,
+        name="marduk-monitor-watch",
+        timeout=timeout,
+        reconnect=True,
+        on_disconnected=lost,
+        on_reconnected=back,
+    )
+    pinger: asyncio.Task[None] | None = None
     try:
-        sub = await nc.subscribe(s.all_events if job is None else s.events(job))
+        await nc.subscribe(s.all_events if job is None else s.events(job), cb=on_event)
+        # Credentials of the admin role may not subscribe here; the pings still tell.
+        await nc.subscribe(s.hello, cb=on_hello)
         await nc.flush()
         if on_ready is not None:
             on_ready()
-        async for msg in sub.messages:
-            try:
-                yield decode(msg.data, ControllerEvent)
-            except ValueError:
-                yield msg.data
+        pinger = asyncio.create_task(ping(), name="watch-ping")
+        while True:
+            yield await queue.get()
     finally:
+        closing = True
+        if pinger is not None:
+            pinger.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pinger
         await bus.close(nc, drain=False)

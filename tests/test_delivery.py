@@ -154,7 +154,7 @@ def test_forget_and_mark_healthy_all_from_the_cli(controller_env: dict[str, str]
         r = marduk_cli("monitor", "forget", "bad/", env=controller_env)
         assert r.returncode == 1 and "is not JOB" in r.stderr and "Traceback" not in r.stderr
         r = marduk_cli("monitor", "forget", "default/r1", env=controller_env)
-        assert r.returncode == 0 and "removed 1 worker(s): default/r1/0" in r.stdout, r.stdout
+        assert r.returncode == 0 and "removed 1 worker: default/r1/0" in r.stdout, r.stdout
         assert status(controller_env)["workers"] == []
         r = marduk_cli("monitor", "forget", "default", env=controller_env)
         assert r.returncode == 0 and "nothing registered" in r.stdout

@@ -41,8 +41,8 @@ def test_acceptance_targeted_notices_and_restart(env: dict[str, str]) -> None:
         r1.expect("COMMAND restart epoch=1 devices=d2")
         r2.expect("COMMAND restart epoch=2 devices=d2")
 
-        out = inject(env, "d-unknown")
-        assert "unknown" in out
+        r = marduk_cli("monitor", "inject-failure", "d-unknown", env=env)
+        assert r.returncode == 3 and "unknown" in r.stdout  # exit 3: nobody uses it
 
         # SIGKILL the controller (and so its embedded NATS): no orphaned server is left.
         server_pids = [

@@ -69,4 +69,4 @@ async def test_status_of_2000_replicas_with_nvml_uuids_is_paged_and_complete(
     assert controller.stats["errors.reply_too_large"] == 0
     # The human view too, piped: complete and no traceback.
     r = await asyncio.to_thread(marduk_cli, "monitor", "status", env=env, timeout=120)
-    assert r.returncode == 0 and "2000 worker(s), 16000 device(s)" in r.stdout, r.stderr[-2000:]
+    assert r.returncode == 0 and "2,000 workers, 16,000 devices" in r.stdout, r.stderr[-2000:]
