@@ -39,7 +39,7 @@ from nats.aio.msg import Msg
 from marduk import bus
 from marduk import protocol as wire
 from marduk.auth import SIG_HEADER, verify
-from marduk.credentials import Credentials
+from marduk.credentials import Credentials, redact
 from marduk.errors import MardukError, RequestRejected
 from marduk.subjects import Subjects, check_job, check_replica
 
@@ -402,6 +402,11 @@ class AsyncClient(CommandInbox):
             role=o.role,
         )
         deadline = time.monotonic() + timeout
+        waiting_said = time.monotonic()
+        if retry:
+            log.info(
+                "registering with the controller at %s (up to %.0f s)", redact(o.addr), timeout
+            )
         async with self._register_lock:
             while True:
                 assert self._nc is not None
@@ -424,6 +429,14 @@ class AsyncClient(CommandInbox):
                     final = isinstance(e, RequestRejected) and e.code != "duplicate_worker"
                     if not retry or out_of_time or final:
                         raise
+                    if time.monotonic() - waiting_said >= 5.0:
+                        waiting_said = time.monotonic()
+                        log.info(
+                            "waiting for the controller at %s (%s), %.0f s left",
+                            redact(o.addr),
+                            _short(e),
+                            deadline - time.monotonic(),
+                        )
                     await asyncio.sleep(0.2 if not isinstance(e, RequestRejected) else 1.0)
         self.stats["registrations"] += 1
         if reply.renew_interval > 0:
@@ -591,6 +604,15 @@ async def connect_async(
     client = _make_async(opts, on_command, None)
     await client.start()
     return client
+
+
+def _short(e: Exception) -> str:
+    """The gist of why a registration attempt failed: "no responders", "duplicate_worker"."""
+    if isinstance(e, RequestRejected):
+        return e.code
+    text = str(e)
+    inner = text[text.rfind("(") + 1 : text.rfind(")")] if "(" in text else text
+    return inner or type(e).__name__
 
 
 def _credentials(

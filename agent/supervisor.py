@@ -280,8 +280,9 @@ class Supervisor:
             else:  # crashed or hung: a local failure, counted against the budget
                 if not self._within_budget():
                     log.error(
-                        "restarted %d times within %gs; giving up",
+                        "restarted %d time%s within %gs; giving up",
                         self.config.max_restarts,
+                        "" if self.config.max_restarts == 1 else "s",
                         self.config.restart_window_s,
                     )
                     await self._report_failure("gave_up", ended)

@@ -269,7 +269,7 @@ def permissions(role: str, prefix: str, job: str | None = None) -> dict[str, lis
     if role == "admin":
         return {
             "publish": [f"{p}.health", f"{p}.ctl.query", f"{p}.ctl.forget", "$SRV.>"],
-            "subscribe": [f"{p}.*.events", "_INBOX.>"],
+            "subscribe": [f"{p}.*.events", f"{p}.ctl.hello", "_INBOX.>"],
         }
     raise AuthError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
 

@@ -212,6 +212,7 @@ class Controller:
             if self.settings.embedded:
                 raise
             raise StartupError(f"{e} (--no-embedded: start NATS there first)") from None
+        bus.require_jetstream(self.nc, redact(self.url))  # one clear line, not an API error
         st = self.settings
         try:
             self.store = await StateStore.open(

@@ -93,11 +93,6 @@ def test_monitor_commands_say_the_server_has_no_jetstream(server_without_jetstre
         assert "start it with -js" in line
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs Controller.start to call bus.require_jetstream (marduk/controller.py, "
-    "owned by another change; see the cli-polish PR note)",
-)
 def test_controller_says_the_server_has_no_jetstream(
     server_without_jetstream: str, tmp_path: Path
 ) -> None:
@@ -141,7 +136,7 @@ def test_help_shows_flags_plainly_with_defaults_and_choices(tmp_path: Path) -> N
     assert r.returncode == 0
     assert "<bool>" not in r.stdout
     assert "--json " in r.stdout and "--no-json" not in r.stdout and "as-json" not in r.stdout
-    assert "<live|stale|failed|degraded|healthy>" in r.stdout
+    assert "<live|stale|failed|degraded|preempting|healthy>" in r.stdout
     r = marduk_cli("agent", "run", "-h", env=WIDE)
     assert "<bool>" not in r.stdout
     assert "<replica|job>" in r.stdout
@@ -225,11 +220,6 @@ def test_status_inject_top_and_exit_codes(controller_env: dict[str, str]) -> Non
         r1.stop()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="'restarted 1 times' is in agent/supervisor.py (owned by another change; see the "
-    "cli-polish PR note)",
-)
 def test_give_up_message_says_time_not_times(controller_env: dict[str, str]) -> None:
     from tests.processes import agent_run
 
