@@ -333,6 +333,8 @@ class AsyncClient(CommandInbox):
         self._registered_once = False
         self.renew_interval = opts.resync_interval
         self._last_hello = 0.0
+        # Devices of ours the controller has taken out of service (RegisterReply).
+        self.unusable_devices: list[str] = []
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -439,6 +441,13 @@ class AsyncClient(CommandInbox):
                         )
                     await asyncio.sleep(0.2 if not isinstance(e, RequestRejected) else 1.0)
         self.stats["registrations"] += 1
+        if reply.unusable_devices != self.unusable_devices:
+            self.unusable_devices = list(reply.unusable_devices)
+            if self.unusable_devices:
+                self._record(
+                    "the controller says these devices are out of service (quarantined or "
+                    f"drained): {', '.join(self.unusable_devices)}; this replica cannot run here"
+                )
         if reply.renew_interval > 0:
             self.renew_interval = reply.renew_interval
         first = not self._registered_once

@@ -187,6 +187,16 @@ class Supervisor:
             log.error("cannot register with the controller: %s", e)
             return ExitCode.SETUP
         self.epoch = max(self.epoch, self.client.epoch)
+        if self.client.unusable_devices:
+            # Quarantined or drained by the controller: running here cannot help; the pod goes
+            # back to the scheduler (a node the device is not on).
+            log.error(
+                "device(s) %s out of service (quarantined or drained); not starting the trainer",
+                ", ".join(self.client.unusable_devices),
+            )
+            await self._report("gave_up", summary="devices out of service")
+            await self.client.close(deregister=True, reason="devices out of service")
+            return ExitCode.DEVICE_FAILED
         # The library client's counters (commands, dropped forgeries, ...) are exported too.
         self.registry.register(StatsCollector(self.client.stats, lambda: []))
         metrics = None

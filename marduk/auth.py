@@ -268,7 +268,13 @@ def permissions(role: str, prefix: str, job: str | None = None) -> dict[str, lis
         return {"publish": [f"{p}.health"], "subscribe": ["_INBOX.>"]}
     if role == "admin":
         return {
-            "publish": [f"{p}.health", f"{p}.ctl.query", f"{p}.ctl.forget", "$SRV.>"],
+            "publish": [
+                f"{p}.health",
+                f"{p}.ctl.query",
+                f"{p}.ctl.forget",
+                f"{p}.ctl.drain",
+                "$SRV.>",
+            ],
             "subscribe": [f"{p}.*.events", f"{p}.ctl.hello", "_INBOX.>"],
         }
     raise AuthError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")

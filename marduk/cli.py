@@ -107,6 +107,25 @@ def controller(
             help="Seconds of the device failure budget's window.",
         ),
     ] = 3600.0,
+    flap_limit: Annotated[
+        int,
+        typer.Option(
+            "--flap-limit",
+            envvar="MARDUK_FLAP_LIMIT",
+            min=1,
+            help="A device that fails again more often than this within --flap-window, "
+            "healthy in between or not, is quarantined: its replicas get 'fail'.",
+        ),
+    ] = 3,
+    flap_window: Annotated[
+        float,
+        typer.Option(
+            "--flap-window",
+            envvar="MARDUK_FLAP_WINDOW",
+            min=1.0,
+            help="Seconds of the flap-damping window.",
+        ),
+    ] = 3600.0,
     lease_ttl: Annotated[
         float,
         typer.Option(
@@ -187,6 +206,8 @@ def controller(
             device_max_failures=device_max_failures,
             device_failure_window_s=device_failure_window,
             worker_ttl_s=worker_ttl,
+            flap_limit=flap_limit,
+            flap_window_s=flap_window,
             worker_expiry_s=max(worker_expiry, worker_ttl),
         ),
     )

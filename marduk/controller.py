@@ -60,6 +60,8 @@ from marduk.protocol import (
     DeregisterReply,
     Deregistration,
     DeviceHealth,
+    Drain,
+    DrainReply,
     ErrorReply,
     Forget,
     ForgetReply,
@@ -391,6 +393,7 @@ class Controller:
             ("report", s.any_job("report"), Report, self._on_report),
             ("query", s.query, Query, self._on_query),
             ("forget", s.forget, Forget, self._on_forget),
+            ("drain", s.drain, Drain, self._on_drain),
         ):
             await self._service.add_endpoint(
                 name=name,
@@ -644,6 +647,7 @@ class Controller:
             epoch=result.epoch,
             command=result.command,
             renew_interval=result.renew_interval,
+            unusable_devices=result.unusable,
         )
 
     async def _on_deregister(self, req: Deregistration, subject: str) -> DeregisterReply:
@@ -674,6 +678,11 @@ class Controller:
         outcome = self.policy.forget(req.job, req.replica, req.worker, time.time())
         await self._commit(outcome)
         return ForgetReply(removed=[str(k) for k in outcome.deleted_workers])
+
+    async def _on_drain(self, req: Drain, subject: str) -> DrainReply:
+        result = self.policy.drain(req.devices, req.host, req.undrain, req.reason, time.time())
+        await self._commit(result.outcome)
+        return DrainReply(devices=result.devices, actions=result.actions)
 
     async def _on_health_msg(self, msg: Msg) -> None:
         """One event from the durable consumer: decide, commit, answer, then acknowledge."""

@@ -31,10 +31,20 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import msgspec
 
+from marduk.decisions import (
+    HealthResult,
+    Outcome,
+    PolicyConfig,
+    PolicyError,
+    Registered,
+    ReportResult,
+    epoch_key_for,
+    worker_key,
+)
+from marduk.device_policy import DevicePolicy
 from marduk.drmap import DRMap, ReplicaKey, WorkerKey
 from marduk.protocol import (
     MAX_EPOCH,
@@ -42,119 +52,30 @@ from marduk.protocol import (
     Command,
     CommandKind,
     ControllerEvent,
-    DeviceHealth,
     DeviceInfo,
     HealthReply,
     Registration,
     Report,
-    Scope,
     WorkerInfo,
 )
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+
+__all__ = [
+    "FAILURE_STATUSES",
+    "HealthResult",
+    "Outcome",
+    "Policy",
+    "PolicyConfig",
+    "PolicyError",
+    "Registered",
+    "ReportResult",
+]
 
 # Reports that make the controller restart the worker's restart scope.
 FAILURE_STATUSES = frozenset({"crashed", "hung", "gave_up", "preempted"})
 
 
-class PolicyError(Exception):
-    """A request the policy refuses; ``code`` is stable, the message is one clear line."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyConfig:
-    """Knobs of the restart policy (mapped from CLI options and MARDUK_* variables)."""
-
-    pending_timeout_s: float = 60.0
-    """A restart not confirmed by every worker within this long stops coalescing new events."""
-    restart_on_degraded: bool = False
-    """Restart replicas on ``degraded`` events too (default: record and report only)."""
-    device_max_failures: int = 3
-    """Restarts one device may cause within the window before replicas get ``fail``."""
-    device_failure_window_s: float = 3600.0
-    """The window of the device failure budget."""
-    dedup_capacity: int = 10_000
-    """How many recent event ids are remembered to drop repeated events."""
-    epoch_block: int = 100
-    """Epochs reserved per write-ahead (see ``EpochRecord.ceiling``)."""
-    worker_ttl_s: float = 15.0
-    """A worker that has not renewed its registration for this long is ``stale``."""
-    worker_expiry_s: float = 600.0
-    """A worker silent for this long is removed from the map (with a ``worker_expired`` event)."""
-    resend_interval_s: float = 1.0
-    """Commands of scopes whose live workers have not all confirmed are resent this often."""
-
-    @property
-    def renew_interval_s(self) -> float:
-        """How often agents renew: three renewals fit in one TTL, so one lost one is harmless."""
-        return self.worker_ttl_s / 3
-
-
-# --- outcomes ------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What the shell does, in order: persist ``write_ahead``, publish the commands, persist the
-    other records, publish the events."""
-
-    commands: list[Command] = field(default_factory=list)
-    events: list[ControllerEvent] = field(default_factory=list)
-    # Must be durable before the commands are published (epoch ceilings).
-    write_ahead: list[EpochRecord] = field(default_factory=list)
-    put_workers: list[WorkerRecord] = field(default_factory=list)
-    deleted_workers: list[WorkerKey] = field(default_factory=list)
-    put_epochs: list[EpochRecord] = field(default_factory=list)
-    deleted_epochs: list[EpochKey] = field(default_factory=list)
-    put_devices: list[DeviceRecord] = field(default_factory=list)
-    deleted_devices: list[str] = field(default_factory=list)
-    # Health events handled (for dedup across restarts); persisted after the commands go out.
-    handled: list[HealthReply] = field(default_factory=list)
-    # Commands sent again (same epoch): a merged device, or a worker that has not confirmed.
-    resent: list[Command] = field(default_factory=list)
-
-    def merge(self, other: Outcome) -> None:
-        for name in self.__slots__:
-            getattr(self, name).extend(getattr(other, name))
-
-
-@dataclass(slots=True)
-class Registered:
-    outcome: Outcome
-    result: str  # "new" | "updated" | "unchanged"
-    epoch: int
-    command: Command | None
-    renew_interval: float = 0.0
-
-
-@dataclass(slots=True)
-class ReportResult:
-    outcome: Outcome
-    actions: list[Action]
-
-
-@dataclass(slots=True)
-class HealthResult:
-    outcome: Outcome
-    reply: HealthReply
-
-
-def _scope_order(key: EpochKey) -> tuple[str, str]:
-    return (key.job, key.replica or "")
-
-
-def worker_key(reg: Registration) -> WorkerKey:
-    return WorkerKey(reg.job, reg.replica, reg.worker)
-
-
-def epoch_key_for(job: str, replica: str, scope: Scope) -> EpochKey:
-    return EpochKey(job, None) if scope == "job" else EpochKey(job, replica)
-
-
-class Policy:
+class Policy(DevicePolicy):
     """Controller state and decisions. One instance per controller."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
@@ -302,7 +223,21 @@ class Policy:
                     detail="renewed again after being stale",
                 )
             )
-        return Registered(out, result, current, state.command, self.config.renew_interval_s)
+        unusable = self.unusable(reg.devices)
+        if unusable and result != "unchanged":
+            out.events.append(
+                ControllerEvent(
+                    kind="worker_on_unusable_device",
+                    ts=now,
+                    job=reg.job,
+                    replica=reg.replica,
+                    worker=reg.worker,
+                    detail=f"registered with out-of-service device(s) {', '.join(unusable)}",
+                )
+            )
+        return Registered(
+            out, result, current, state.command, self.config.renew_interval_s, unusable
+        )
 
     def _check_duplicate(
         self, key: WorkerKey, old: WorkerRecord, reg: Registration, now: float
@@ -375,8 +310,11 @@ class Policy:
     def _forget_unused(self, devices: frozenset[str], out: Outcome) -> None:
         """Devices no worker uses any more are forgotten (state, failure history)."""
         for device in devices:
-            if not self.drmap.has_device(device) and self.devices.pop(device, None) is not None:
-                out.deleted_devices.append(device)
+            rec = self.devices.get(device)
+            if self.drmap.has_device(device) or rec is None or self.out_of_service(rec):
+                continue  # still used, never known, or out of service (kept on purpose)
+            del self.devices[device]
+            out.deleted_devices.append(device)
 
     def forget(self, job: str, replica: str | None, worker: int | None, now: float) -> Outcome:
         """An operator removes a job, a replica or one worker (``marduk monitor forget``)."""
@@ -428,63 +366,6 @@ class Policy:
             waiting.discard(key)
             if not waiting:
                 del self._awaiting[ekey]
-
-    # --- device health ---------------------------------------------------------------------------
-
-    def on_health(self, event: DeviceHealth, now: float) -> HealthResult:
-        """Decide what a health event means. ``event.event_id`` must be set (the shell does)."""
-        seen = self._recent_events.get(event.event_id)
-        if seen is not None:
-            dup = msgspec.structs.replace(seen, duplicate=True)
-            return HealthResult(Outcome(), dup)
-
-        out = Outcome()
-        workers = self.drmap.workers_for_device(event.device)
-        known = bool(workers)
-        reply = HealthReply(
-            event_id=event.event_id, device=event.device, state=event.state, known=known
-        )
-        if not known:
-            # Unknown devices are reported, not remembered: junk input must not grow our state.
-            out.events.append(
-                ControllerEvent(
-                    kind="unknown_device",
-                    ts=now,
-                    device=event.device,
-                    detail=f"{event.state} from {event.source or '?'}: no replica uses it",
-                )
-            )
-            self._remember(reply)
-            out.handled.append(reply)
-            return HealthResult(out, reply)
-
-        device = self.devices.get(event.device) or DeviceRecord(device=event.device)
-        previous = device.state
-        device.state, device.reason = event.state, event.reason
-        if previous != event.state or not device.since:
-            device.since = now
-        if event.state == "healthy":
-            device.failures = []
-        self.devices[event.device] = device
-
-        acts = event.state == "failed" or (
-            event.state == "degraded" and self.config.restart_on_degraded
-        )
-        if acts and workers:
-            self._restart_for_device(event, device, workers, now, out, reply)
-        else:
-            out.events.append(
-                ControllerEvent(
-                    kind=f"device_{event.state}",
-                    ts=now,
-                    device=event.device,
-                    detail=(event.reason or "") + ("" if workers else " (no replica uses it)"),
-                )
-            )
-        out.put_devices.append(device)
-        self._remember(reply)
-        out.handled.append(reply)
-        return HealthResult(out, reply)
 
     # --- agent reports ---------------------------------------------------------------------------
 
@@ -574,93 +455,6 @@ class Policy:
             epoch=r.epoch,
             detail=detail[:4000],
         )
-
-    def _restart_for_device(
-        self,
-        event: DeviceHealth,
-        device: DeviceRecord,
-        workers: frozenset[WorkerKey],
-        now: float,
-        out: Outcome,
-        reply: HealthReply,
-    ) -> None:
-        scopes = sorted({self._epoch_key(w) for w in workers}, key=_scope_order)
-        fresh = [k for k in scopes if not self._pending(k, now)]
-        kind: CommandKind = "restart"
-        if fresh:
-            window = self.config.device_failure_window_s
-            device.failures = [t for t in device.failures if now - t < window] + [now]
-            if len(device.failures) > self.config.device_max_failures:
-                kind = "fail"
-        reason = f"device {event.device} {event.state}"
-        if event.reason:
-            reason += f": {event.reason}"
-        for ekey in scopes:
-            if ekey not in fresh:
-                state = self.epochs[ekey]
-                assert state.command is not None
-                self._merge_device(ekey, state, event.device, reason, now, out)
-                reply.actions.append(
-                    Action(
-                        job=ekey.job,
-                        replica=ekey.replica,
-                        kind=state.command.kind,
-                        epoch=state.epoch,
-                        coalesced=True,
-                    )
-                )
-                out.events.append(
-                    ControllerEvent(
-                        kind="coalesced",
-                        ts=now,
-                        job=ekey.job,
-                        replica=ekey.replica,
-                        device=event.device,
-                        epoch=state.epoch,
-                        detail=f"{state.command.kind} at epoch {state.epoch} already in flight; "
-                        f"devices {', '.join(state.command.devices) or '-'}",
-                    )
-                )
-                continue
-            affected = sorted(w for w in workers if self._epoch_key(w) == ekey)
-            command = self._issue(ekey, kind, reason, [event.device], event.event_id, now, out)
-            reply.actions.append(
-                Action(job=ekey.job, replica=ekey.replica, kind=kind, epoch=command.epoch)
-            )
-            out.events.append(
-                ControllerEvent(
-                    kind=f"{kind}_issued",
-                    ts=now,
-                    job=ekey.job,
-                    replica=ekey.replica,
-                    device=event.device,
-                    epoch=command.epoch,
-                    detail=reason + f" (affects {', '.join(str(w) for w in affected)})",
-                )
-            )
-
-    def _merge_device(
-        self, ekey: EpochKey, state: EpochRecord, device: str, reason: str, now: float, out: Outcome
-    ) -> None:
-        """A failure joins the restart in flight: send it again with the device merged in.
-
-        Same epoch (agents act once per epoch), so the scope hears of every failed device
-        without a second restart; repeats of a device already listed send nothing.
-        """
-        command = state.command
-        assert command is not None
-        if device in command.devices:
-            return
-        merged = msgspec.structs.replace(
-            command,
-            devices=[*command.devices, device],
-            reason=(command.reason + "; " + reason)[:4000],
-        )
-        state.command = merged
-        out.resent.append(merged)
-        self._last_sent[ekey] = now
-        if state not in out.write_ahead and state not in out.put_epochs:
-            out.put_epochs.append(state)
 
     def _issue(
         self,

@@ -114,6 +114,9 @@ class RegisterReply(Message, tag="register_reply", kw_only=True):
     # an agent that missed a command converges by comparing this with what it applied.
     epoch: Epoch
     command: Command | None = None
+    # Devices of this registration that are out of service (quarantined or drained): the
+    # replica cannot run here; a supervisor exits 71 so the pod goes back to the scheduler.
+    unusable_devices: list[str] = []
     # Seconds between renewals (re-registrations) the controller expects; a worker silent for
     # three of them is shown ``stale``. 0: the agent keeps its own default.
     renew_interval: float = 0.0
@@ -252,6 +255,21 @@ class ForgetReply(Message, tag="forget_reply", kw_only=True):
     removed: list[str] = []  # "job/replica/worker" of every worker removed
 
 
+class Drain(Message, tag="drain", kw_only=True):
+    """An operator takes devices out of service (``marduk monitor drain``), or puts them back
+    (``undrain``: also lifts a quarantine). ``host``: every device registered from that host."""
+
+    devices: Annotated[list[DeviceId], msgspec.Meta(max_length=MAX_DEVICES_PER_WORKER)] = []
+    host: ShortText = ""
+    undrain: bool = False
+    reason: Text = ""
+
+
+class DrainReply(Message, tag="drain_reply", kw_only=True):
+    devices: list[str] = []  # the devices whose service state changed
+    actions: list[Action] = []  # the `fail` commands sent (drain only)
+
+
 # --- queries -----------------------------------------------------------------------------------
 
 
@@ -298,6 +316,10 @@ class DeviceInfo(msgspec.Struct, kw_only=True):
     since: float = 0.0
     failures: int = 0
     replicas: list[str] = []  # "job/replica"
+    # Out of service: its replicas got `fail`, and a worker registering with it is told so.
+    quarantined: bool = False  # flapping (the policy's decision)
+    drained: bool = False  # an operator's decision
+    out_reason: str = ""
 
 
 ControllerRole = Literal["leader", "standby"]

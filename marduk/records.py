@@ -49,3 +49,10 @@ class DeviceRecord(msgspec.Struct, kw_only=True):
     reason: str = ""
     since: float = 0.0
     failures: list[float] = []  # times of restarts this device caused, inside the window
+    # Flap damping: times the device went (back) to failed, inside the flap window. Unlike
+    # ``failures``, a healthy event does not clear them: a device that keeps recovering and
+    # failing again is quarantined.
+    flips: list[float] = []
+    quarantined: bool = False  # by the policy (flapping); only an operator's undrain clears it
+    drained: bool = False  # by an operator (marduk monitor drain)
+    out_reason: str = ""  # why it is out of service

@@ -6,6 +6,7 @@ Layout (prefix ``marduk`` by default)::
                                            captured by the JetStream stream ``<PREFIX>_health``
     marduk.ctl.query                       request/reply: map, replicas, devices, stats
     marduk.ctl.forget                      request/reply: an operator removes workers
+    marduk.ctl.drain                       request/reply: an operator drains/undrains devices
     marduk.ctl.hello                       a controller starts serving; agents re-register
     marduk.ctl.standby                     hot standby controllers announce themselves
     marduk.ctl.events                      controller events that belong to no job
@@ -88,6 +89,10 @@ class Subjects:
     @property
     def forget(self) -> str:
         return f"{self.prefix}.ctl.forget"
+
+    @property
+    def drain(self) -> str:
+        return f"{self.prefix}.ctl.drain"
 
     @property
     def hello(self) -> str:

@@ -74,6 +74,9 @@ def device_infos(policy: Policy, job: str | None = None) -> list[DeviceInfo]:
                 since=rec.since if rec else 0.0,
                 failures=len(rec.failures) if rec else 0,
                 replicas=replicas,
+                quarantined=rec.quarantined if rec else False,
+                drained=rec.drained if rec else False,
+                out_reason=rec.out_reason if rec else "",
             )
         )
     return infos

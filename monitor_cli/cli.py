@@ -222,6 +222,70 @@ def forget(
     out.print(f"removed {plural(len(reply.removed), 'worker')}: " + ", ".join(reply.removed))
 
 
+def _drain(devices: list[str], host: str, undrain: bool, reason: str, addr: str, prefix: str,
+           timeout: float, as_json: bool) -> None:  # fmt: skip
+    if not devices and not host:
+        err.print("[red]error:[/red] name DEVICE(s) or --host HOST")
+        raise typer.Exit(EXIT_ERROR)
+    reply = _run(
+        lambda: client.drain(
+            addr, prefix, devices, host, undrain=undrain, reason=reason, timeout=timeout
+        )
+    )
+    if as_json:
+        _print_json(reply)
+        return
+    verb = "back in service" if undrain else "drained"
+    if not reply.devices:
+        where = "out of service" if undrain else "in service"
+        out.print(f"nothing changed: no matching device is {where}")
+        return
+    out.print(f"{plural(len(reply.devices), 'device')} {verb}: " + ", ".join(reply.devices))
+    for a in reply.actions:
+        out.print(f"  fail sent to {a.job}/{a.replica or '(whole job)'} (epoch {a.epoch})")
+
+
+Devices = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Device ids, as agents registered them.", metavar="[DEVICE]...", show_default=False
+    ),
+]
+Host = Annotated[
+    str, typer.Option("--host", help="Every device registered from this host.", show_default=False)
+]
+
+
+@app.command()
+@options.connection_options
+def drain(
+    devices: Devices = None,
+    host: Host = "",
+    reason: Annotated[str, typer.Option(help="Why (shown to the replicas and in status).")] = "",
+    addr: options.Addr = options.DEFAULTS["addr"],
+    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    timeout: options.Timeout = 5.0,
+    as_json: options.Json = False,
+) -> None:
+    """Take devices out of service: every replica using them gets 'fail' (its pod goes back
+    to the scheduler), and a worker registering with one is refused. Admin only with auth."""
+    _drain(devices or [], host, False, reason, addr, prefix, timeout, as_json)
+
+
+@app.command()
+@options.connection_options
+def undrain(
+    devices: Devices = None,
+    host: Host = "",
+    addr: options.Addr = options.DEFAULTS["addr"],
+    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    timeout: options.Timeout = 5.0,
+    as_json: options.Json = False,
+) -> None:
+    """Put drained or quarantined (flapping) devices back in service; clears their history."""
+    _drain(devices or [], host, True, "", addr, prefix, timeout, as_json)
+
+
 def _ts(t: float) -> str:
     return dt.datetime.fromtimestamp(t).strftime("%H:%M:%S") if t else "-"
 

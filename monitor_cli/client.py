@@ -23,6 +23,8 @@ from marduk.errors import MardukError, NoControllerError, RequestRejected
 from marduk.protocol import (
     ControllerEvent,
     DeviceHealth,
+    Drain,
+    DrainReply,
     ErrorReply,
     Forget,
     ForgetReply,
@@ -180,6 +182,30 @@ async def _unstored(
         f"the health stream did not store the event within {timeout:g}s "
         f"({type(cause).__name__}): is JetStream available (a NATS node down, an election)?"
     )
+
+
+async def drain(
+    addr: str,
+    prefix: str,
+    devices: list[str],
+    host: str = "",
+    *,
+    undrain: bool = False,
+    reason: str = "",
+    timeout: float = 5.0,
+) -> DrainReply:
+    nc = await bus.connect(addr, name="marduk-monitor", timeout=timeout)
+    try:
+        return await bus.request(
+            nc,
+            Subjects(prefix).drain,
+            Drain(devices=devices, host=host, undrain=undrain, reason=reason),
+            DrainReply,
+            timeout=timeout,
+            addr=addr,
+        )
+    finally:
+        await bus.close(nc, drain=False)
 
 
 async def forget(

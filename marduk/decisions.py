@@ -1,0 +1,121 @@
+"""The policy's vocabulary: its settings, its refusals and the outcomes the shell carries out.
+
+Pure data (no I/O). ``marduk.policy`` decides about membership and epochs,
+``marduk.device_policy`` about device health; both return these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from marduk.drmap import WorkerKey
+from marduk.protocol import Action, Command, ControllerEvent, HealthReply, Registration, Scope
+from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+
+
+class PolicyError(Exception):
+    """A request the policy refuses; ``code`` is stable, the message is one clear line."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    """Knobs of the restart policy (mapped from CLI options and MARDUK_* variables)."""
+
+    pending_timeout_s: float = 60.0
+    """A restart not confirmed by every worker within this long stops coalescing new events."""
+    restart_on_degraded: bool = False
+    """Restart replicas on ``degraded`` events too (default: record and report only)."""
+    device_max_failures: int = 3
+    """Restarts one device may cause within the window before replicas get ``fail``."""
+    device_failure_window_s: float = 3600.0
+    """The window of the device failure budget."""
+    dedup_capacity: int = 10_000
+    """How many recent event ids are remembered to drop repeated events."""
+    epoch_block: int = 100
+    """Epochs reserved per write-ahead (see ``EpochRecord.ceiling``)."""
+    worker_ttl_s: float = 15.0
+    """A worker that has not renewed its registration for this long is ``stale``."""
+    worker_expiry_s: float = 600.0
+    """A worker silent for this long is removed from the map (with a ``worker_expired`` event)."""
+    resend_interval_s: float = 1.0
+    """Commands of scopes whose live workers have not all confirmed are resent this often."""
+    flap_limit: int = 3
+    """A device that goes (back) to failed more often than this within the flap window is
+    quarantined: its replicas get ``fail``; only an operator's ``undrain`` brings it back."""
+    flap_window_s: float = 3600.0
+    """The window of flap damping."""
+
+    @property
+    def renew_interval_s(self) -> float:
+        """How often agents renew: three renewals fit in one TTL, so one lost one is harmless."""
+        return self.worker_ttl_s / 3
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What the shell does, in order: persist ``write_ahead``, publish the commands, persist the
+    other records, publish the events."""
+
+    commands: list[Command] = field(default_factory=list)
+    events: list[ControllerEvent] = field(default_factory=list)
+    # Must be durable before the commands are published (epoch ceilings).
+    write_ahead: list[EpochRecord] = field(default_factory=list)
+    put_workers: list[WorkerRecord] = field(default_factory=list)
+    deleted_workers: list[WorkerKey] = field(default_factory=list)
+    put_epochs: list[EpochRecord] = field(default_factory=list)
+    deleted_epochs: list[EpochKey] = field(default_factory=list)
+    put_devices: list[DeviceRecord] = field(default_factory=list)
+    deleted_devices: list[str] = field(default_factory=list)
+    # Health events handled (for dedup across restarts); persisted after the commands go out.
+    handled: list[HealthReply] = field(default_factory=list)
+    # Commands sent again (same epoch): a merged device, or a worker that has not confirmed.
+    resent: list[Command] = field(default_factory=list)
+
+    def merge(self, other: Outcome) -> None:
+        for name in self.__slots__:
+            getattr(self, name).extend(getattr(other, name))
+
+
+@dataclass(slots=True)
+class Registered:
+    outcome: Outcome
+    result: str  # "new" | "updated" | "unchanged"
+    epoch: int
+    command: Command | None
+    renew_interval: float = 0.0
+    unusable: list[str] = field(default_factory=list)  # devices out of service
+
+
+@dataclass(slots=True)
+class ReportResult:
+    outcome: Outcome
+    actions: list[Action]
+
+
+@dataclass(slots=True)
+class HealthResult:
+    outcome: Outcome
+    reply: HealthReply
+
+
+@dataclass(slots=True)
+class DrainResult:
+    outcome: Outcome
+    devices: list[str]
+    actions: list[Action]
+
+
+def scope_order(key: EpochKey) -> tuple[str, str]:
+    return (key.job, key.replica or "")
+
+
+def worker_key(reg: Registration) -> WorkerKey:
+    return WorkerKey(reg.job, reg.replica, reg.worker)
+
+
+def epoch_key_for(job: str, replica: str, scope: Scope) -> EpochKey:
+    return EpochKey(job, None) if scope == "job" else EpochKey(job, replica)

@@ -1,0 +1,329 @@
+"""Device health decisions: failures, merged notices, flap damping, quarantine and drain.
+
+Part of the pure policy (no I/O, ``now`` passed in); ``marduk.policy.Policy`` mixes it in and
+holds the state it works on.
+
+* A ``failed`` device restarts every scope using it (coalesced into a restart in flight, its
+  device merged in); past its failure budget the scopes get ``fail``.
+* **Flap damping.** A device that goes (back) to ``failed`` more than ``flap_limit`` times in
+  ``flap_window_s`` is quarantined, even if it reported ``healthy`` in between (which clears the
+  failure budget, so without damping it would be restarted on forever).
+* **Out of service** (quarantined, or drained by an operator): every scope using it gets
+  ``fail`` (the pods go back to the scheduler), further events about it send nothing, a worker
+  registering with it is told (``RegisterReply.unusable_devices``), and it is never forgotten
+  while out of service. ``undrain`` puts it back and clears its history.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import msgspec
+
+from marduk.decisions import (
+    DrainResult,
+    HealthResult,
+    Outcome,
+    PolicyConfig,
+    scope_order,
+)
+from marduk.drmap import DRMap, WorkerKey
+from marduk.protocol import (
+    Action,
+    Command,
+    CommandKind,
+    ControllerEvent,
+    DeviceHealth,
+    HealthReply,
+)
+from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+
+
+class DevicePolicy:
+    """The device half of ``Policy`` (state and helpers declared here, defined there)."""
+
+    config: PolicyConfig
+    drmap: DRMap
+    devices: dict[str, DeviceRecord]
+    epochs: dict[EpochKey, EpochRecord]
+    workers: dict[WorkerKey, WorkerRecord]
+    _recent_events: OrderedDict[str, HealthReply]
+    _last_sent: dict[EpochKey, float]
+
+    def _epoch_key(self, key: WorkerKey) -> EpochKey:
+        raise NotImplementedError
+
+    def _pending(self, ekey: EpochKey, now: float) -> bool:
+        raise NotImplementedError
+
+    def _remember(self, reply: HealthReply) -> None:
+        raise NotImplementedError
+
+    def _issue(
+        self,
+        ekey: EpochKey,
+        kind: CommandKind,
+        reason: str,
+        devices: list[str],
+        cause: str,
+        now: float,
+        out: Outcome,
+    ) -> Command:
+        raise NotImplementedError
+
+    # --- health events ---------------------------------------------------------------------------
+
+    def on_health(self, event: DeviceHealth, now: float) -> HealthResult:
+        """Decide what a health event means. ``event.event_id`` must be set (the shell does)."""
+        seen = self._recent_events.get(event.event_id)
+        if seen is not None:
+            dup = msgspec.structs.replace(seen, duplicate=True)
+            return HealthResult(Outcome(), dup)
+
+        out = Outcome()
+        workers = self.drmap.workers_for_device(event.device)
+        record = self.devices.get(event.device)
+        known = bool(workers) or (record is not None and self.out_of_service(record))
+        reply = HealthReply(
+            event_id=event.event_id, device=event.device, state=event.state, known=known
+        )
+        if not known:
+            # Unknown devices are reported, not remembered: junk input must not grow our state.
+            out.events.append(
+                ControllerEvent(
+                    kind="unknown_device",
+                    ts=now,
+                    device=event.device,
+                    detail=f"{event.state} from {event.source or '?'}: no replica uses it",
+                )
+            )
+            self._remember(reply)
+            out.handled.append(reply)
+            return HealthResult(out, reply)
+
+        device = self.devices.get(event.device) or DeviceRecord(device=event.device)
+        previous = device.state
+        device.state, device.reason = event.state, event.reason
+        if previous != event.state or not device.since:
+            device.since = now
+        if event.state == "healthy":
+            device.failures = []
+        self.devices[event.device] = device
+        if event.state == "failed" and previous != "failed" and not self.out_of_service(device):
+            self._note_flip(device, now, out, reply)
+
+        acts = event.state == "failed" or (
+            event.state == "degraded" and self.config.restart_on_degraded
+        )
+        if self.out_of_service(device):
+            # Its replicas got `fail` when it went out of service: nothing more to send.
+            out.events.append(
+                ControllerEvent(
+                    kind=f"device_{event.state}",
+                    ts=now,
+                    device=event.device,
+                    detail=f"{event.reason} (out of service: {device.out_reason})".strip(),
+                )
+            )
+        elif acts and workers:
+            self._restart_for_device(event, device, workers, now, out, reply)
+        else:
+            out.events.append(
+                ControllerEvent(
+                    kind=f"device_{event.state}",
+                    ts=now,
+                    device=event.device,
+                    detail=(event.reason or "") + ("" if workers else " (no replica uses it)"),
+                )
+            )
+        out.put_devices.append(device)
+        self._remember(reply)
+        out.handled.append(reply)
+        return HealthResult(out, reply)
+
+    def _restart_for_device(
+        self,
+        event: DeviceHealth,
+        device: DeviceRecord,
+        workers: frozenset[WorkerKey],
+        now: float,
+        out: Outcome,
+        reply: HealthReply,
+    ) -> None:
+        scopes = sorted({self._epoch_key(w) for w in workers}, key=scope_order)
+        fresh = [k for k in scopes if not self._pending(k, now)]
+        kind: CommandKind = "restart"
+        if fresh:
+            window = self.config.device_failure_window_s
+            device.failures = [t for t in device.failures if now - t < window] + [now]
+            if len(device.failures) > self.config.device_max_failures:
+                kind = "fail"
+        reason = f"device {event.device} {event.state}"
+        if event.reason:
+            reason += f": {event.reason}"
+        for ekey in scopes:
+            if ekey not in fresh:
+                state = self.epochs[ekey]
+                assert state.command is not None
+                self._merge_device(ekey, state, event.device, reason, now, out)
+                reply.actions.append(
+                    Action(
+                        job=ekey.job,
+                        replica=ekey.replica,
+                        kind=state.command.kind,
+                        epoch=state.epoch,
+                        coalesced=True,
+                    )
+                )
+                out.events.append(
+                    ControllerEvent(
+                        kind="coalesced",
+                        ts=now,
+                        job=ekey.job,
+                        replica=ekey.replica,
+                        device=event.device,
+                        epoch=state.epoch,
+                        detail=f"{state.command.kind} at epoch {state.epoch} already in flight; "
+                        f"devices {', '.join(state.command.devices) or '-'}",
+                    )
+                )
+                continue
+            affected = sorted(w for w in workers if self._epoch_key(w) == ekey)
+            command = self._issue(ekey, kind, reason, [event.device], event.event_id, now, out)
+            reply.actions.append(
+                Action(job=ekey.job, replica=ekey.replica, kind=kind, epoch=command.epoch)
+            )
+            out.events.append(
+                ControllerEvent(
+                    kind=f"{kind}_issued",
+                    ts=now,
+                    job=ekey.job,
+                    replica=ekey.replica,
+                    device=event.device,
+                    epoch=command.epoch,
+                    detail=reason + f" (affects {', '.join(str(w) for w in affected)})",
+                )
+            )
+
+    def _merge_device(
+        self, ekey: EpochKey, state: EpochRecord, device: str, reason: str, now: float, out: Outcome
+    ) -> None:
+        """A failure joins the restart in flight: send it again with the device merged in.
+
+        Same epoch (agents act once per epoch), so the scope hears of every failed device
+        without a second restart; repeats of a device already listed send nothing.
+        """
+        command = state.command
+        assert command is not None
+        if device in command.devices:
+            return
+        merged = msgspec.structs.replace(
+            command,
+            devices=[*command.devices, device],
+            reason=(command.reason + "; " + reason)[:4000],
+        )
+        state.command = merged
+        out.resent.append(merged)
+        self._last_sent[ekey] = now
+        if state not in out.write_ahead and state not in out.put_epochs:
+            out.put_epochs.append(state)
+
+    # --- flap damping, quarantine, drain ----------------------------------------------------------
+
+    @staticmethod
+    def out_of_service(device: DeviceRecord) -> bool:
+        return device.quarantined or device.drained
+
+    def unusable(self, devices: list[str]) -> list[str]:
+        """The devices of a registration that are out of service."""
+        return [d for d in devices if (r := self.devices.get(d)) and self.out_of_service(r)]
+
+    def _note_flip(
+        self, device: DeviceRecord, now: float, out: Outcome, reply: HealthReply
+    ) -> None:
+        window = self.config.flap_window_s
+        device.flips = [t for t in device.flips if now - t < window] + [now]
+        if len(device.flips) <= self.config.flap_limit:
+            return
+        device.quarantined = True
+        device.out_reason = (
+            f"quarantined: failed {len(device.flips)} times within {window:g}s (flapping)"
+        )
+        out.events.append(
+            ControllerEvent(
+                kind="device_quarantined", ts=now, device=device.device, detail=device.out_reason
+            )
+        )
+        reply.actions.extend(
+            self._fail_scopes(
+                [device.device], device.out_reason, f"quarantine:{device.device}", now, out
+            )
+        )
+
+    def drain(
+        self, devices: list[str], host: str, undrain: bool, reason: str, now: float
+    ) -> DrainResult:
+        """An operator takes devices (or every device of ``host``) out of service, or back."""
+        out = Outcome()
+        names = set(devices)
+        if host:
+            for key, worker in self.workers.items():
+                if worker.registration.host == host:
+                    names |= self.drmap.devices_for_worker(key)
+        changed: list[str] = []
+        for name in sorted(names):
+            rec = self.devices.get(name)
+            if undrain:
+                if rec is None or not self.out_of_service(rec):
+                    continue
+                rec.drained = rec.quarantined = False
+                rec.out_reason, rec.flips, rec.failures = "", [], []
+                kind = "device_undrained"
+            else:
+                if not self.drmap.has_device(name) and rec is None:
+                    continue  # a device nobody uses is not remembered
+                rec = rec or DeviceRecord(device=name, since=now)
+                if rec.drained:
+                    continue
+                rec.drained = True
+                rec.out_reason = f"drained by an operator{': ' + reason if reason else ''}"
+                kind = "device_drained"
+            self.devices[name] = rec
+            out.put_devices.append(rec)
+            changed.append(name)
+            out.events.append(ControllerEvent(kind=kind, ts=now, device=name, detail=reason))
+        actions: list[Action] = []
+        if changed and not undrain:
+            why = f"drained by an operator{': ' + reason if reason else ''}"
+            actions = self._fail_scopes(
+                changed, why, f"drain:{host or ','.join(changed)}", now, out
+            )
+        return DrainResult(out, changed, actions)
+
+    def _fail_scopes(
+        self, devices: list[str], reason: str, cause: str, now: float, out: Outcome
+    ) -> list[Action]:
+        """``fail`` to every scope using one of ``devices``, once each, in flight or not."""
+        workers = {w for d in devices for w in self.drmap.workers_for_device(d)}
+        actions = []
+        for ekey in sorted({self._epoch_key(w) for w in workers}, key=scope_order):
+            used = sorted(
+                d
+                for d in devices
+                if any(self._epoch_key(w) == ekey for w in self.drmap.workers_for_device(d))
+            )
+            command = self._issue(ekey, "fail", reason, used, cause, now, out)
+            actions.append(
+                Action(job=ekey.job, replica=ekey.replica, kind="fail", epoch=command.epoch)
+            )
+            out.events.append(
+                ControllerEvent(
+                    kind="fail_issued",
+                    ts=now,
+                    job=ekey.job,
+                    replica=ekey.replica,
+                    epoch=command.epoch,
+                    detail=reason,
+                )
+            )
+        return actions

@@ -1,0 +1,57 @@
+"""Flap damping, quarantine and drain end to end: real controller, real agents, real CLI."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.conftest import marduk_cli
+from tests.processes import Proc, agent_run, controller, status
+
+pytestmark = pytest.mark.e2e
+TOY = [sys.executable, "tests/trainers/toy.py", "--step-seconds", "0.05"]
+
+
+def cli(env: dict[str, str], *args: str) -> str:
+    r = marduk_cli("monitor", *args, env=env)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def exit_code(p: Proc, timeout: float = 30) -> int:
+    return p.proc.wait(timeout)
+
+
+def test_a_flapping_device_is_quarantined_its_pod_exits_71_until_undrained(
+    env: dict[str, str],
+) -> None:
+    env = {**env, "MARDUK_FLAP_LIMIT": "1"}
+    ctl = controller(env)
+    agent = agent_run(env, "--replica", "r1", "--devices", "gpu-a,gpu-b", cmd=TOY)
+    try:
+        agent.expect("START r1/0 epoch=0")
+        cli(env, "inject-failure", "gpu-a")  # the first failure: a restart
+        agent.expect("START r1/0 epoch=1")
+        cli(env, "mark-healthy", "gpu-a")
+        out = cli(env, "inject-failure", "gpu-a")  # back to failed: flapping, quarantined
+        assert "fail" in out, out
+        assert exit_code(agent) == 71
+        [dev] = [d for d in status(env)["devices"] if d["device"] == "gpu-a"]
+        assert dev["quarantined"] and "flapping" in dev["out_reason"]
+        # A new pod on the same device is refused at once: exit 71, the trainer never starts.
+        again = agent_run(env, "--replica", "r1", "--devices", "gpu-a,gpu-b", cmd=TOY)
+        assert exit_code(again) == 71
+        assert "out of service" in "".join(again.all)
+        assert not any("START" in line for line in again.all)
+        # The operator puts it back: the next pod runs.
+        assert "1 device back in service: gpu-a" in cli(env, "undrain", "gpu-a")
+        third = agent_run(env, "--replica", "r1", "--devices", "gpu-a,gpu-b", cmd=TOY)
+        third.expect("START r1/0")
+        # Drain by hand: the running replica gets fail and exits 71.
+        out = cli(env, "drain", "gpu-b", "--reason", "suspect NVLink")
+        assert "1 device drained: gpu-b" in out and "fail sent to default/r1" in out
+        assert exit_code(third) == 71
+    finally:
+        agent.stop()
+        ctl.stop()
