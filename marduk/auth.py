@@ -250,9 +250,16 @@ def _load(directory: Path) -> tuple[str, list[Identity]]:
 # --- the server configuration --------------------------------------------------------------------
 
 
-def permissions(role: str, prefix: str, job: str | None = None) -> dict[str, list[str]]:
-    """Subjects a role may publish to and subscribe to."""
+def permissions(
+    role: str, prefix: str, job: str | None = None, name: str | None = None
+) -> dict[str, list[str]]:
+    """Subjects an identity of ``role`` may publish to and subscribe to.
+
+    Replies: each identity reads only its own inbox prefix, ``_INBOX.<name>.>`` (the clients
+    connect with that prefix), so no credential reads another's replies.
+    """
     p = prefix
+    inbox = f"_INBOX.{name or role}.>"
     if role == "controller":
         return {
             "publish": [f"{p}.>", "$JS.API.>", "$JS.ACK.>", "$JS.FC.>", "$KV.>", "_INBOX.>"],
@@ -262,20 +269,16 @@ def permissions(role: str, prefix: str, job: str | None = None) -> dict[str, lis
         j = job or "*"
         return {
             "publish": [f"{p}.{j}.{leaf}" for leaf in ("register", "deregister", "ack", "report")],
-            "subscribe": [f"{p}.{j}.cmd.>", f"{p}.ctl.hello", "_INBOX.>"],
+            "subscribe": [f"{p}.{j}.cmd.>", f"{p}.ctl.hello", inbox],
         }
     if role == "monitor":
-        return {"publish": [f"{p}.health"], "subscribe": ["_INBOX.>"]}
+        return {"publish": [f"{p}.health"], "subscribe": [inbox]}
     if role == "admin":
         return {
-            "publish": [
-                f"{p}.health",
-                f"{p}.ctl.query",
-                f"{p}.ctl.forget",
-                f"{p}.ctl.drain",
-                "$SRV.>",
-            ],
-            "subscribe": [f"{p}.*.events", f"{p}.ctl.hello", "_INBOX.>"],
+            # Not $SRV.>: the micro library answers on whatever reply subject it is given,
+            # with the controller's rights. Discover it with the controller or system account.
+            "publish": [f"{p}.health", f"{p}.ctl.query", f"{p}.ctl.forget", f"{p}.ctl.drain"],
+            "subscribe": [f"{p}.*.events", f"{p}.ctl.hello", inbox],
         }
     raise AuthError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
 
@@ -292,7 +295,7 @@ def server_config(prefix: str, identities: list[Identity]) -> str:
         "  users = [",
     ]
     for i in identities:
-        perms = permissions(i.role, prefix, i.job)
+        perms = permissions(i.role, prefix, i.job, i.name)
         scope = f" job {i.job}" if i.job else ""
         lines += [
             f"    # {i.name}: {i.role}{scope}",

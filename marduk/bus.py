@@ -199,6 +199,8 @@ async def connect(
         reconnect_time_wait=0.25 if reconnect else 0.1,
         ping_interval=10 if reconnect else 120,
         max_outstanding_pings=3,
+        # Replies to this identity land under its own prefix, which only it may read.
+        inbox_prefix=f"_INBOX.{creds.identity}" if creds.identity else "_INBOX",
         **auth,
     )
     try:
@@ -214,9 +216,11 @@ def _permission_violation(op: str, subject: str, creds: Credentials) -> None:
     STATS["nats.permission_violations"] += 1
     who = _credential_name(creds)
     verb = "publish on" if op == "publish" else "subscribe to"
-    _denied[subject] = (f"authorization violation: {who} may not {verb} {subject}", time.time())
+    # nats-py hands us the server's error lowercased: match subjects case-insensitively.
+    key = subject.lower()
+    _denied[key] = (f"authorization violation: {who} may not {verb} {subject}", time.time())
     if STATS["nats.permission_violations"] <= 20:
-        log.warning("%s", _denied[subject][0])
+        log.warning("%s", _denied[key][0])
     if len(_denied) > 1000:
         _denied.clear()
 
@@ -301,12 +305,12 @@ async def request(
 
 
 def _raise_if_denied(subject: str) -> None:
-    denied = _denied.get(subject)
+    denied = _denied.get(subject.lower())
     if denied is not None and time.time() - denied[1] < 60:
         raise PermissionDeniedError(denied[0])
 
 
 def denied(subject: str) -> str | None:
     """The permission error the server reported for ``subject`` in the last minute, if any."""
-    entry = _denied.get(subject)
+    entry = _denied.get(subject.lower())
     return entry[0] if entry is not None and time.time() - entry[1] < 60 else None

@@ -587,6 +587,11 @@ class Controller:
     async def _answer(self, subject: str, reply: msgspec.Struct) -> None:
         if self.nc is None:
             return
+        if not subject.startswith("_INBOX."):
+            # Never a confused deputy: a caller naming $KV..., $JS... or marduk.ctl.hello as
+            # its reply subject would have us write there with the controller's rights.
+            self._reject("reply", "reply_subject", f"not an inbox: {subject[:100]}", subject)
+            return
         try:
             await self.nc.publish(subject, encode(reply))
         except nats.errors.MaxPayloadError as e:

@@ -12,6 +12,7 @@ from URLs, and files are passed by path.
 from __future__ import annotations
 
 import os
+import re
 import ssl
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -55,6 +56,19 @@ class Credentials:
                 value = Path(value)
             values[f.name] = value
         return cls(**values)
+
+    @property
+    def identity(self) -> str | None:
+        """The identity's name (its key file's stem, e.g. ``agent-big``), or None.
+
+        It names the connection's reply inbox prefix, ``_INBOX.<identity>.``, which the
+        generated server configuration lets only that identity read.
+        """
+        path = self.nkey or self.creds
+        if path is None:
+            return None
+        name = re.sub(r"[^A-Za-z0-9_-]", "_", path.stem)
+        return name or None
 
     def __bool__(self) -> bool:
         return any(getattr(self, f.name) for f in fields(self))

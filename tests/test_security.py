@@ -386,3 +386,43 @@ def test_supervised_trainer_under_auth_end_to_end(env: dict[str, str], tmp_path:
     finally:
         trainer.stop()
         ctl.stop()
+
+
+async def test_no_caller_makes_the_controller_write_where_it_should_not(
+    secure: tuple[NatsServer, Controller], auth_dir: Path
+) -> None:
+    """The confused deputy: a reply subject naming the lease, a state key or hello would have
+    the controller write there with its own rights. And no identity reads another's replies."""
+    from marduk.subjects import REPLY_HEADER
+
+    server, c = secure
+    assert c.leadership is not None
+    term = c.leadership.term
+    agent_nc = await connect(server, creds(auth_dir, "agent"))
+    monitor_nc = await connect(server, creds(auth_dir, "monitor"))
+    admin_nc = await connect(server, creds(auth_dir, "admin"))
+    try:
+        reg = wire.Registration(job="big", replica="rx", devices=["x1"], host="h", pid=1)
+        await agent_nc.publish(S.register("big"), encode(reg), reply="$KV.marduk_leader.leader")
+        await agent_nc.publish(S.register("big"), encode(reg), reply="marduk.ctl.hello")
+        event = wire.DeviceHealth(device="x1", state="failed", event_id="deputy")
+        await monitor_nc.jetstream().publish(
+            S.health, encode(event), headers={REPLY_HEADER: "$KV.marduk_state.w.big.rx.0"}
+        )
+        await eventually(lambda: c.stats["rejected.reply_subject"] >= 3)
+        # The micro library answers $SRV requests on any reply subject: admin may not ask.
+        assert await denied(admin_nc, "$SRV.INFO.marduk")
+        # The lease and the state are untouched: still the same leader, same term.
+        assert c._leading() and c.leadership.term == term
+        assert c.stats["leader.depositions"] == 0
+        assert c.store is not None
+        entry = await c.store.kv.get("w.big.rx.0")
+        assert b'"registration"' in (entry.value or b"")
+        # Replies are per identity: an agent cannot read the monitor's, nor all of them.
+        for subject in ("_INBOX.monitor.>", "_INBOX.>", "_INBOX.admin.x"):
+            await agent_nc.subscribe(subject)
+            await agent_nc.flush()
+            await eventually(lambda subject=subject: bus.denied(subject) is not None)
+    finally:
+        for nc in (agent_nc, monitor_nc, admin_nc):
+            await bus.close(nc, drain=False)
