@@ -226,14 +226,20 @@ class CommandInbox:
         self._queue: asyncio.Queue[Command] = asyncio.Queue()
         self._received_epoch = opts.epoch
         self._received_devices: set[str] = set()  # of the command at _received_epoch
+        self._acked_epoch = opts.epoch  # the last epoch acknowledged (acted on)
         self._pending_failure: Command | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.last_step: int | None = None
         self.last_progress = 0.0
 
+    def is_update(self, c: wire.Command) -> bool:
+        """Same epoch as the last one received, naming devices not seen for it: another device
+        failed and joined the restart in flight (deliver it; do not restart twice)."""
+        return c.epoch == self._received_epoch and not set(c.devices) <= self._received_devices
+
     def _verify_by_asking(self) -> None:
-        """Re-register: the reply carries the real current command (the local channel's
-        supervisor already vetted what it forwards)."""
+        """Ask the controller what is current (AsyncClient re-registers; under a supervisor the
+        local channel forwards only what the supervisor vetted, so nothing to do)."""
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -254,8 +260,21 @@ class CommandInbox:
             )
             self._verify_by_asking()
             return
-        update = c.epoch == self._received_epoch and not set(c.devices) <= self._received_devices
+        if c.epoch == self._received_epoch and not self._received_devices:
+            # We hold this epoch without knowing its devices (started at it, or adopted it from
+            # a registration reply): its command is the one we already act on, not news.
+            self._received_devices = set(c.devices)
+            self.stats["dropped_stale"] += 1
+            return
+        update = self.is_update(c)
         if c.epoch < self._received_epoch or (c.epoch == self._received_epoch and not update):
+            self.stats["dropped_stale"] += 1
+            return
+        if update and c.epoch <= self._acked_epoch:
+            # The trainer already acted on this epoch (acked it): more failed devices of the
+            # same restart change nothing for it; the controller starts a new epoch for a
+            # worker on a failed device that has already restarted.
+            self._received_devices |= set(c.devices)
             self.stats["dropped_stale"] += 1
             return
         if update:
@@ -288,6 +307,8 @@ class CommandInbox:
 
     def _clear_failure(self, command: Command | None) -> Command | None:
         command = command or self._pending_failure
+        if command is not None:
+            self._acked_epoch = max(self._acked_epoch, command.epoch)
         pending = self._pending_failure
         if command is not None and pending is not None and command.epoch >= pending.epoch:
             self._pending_failure = None
@@ -328,7 +349,6 @@ class AsyncClient(CommandInbox):
         super().__init__(opts, on_command, deliver)
         self.subjects = Subjects(opts.prefix)
         self._nc: NATS | None = None
-        self._acked_epoch = opts.epoch
         self._register_lock = asyncio.Lock()
         self._registered_once = False
         self.renew_interval = opts.resync_interval
@@ -462,10 +482,7 @@ class AsyncClient(CommandInbox):
                 self._received_devices = set(reply.command.devices)
         elif reply.command is not None and (
             reply.command.epoch > self._received_epoch
-            or (
-                reply.command.epoch == self._received_epoch
-                and not set(reply.command.devices) <= self._received_devices
-            )
+            or (bool(self._received_devices) and self.is_update(reply.command))
         ):
             self.stats["converged"] += 1
             self._accept(reply.command, confirmed=True)

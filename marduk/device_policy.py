@@ -151,7 +151,14 @@ class DevicePolicy:
         reply: HealthReply,
     ) -> None:
         scopes = sorted({self._epoch_key(w) for w in workers}, key=scope_order)
-        fresh = [k for k in scopes if not self._pending(k, now)]
+        # A scope takes a new epoch unless a restart is in flight that none of the workers on
+        # this device has confirmed yet: one that already restarted would otherwise be told
+        # of the failure only as an update of an epoch it applied, and keep running on it.
+        fresh = [
+            k
+            for k in scopes
+            if not self._pending(k, now) or self._confirmed_on(k, event.device, workers)
+        ]
         kind: CommandKind = "restart"
         if fresh:
             window = self.config.device_failure_window_s
@@ -227,6 +234,13 @@ class DevicePolicy:
         self._last_sent[ekey] = now
         if state not in out.write_ahead and state not in out.put_epochs:
             out.put_epochs.append(state)
+
+    def _confirmed_on(self, ekey: EpochKey, device: str, workers: frozenset[WorkerKey]) -> bool:
+        """Has a worker of scope ``ekey`` that uses ``device`` confirmed the current epoch?"""
+        epoch = self.epochs[ekey].epoch
+        return any(
+            self._epoch_key(w) == ekey and self.workers[w].applied_epoch >= epoch for w in workers
+        )
 
     # --- flap damping, quarantine, drain ----------------------------------------------------------
 

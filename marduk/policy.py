@@ -71,6 +71,10 @@ __all__ = [
     "ReportResult",
 ]
 
+# An agent may have seen epochs a lost write never recorded; it may not claim more than this
+# above what was reserved (the agents' own MAX_EPOCH_JUMP is the same bound).
+MAX_ADOPTED_JUMP = 10_000
+
 # Reports that make the controller restart the worker's restart scope.
 FAILURE_STATUSES = frozenset({"crashed", "hung", "gave_up", "preempted"})
 
@@ -150,24 +154,21 @@ class Policy(DevicePolicy):
         ) != (reg.pid, reg.incarnation)
         ekey = epoch_key_for(reg.job, reg.replica, reg.scope)
         state = self.epochs.get(ekey)
+        self._check_adoptable(max(reg.epoch, reg.seen_epoch), state)
         if state is None:
-            # Reserve the first block now, off the failure path.
+            # Reserve the first block now, off the failure path. Written ahead: a command under
+            # this ceiling needs no write of its own, so the ceiling must be durable first.
             state = EpochRecord(job=ekey.job, replica=ekey.replica, ceiling=self.config.epoch_block)
             self.epochs[ekey] = state
-            out.put_epochs.append(state)
+            out.write_ahead.append(state)
         seen = max(reg.epoch, reg.seen_epoch)
-        if seen > MAX_EPOCH - self.config.epoch_block:
-            # Adopting it would leave no epoch to issue that JSON peers can read.
-            raise PolicyError(
-                "invalid", f"epoch {seen} is beyond what this controller could have issued"
-            )
         if seen > state.epoch:
             # The agent saw an epoch we do not know (a lost write, state restored from an older
             # copy): adopt it, so the next command is above anything agents have seen.
             state.epoch = seen
             state.ceiling = max(state.ceiling, seen + self.config.epoch_block)
-            if state not in out.put_epochs:
-                out.put_epochs.append(state)
+            if state not in out.write_ahead:
+                out.write_ahead.append(state)
         current = state.epoch
         if fresh_process:
             # A new process starts after every restart commanded so far: it is current.
@@ -238,6 +239,22 @@ class Policy(DevicePolicy):
         return Registered(
             out, result, current, state.command, self.config.renew_interval_s, unusable
         )
+
+    def _check_adoptable(self, seen: int, state: EpochRecord | None) -> None:
+        """Refuse (before changing anything) an epoch no controller of ours could have issued."""
+        reserved = max(state.ceiling, state.epoch) if state else self.config.epoch_block
+        if seen > reserved + MAX_ADOPTED_JUMP:
+            # A forged or corrupted claim that would push the scope's epochs towards 2**53.
+            raise PolicyError(
+                "invalid",
+                f"epoch {seen} is far beyond this scope's (reserved up to {reserved}); "
+                "refusing to adopt it",
+            )
+        if seen > MAX_EPOCH - self.config.epoch_block:
+            # Adopting it would leave no epoch to issue that JSON peers can read.
+            raise PolicyError(
+                "invalid", f"epoch {seen} is beyond what this controller could have issued"
+            )
 
     def _check_duplicate(
         self, key: WorkerKey, old: WorkerRecord, reg: Registration, now: float

@@ -211,7 +211,8 @@ def test_registration_with_higher_applied_epoch_is_adopted() -> None:
     """A controller that lost a write learns the epoch back from agents; no epoch is reused."""
     p = Policy()
     out = p.register(reg("r1", ["d1"], epoch=7), now=0)
-    assert out.epoch == 7 and out.outcome.put_epochs
+    # Written ahead: a command under the adopted ceiling needs no write of its own.
+    assert out.epoch == 7 and out.outcome.write_ahead[0].ceiling >= 7
     [cmd] = p.on_health(failed("d1", "e1"), now=1).outcome.commands
     assert cmd.epoch == 8
 
@@ -219,7 +220,8 @@ def test_registration_with_higher_applied_epoch_is_adopted() -> None:
 def test_epoch_ceiling_is_written_ahead_only_when_a_block_runs_out() -> None:
     p = Policy(PolicyConfig(epoch_block=3))
     reg_out = p.register(reg("r1", ["d1"]), now=0)
-    assert reg_out.outcome.put_epochs[0].ceiling == 3  # reserved at registration
+    # Reserved at registration, written ahead (durable before any command relies on it).
+    assert reg_out.outcome.write_ahead[0].ceiling == 3
     wrote = []
     for i in range(7):
         res = p.on_health(failed("d1", f"e{i}"), now=i)

@@ -126,3 +126,29 @@ def test_an_epoch_near_the_json_limit_is_not_adopted() -> None:
     with pytest.raises(PolicyError) as e:
         p.register(reg("r1", ["d1"], epoch=2**53), now=0)
     assert e.value.code == "invalid" and "r1" not in {w.replica for w in p.worker_infos()}
+
+
+def test_a_failure_on_a_worker_that_already_restarted_starts_a_new_epoch() -> None:
+    """Review S1: w0 holds a and c, w1 holds b (one replica). a fails (epoch 1); w0 restarts
+    and confirms, w1 is slow; then c fails. Merging c into epoch 1 would leave w0 running on a
+    failed device (it has applied epoch 1): a new epoch goes out instead."""
+    p = Policy()
+    p.register(reg("r1", ["a", "c"], worker=0), now=0)
+    p.register(reg("r1", ["b"], worker=1, pid=2), now=0)
+    assert [c.epoch for c in p.on_health(failed("a", "e1"), now=1).outcome.commands] == [1]
+    p.ack(WorkerKey("j", "r1", 0), 1, now=2)
+    r = p.on_health(failed("c", "e2"), now=3)
+    assert [(c.epoch, c.devices) for c in r.outcome.commands] == [(2, ["c"])]
+    assert not r.outcome.resent
+    # While nobody on the device has confirmed, a failure still joins the restart in flight.
+    r = p.on_health(failed("b", "e3"), now=4)
+    assert not r.outcome.commands and [c.devices for c in r.outcome.resent] == [["c", "b"]]
+
+
+def test_an_epoch_far_beyond_what_was_reserved_is_not_adopted() -> None:
+    p = Policy()
+    with pytest.raises(PolicyError):
+        p.register(reg("r1", ["d1"], epoch=50_000), now=0)
+    assert not p.epochs  # refused before anything changed
+    p.register(reg("r1", ["d1"], epoch=5_000), now=1)  # a lost write's worth: adopted
+    assert p.epoch_of(EpochKey("j", "r1")) == 5_000
