@@ -148,6 +148,7 @@ def load_public_keys(value: str) -> list[str]:
 def init(directory: Path, prefix: str = DEFAULT_PREFIX, *, force: bool = False) -> list[Identity]:
     """Create DIR with one identity per role and the server configuration."""
     directory = Path(directory)
+    server_config(prefix, [])  # an invalid prefix is refused before anything is written
     if (directory / IDENTITIES_FILE).exists() and not force:
         raise AuthError(
             f"{directory} already holds identities; use `marduk auth add-agent`, `rotate` or "

@@ -36,7 +36,7 @@ def init(
 
     try:
         created = auth.init(directory, prefix, force=force)
-    except auth.AuthError as e:
+    except (auth.AuthError, OSError) as e:
         _fail(e)
         return
     for i in created:
@@ -57,7 +57,7 @@ def add_agent(
 
     try:
         i = auth.add_agent(directory, job)
-    except (auth.AuthError, ValueError) as e:
+    except (auth.AuthError, ValueError, OSError) as e:
         _fail(e)
         return
     typer.echo(f"agent for job {job}: {directory / (i.name + '.nk')}  {i.public_key}")
@@ -73,7 +73,7 @@ def rotate(
 
     try:
         i = auth.rotate(directory, name)
-    except auth.AuthError as e:
+    except (auth.AuthError, OSError) as e:
         _fail(e)
         return
     typer.echo(f"{name}: new key {i.public_key} in {directory / (name + '.nk')}")
@@ -90,7 +90,7 @@ def revoke(
 
     try:
         i = auth.revoke(directory, name)
-    except auth.AuthError as e:
+    except (auth.AuthError, OSError) as e:
         _fail(e)
         return
     typer.echo(f"revoked {name} ({i.public_key}); reload the NATS server to apply")
@@ -103,7 +103,7 @@ def list_(directory: Dir) -> None:
 
     try:
         prefix, found = auth.identities(directory)
-    except auth.AuthError as e:
+    except (auth.AuthError, OSError) as e:
         _fail(e)
         return
     typer.echo(f"prefix {prefix}")

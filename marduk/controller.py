@@ -321,7 +321,7 @@ class Controller:
     async def _on_reconnected(self) -> None:
         log.info(
             "reconnected to NATS at %s",
-            self.nc.connected_url.netloc if self.nc and self.nc.connected_url else "?",
+            redact(self.nc.connected_url.geturl()) if self.nc and self.nc.connected_url else "?",
         )
         if self.nc is not None and self.serving.is_set():
             await self._publish_hello()
@@ -358,6 +358,7 @@ class Controller:
         js = self.nc.jetstream(timeout=5.0)
         if await self.mirror.caught_up(js):
             loaded, source = self.mirror.snapshot(), "mirror"
+            loaded.handled = await self.store.load_handled()
         else:
             loaded, source = await self.store.load(), "bucket"
         self.policy = Policy.restore(
@@ -489,7 +490,15 @@ class Controller:
         yield gauge("marduk_standbys", "Hot standbys heard from.", {"all": standbys}, "scope")
 
     def _leading(self) -> bool:
-        return self._accepting and self.leadership is not None and self.leadership.serving()
+        # Connected too: what nats-py buffers while reconnecting would go out after a new
+        # leader may have taken over.
+        return (
+            self._accepting
+            and self.leadership is not None
+            and self.leadership.serving()
+            and self.nc is not None
+            and self.nc.is_connected
+        )
 
     async def _publish_hello(self) -> None:
         assert self.nc is not None
@@ -675,7 +684,7 @@ class Controller:
         self.stats[f"reports.{report.status}"] += 1
         if any(not a.coalesced for a in result.actions):
             what = report.failure_class or "unclassified"
-            self.stats[f"restarts.{report.status}/{what}"] += 1
+            self._count_bounded("restarts", f"{report.status}/{what}")
         await self._commit(result.outcome)
         return ReportReply(actions=result.actions)
 
@@ -713,9 +722,13 @@ class Controller:
             return
         except ProtocolError as e:
             reply = self._reject("devicehealth", e.reason, str(e), msg.subject)
-        except Exception as e:
+        except Exception:
+            # Not the event's fault (a publish failed mid-commit, a bug): it is not terminated
+            # but left for redelivery (bounded by the consumer's max_deliver), and since our
+            # state may now be ahead of the store we step down; whoever leads rebuilds.
             self._log_internal("devicehealth")
-            reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
+            self._spawn_step_down("internal error while handling a health event")
+            return
         if reply_to:
             await self._answer(reply_to, reply)
         try:
@@ -750,10 +763,13 @@ class Controller:
         return reply
 
     def _count_source(self, source: str) -> None:
-        # Bounded: a label per source up to 100, then "other" (label cardinality).
-        key = f"sources.{source or 'unknown'}"
-        if key not in self.stats and sum(k.startswith("sources.") for k in self.stats) >= 100:
-            key = "sources.other"
+        self._count_bounded("sources", source or "unknown")
+
+    def _count_bounded(self, family: str, label: str, limit: int = 100) -> None:
+        """Count under a label chosen by a peer: at most ``limit`` labels, then "other"."""
+        key = f"{family}.{label[:100]}"
+        if key not in self.stats and sum(k.startswith(family + ".") for k in self.stats) >= limit:
+            key = f"{family}.other"
         self.stats[key] += 1
 
     async def _on_query(self, query: Query, subject: str) -> QueryReply:
@@ -790,8 +806,11 @@ class Controller:
     async def _commit(self, outcome: Outcome) -> None:
         async with self._commit_lock:
             if not self._leading():
-                # Fenced: another controller may lead by now. Nothing of this goes out.
+                # Fenced: another controller may lead by now. Nothing of this goes out, and the
+                # policy already holds this decision: step down, so whoever leads next
+                # (perhaps us, re-elected) rebuilds from the store.
                 self.stats["fenced"] += 1
+                self._spawn_step_down("a decision was fenced before it was committed")
                 raise NotServing("not the leader")
             if outcome.write_ahead:
                 if not await self._persist(outcome, write_ahead=True):
@@ -804,6 +823,7 @@ class Controller:
                     raise NotServing("write-ahead failed")
                 if not self._leading():  # the lease lapsed while we were writing
                     self.stats["fenced"] += 1
+                    self._spawn_step_down("the lease lapsed during a write-ahead")
                     raise NotServing("not the leader")
             assert self.nc is not None
             for command in outcome.commands:

@@ -84,6 +84,15 @@ class Credentials:
             if path is not None and not os.access(path, os.R_OK):
                 flag = "--" + name.replace("_", "-")
                 raise CredentialsError(f"{flag} {path}: no such readable file")
+        if self.nkey is not None:
+            import nkeys
+
+            try:
+                nkeys.from_seed(bytearray(self.nkey.read_bytes().strip())).wipe()
+            except Exception:
+                raise CredentialsError(
+                    f"--nkey {self.nkey}: not an nkey seed (SU...); `marduk auth init` writes them"
+                ) from None
 
     def nats_options(self) -> dict[str, Any]:
         """Keyword arguments for nats-py's ``connect``."""

@@ -87,6 +87,9 @@ class HealthConsumer:
                 ack_wait=self.ack_wait_s,
                 # Few enough in flight that a backlog is acked well within ack_wait.
                 max_ack_pending=1_000,
+                # An event that keeps failing to be handled (a bug it triggers) stops being
+                # redelivered after this many tries instead of deposing leaders forever.
+                max_deliver=20,
             ),
         )
 

@@ -143,6 +143,14 @@ class Leadership:
                 self.kv.update(KEY, value, last=self._revision), self.ttl / 4
             )
         except KeyWrongLastSequenceError:
+            # Our previous renewal may have landed after its answer timed out: if the lease
+            # still names us, adopt its revision instead of stepping down.
+            entry = await self.kv.get(KEY)
+            lease = _decode(entry.value)
+            if lease is not None and lease.holder == self.holder and lease.term == self.term:
+                self._revision = entry.revision or self._revision
+                self.renew_failures += 1
+                return
             await self._depose("another controller holds the lease")
             return
         except Exception:
@@ -164,7 +172,7 @@ class Leadership:
             self._observed_at = time.monotonic()
             raise
         if entry is None:
-            await self._take(0, (self.lease.term if self.lease else 0) + 1, now)
+            await self._take(0, max(self.term, self.lease.term if self.lease else 0) + 1, now)
             return
         lease = _decode(entry.value)
         if entry.revision != self._revision:

@@ -130,8 +130,8 @@ class MetricsServer:
             )
             writer.write(head.encode() + body)
             await writer.drain()
-        except (TimeoutError, OSError, UnicodeDecodeError):
-            pass
+        except (TimeoutError, OSError, UnicodeDecodeError, ValueError):
+            pass  # a client gone, slow, or sending a line over the reader's limit
         finally:
             writer.close()
 

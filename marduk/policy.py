@@ -353,6 +353,18 @@ class Policy(DevicePolicy):
                     detail="removed by an operator",
                 )
             )
+        if worker is None:
+            # A whole replica or job the operator says will not come back: its epoch records
+            # go too (the one exception to epochs outliving their workers), so ids that are
+            # never reused (pod names) do not grow the state forever.
+            for ekey in [k for k in self.epochs if k.job == job]:
+                if replica is not None and ekey.replica not in (replica, None):
+                    continue
+                if not self._scope_workers(ekey):
+                    del self.epochs[ekey]
+                    for table in (self._floor, self._awaiting, self._last_sent):
+                        table.pop(ekey, None)
+                    out.deleted_epochs.append(ekey)
         return out
 
     def ack(self, key: WorkerKey, epoch: int, now: float) -> Outcome:
@@ -549,6 +561,8 @@ class Policy(DevicePolicy):
                         detail=f"no renewal for {silent:.0f}s (TTL {ttl:g}s)",
                     )
                 )
+        for ekey in [k for k in self._last_sent if not self._awaiting.get(k)]:
+            del self._last_sent[ekey]  # nothing left to resend for it
         for ekey in list(self._awaiting):
             state = self.epochs.get(ekey)
             if state is None or state.command is None or not self._pending(ekey, now):

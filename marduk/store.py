@@ -133,6 +133,21 @@ class StateStore:
         )
         return cls(kv, bucket_name(prefix), events, events_bucket_name(prefix))
 
+    async def load_handled(self) -> list[HealthReply]:
+        """The handled events still inside the dedup window (the events bucket)."""
+        out = Loaded([], [], [])
+        watcher = await self.events.watchall(ignore_deletes=True)
+        try:
+            while True:
+                entry = await watcher.updates(timeout=10.0)  # type: ignore[no-untyped-call]
+                if entry is None:
+                    break
+                if entry.value is not None and entry.operation is None:
+                    out.add(entry.key, entry.value)
+        finally:
+            await watcher.stop()  # type: ignore[no-untyped-call]
+        return out.handled
+
     async def load(self) -> Loaded:
         """Every record in both buckets. Records that no longer decode are skipped and counted."""
         out = Loaded([], [], [])
@@ -211,10 +226,9 @@ class StateMirror:
 
     async def start(self) -> None:
         self.healthy = True
-        for kv, bucket in (
-            (self.store.kv, self.store.bucket),
-            (self.store.events, self.store.events_bucket),
-        ):
+        # The state bucket only: the events bucket's keys expire by TTL without a delete a
+        # watch would see, so a mirror of it would only grow; it is read at takeover instead.
+        for kv, bucket in ((self.store.kv, self.store.bucket),):
             watcher = await kv.watchall()
             self._tasks.append(
                 asyncio.create_task(self._follow(watcher, bucket), name=f"mirror-{bucket}")
@@ -248,7 +262,7 @@ class StateMirror:
         if not self.healthy:
             return False
         targets = {}
-        for bucket in (self.store.bucket, self.store.events_bucket):
+        for bucket in (self.store.bucket,):
             info = await js.stream_info(f"KV_{bucket}")
             targets[bucket] = info.state.last_seq
         deadline = time.monotonic() + timeout

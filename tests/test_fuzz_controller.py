@@ -322,7 +322,7 @@ class Sent:
 
 async def fuzz(nc: NATS, gen: Gen, count: int) -> tuple[list[Sent], dict[int, list[bytes]]]:
     """Send ``count`` generated messages; return them and the replies to each, by index."""
-    inbox = f"_FUZZ.{uuid.uuid4().hex}"
+    inbox = f"_INBOX.FUZZ{uuid.uuid4().hex}"  # the controller answers only _INBOX. subjects
     replies: dict[int, list[bytes]] = {}
 
     async def on_reply(msg: Any) -> None:
@@ -350,7 +350,7 @@ async def fuzz(nc: NATS, gen: Gen, count: int) -> tuple[list[Sent], dict[int, li
                     await js.publish(subject, payload, headers={REPLY_HEADER: reply_to})
                     answers = True
                 else:  # a header that names no usable subject (short ones only: see below)
-                    odd = gen.r.choice(["", " ", "a b", "_FUZZ.*", "x" * 1000])
+                    odd = gen.r.choice(["", " ", "a b", "_INBOX.*", "x" * 1000, "$KV.b.k"])
                     await nc.publish(subject, payload, headers={REPLY_HEADER: odd})
                     answers = False
             elif mode < 0.75:

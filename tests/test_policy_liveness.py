@@ -107,6 +107,16 @@ def test_forget_removes_a_job_a_replica_or_a_worker() -> None:
     assert not p.forget("nope", None, None, now=3).deleted_workers
 
 
+def test_forgetting_a_replica_drops_its_epochs_so_state_does_not_grow() -> None:
+    p = Policy()
+    p.register(reg("pod-abc", ["d1"]), now=0)
+    p.on_health(failed("d1", "e1"), now=1)
+    p.deregister(WorkerKey("j", "pod-abc", 0), "exited", now=2)
+    assert EpochKey("j", "pod-abc") in p.epochs  # kept after a deregistration
+    out = p.forget("j", "pod-abc", None, now=3)
+    assert out.deleted_epochs == [EpochKey("j", "pod-abc")] and not p.epochs
+
+
 def test_restore_gives_every_worker_a_full_ttl_and_remembers_handled_events() -> None:
     p = acceptance_map()
     r = p.on_health(failed("d3", "e1"), now=1)
