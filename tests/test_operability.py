@@ -112,6 +112,7 @@ async def test_the_leader_is_a_nats_micro_service(
             "report",
             "query",
             "forget",
+            "drain",
         }
         assert info["metadata"]["controller_id"] == controller.controller_id
         stats = json.loads((await nc.request("$SRV.STATS.marduk", b"", timeout=5)).data)
