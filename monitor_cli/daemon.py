@@ -1,0 +1,637 @@
+"""``marduk monitor run``: run probes, turn their conditions into health events, publish them.
+
+Two layers, as in the controller (DESIGN decision 1):
+
+* ``ConditionTracker`` is pure (no I/O; ``now`` is an argument). It is fed each probe's current
+  conditions, or the news that a probe failed, and returns the ``DeviceHealth`` events to publish:
+
+  - a condition *starts* and is as bad as the worst condition of its device: an event with the
+    device's worst state (failed > preempting > degraded). A lesser condition starting under a
+    worse one says nothing new and is not published;
+  - the device's worst state *changes* (its failed condition cleared, a degraded one remains):
+    an event with the new worst state;
+  - the last condition of a device *clears*: ``healthy``;
+  - anything else (the same conditions again, a reason reworded): nothing.
+
+  With ``clear_after_s`` a condition must stay absent that long before it counts as cleared, so a
+  flapping input (thermal throttling that comes and goes every poll) is one event, not a stream.
+  Event ids are stable and unique per transition: ``<source>:<device>:<key>:<start unix ms>``
+  for a start, ``<source>:<device>:<state>:<unix ms>`` for a change or a clear; a publish that
+  is retried sends the same id, which the controller deduplicates.
+
+  A probe that raises is not a device condition: it says nothing about the devices. It is
+  counted and logged once per streak, its conditions are kept as they were (unknown is not
+  healthy), and only if the daemon is configured with ``probe_error_state`` (``degraded``) does
+  it become a condition ``probe-error:<probe>`` on every device of the host, cleared when the
+  probe works again. Off by default: a Kubernetes API that is down for a minute must not mark
+  every GPU of the fleet degraded.
+
+* ``MonitorDaemon`` is the async shell: one guarded, named task per probe (a polled ``Probe`` is
+  checked every ``interval_s``; an ``EventProbe``'s ``watch`` is restarted with backoff when it
+  raises or returns), one publisher that sends events in order on one long-lived NATS connection
+  with ``publish_durably`` and retries a failed publish with backoff (nothing is dropped but an
+  event the controller rejects), counters in ``stats``, and a clean stop on SIGTERM that gives
+  queued events a few seconds to go out.
+
+Known limit: the controller treats any ``healthy`` event as "clears the failure history" (the
+restart budget of decision 6). A device that fails, recovers and fails again is therefore never
+escalated by the monitor's own events alone; keep ``clear_after_s`` and the probes' hold times
+long enough that a recovery is real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+import re
+import signal
+import socket
+import time
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from nats.aio.client import Client as NATS
+
+from marduk import bus
+from marduk.credentials import redact
+from marduk.errors import MardukError, RequestRejected
+from marduk.protocol import DeviceHealth, HealthState
+from marduk.subjects import Subjects
+from monitor_cli.client import UndecidedError, publish_durably
+from monitor_cli.probes.base import Condition, EventProbe, Probe
+
+log = logging.getLogger("monitor_cli.daemon")
+
+SEVERITY: Final[dict[str, int]] = {"healthy": 0, "degraded": 1, "preempting": 2, "failed": 3}
+PROBE_ERROR_KEY: Final = "probe-error"
+# protocol.DeviceId: printable ASCII without spaces, at most 256 characters.
+_DEVICE_RE: Final = re.compile(r"\A[\x21-\x7e]{1,256}\Z")
+_MAX_REASON: Final = 4096
+_MAX_SHORT: Final = 256
+
+
+def default_host() -> str:
+    """The node's name where Kubernetes tells it (downward API), else this machine's name."""
+    return os.environ.get("NODE_NAME") or socket.gethostname()
+
+
+def _ms(t: float) -> int:
+    return round(t * 1000)
+
+
+def _short(text: str) -> str:
+    """An id of at most 256 characters: long ones keep their head and get a digest tail."""
+    if len(text) <= _MAX_SHORT:
+        return text
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return f"{text[: _MAX_SHORT - 17]}~{digest}"
+
+
+# --- the pure core -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Active:
+    condition: Condition
+    probe: str
+    since: float
+    absent_since: float | None = None  # seen absent, held until clear_after_s has passed
+
+
+class ConditionTracker:
+    """Conditions over time -> the ``DeviceHealth`` events worth publishing (see module doc)."""
+
+    def __init__(
+        self,
+        host: str,
+        *,
+        clear_after_s: float = 0.0,
+        probe_error_state: HealthState | None = None,
+    ) -> None:
+        if probe_error_state == "healthy":
+            raise ValueError("probe_error_state must be a problem state or None")
+        self.host = host
+        self.clear_after_s = clear_after_s
+        self.probe_error_state = probe_error_state
+        self._active: dict[str, dict[tuple[str, str], _Active]] = {}
+        self._reported: dict[str, HealthState] = {}  # device -> last state published
+        self._failing: dict[str, int] = {}  # probe -> failures in the current streak
+        self.stats: Counter[str] = Counter()
+
+    # -- inputs --
+
+    def observe(
+        self, probe: str, conditions: Iterable[Condition], now: float
+    ) -> list[DeviceHealth]:
+        """``probe`` says these conditions hold now (all of them: absent ones have cleared)."""
+        self._failing.pop(probe, None)
+        current: dict[tuple[str, str], Condition] = {}
+        for c in conditions:
+            if not _DEVICE_RE.match(c.device) or c.state not in SEVERITY or c.state == "healthy":
+                self.stats["conditions.invalid"] += 1
+                continue
+            k = (c.device, c.key)
+            if k not in current or SEVERITY[c.state] > SEVERITY[current[k].state]:
+                current[k] = c
+        old = self._active.get(probe, {})
+        new: dict[tuple[str, str], _Active] = {}
+        started: list[_Active] = []
+        for k, c in current.items():
+            prev = old.get(k)
+            if prev is not None and prev.condition.state == c.state:
+                new[k] = _Active(c, probe, prev.since)  # goes on; a reworded reason is no news
+            else:
+                new[k] = _Active(c, probe, now)
+                started.append(new[k])
+        cleared: list[_Active] = []
+        for k, prev in old.items():
+            if k in new:
+                if new[k].since != prev.since:  # same key, another state: the old one ended
+                    cleared.append(prev)
+                continue
+            held = prev.condition.key != PROBE_ERROR_KEY and self.clear_after_s > 0
+            absent_since = prev.absent_since if prev.absent_since is not None else now
+            if held and now - absent_since < self.clear_after_s:
+                new[k] = _Active(prev.condition, probe, prev.since, absent_since)
+            else:
+                cleared.append(prev)
+        self._active[probe] = new
+        return self._events(probe, started, cleared, now)
+
+    def probe_failed(
+        self, probe: str, error: str, now: float, devices: Sequence[str]
+    ) -> list[DeviceHealth]:
+        """``probe`` could not observe. Its conditions stay as they were (see module doc)."""
+        self._failing[probe] = self._failing.get(probe, 0) + 1
+        self.stats[f"probe.{probe}.errors"] += 1
+        if self.probe_error_state is None:
+            return []
+        active = self._active.setdefault(probe, {})
+        started: list[_Active] = []
+        for device in devices:
+            k = (device, PROBE_ERROR_KEY)
+            if k in active or not _DEVICE_RE.match(device):
+                continue
+            reason = f"probe {probe} cannot observe this host: {error}"
+            c = Condition(device, self.probe_error_state, PROBE_ERROR_KEY, reason)
+            active[k] = _Active(c, probe, now)
+            started.append(active[k])
+        return self._events(probe, started, [], now)
+
+    def tick(self, now: float) -> list[DeviceHealth]:
+        """Clear held conditions whose ``clear_after_s`` has passed (call about once a second)."""
+        out: list[DeviceHealth] = []
+        for probe, active in self._active.items():
+            if probe in self._failing:
+                continue  # a failing probe cannot say its conditions cleared
+            expired = [
+                k
+                for k, a in active.items()
+                if a.absent_since is not None and now - a.absent_since >= self.clear_after_s
+            ]
+            if expired:
+                cleared = [active.pop(k) for k in expired]
+                out.extend(self._events(probe, [], cleared, now))
+        return out
+
+    # -- views --
+
+    def failing(self, probe: str) -> int:
+        """Failures of ``probe`` in its current streak (0: it works)."""
+        return self._failing.get(probe, 0)
+
+    def conditions(self, device: str | None = None) -> list[Condition]:
+        """Every condition held now (of one device), worst first."""
+        out = [
+            a
+            for active in self._active.values()
+            for a in active.values()
+            if device is None or a.condition.device == device
+        ]
+        out.sort(key=lambda a: (-SEVERITY[a.condition.state], a.since, a.condition.key))
+        return [a.condition for a in out]
+
+    def state(self, device: str) -> HealthState:
+        """What was last published for ``device`` (``healthy`` if nothing was)."""
+        return self._reported.get(device, "healthy")
+
+    # -- the decision --
+
+    def _worst(self, device: str) -> _Active | None:
+        found = [
+            a
+            for active in self._active.values()
+            for a in active.values()
+            if a.condition.device == device
+        ]
+        if not found:
+            return None
+        return min(found, key=lambda a: (-SEVERITY[a.condition.state], a.since, a.condition.key))
+
+    def _events(
+        self, probe: str, started: list[_Active], cleared: list[_Active], now: float
+    ) -> list[DeviceHealth]:
+        out: list[DeviceHealth] = []
+        devices = sorted({a.condition.device for a in [*started, *cleared]})
+        for device in devices:
+            worst = self._worst(device)
+            state: HealthState = worst.condition.state if worst else "healthy"
+            previous = self._reported.get(device, "healthy")
+            news = sorted(
+                (a for a in started if a.condition.device == device and a.condition.state == state),
+                key=lambda a: a.condition.key,
+            )
+            gone = "; ".join(a.condition.reason for a in cleared if a.condition.device == device)
+            if worst is None:
+                if previous == "healthy":
+                    continue
+                source = f"{probe}@{self.host}"
+                event_id = f"{source}:{device}:healthy:{_ms(now)}"
+                reason = f"cleared: {gone}" if gone else "cleared"
+            elif news:
+                first = news[0]
+                source = f"{first.probe}@{self.host}"
+                event_id = f"{source}:{device}:{first.condition.key}:{_ms(first.since)}"
+                reason = "; ".join(a.condition.reason for a in news)
+            elif state != previous:
+                source = f"{worst.probe}@{self.host}"
+                event_id = f"{source}:{device}:{state}:{_ms(now)}"
+                reason = worst.condition.reason + (f" (cleared: {gone})" if gone else "")
+            else:
+                continue
+            self._reported[device] = state
+            if state == "healthy":
+                del self._reported[device]
+            self.stats[f"events.{state}"] += 1
+            out.append(
+                DeviceHealth(
+                    device=device,
+                    state=state,
+                    reason=reason[:_MAX_REASON],
+                    source=_short(source),
+                    event_id=_short(event_id),
+                    timestamp=now,
+                )
+            )
+        return out
+
+
+# --- the shell ---------------------------------------------------------------------------------
+
+
+@dataclass
+class DaemonSettings:
+    """How ``MonitorDaemon`` runs; the CLI maps options and MARDUK_* variables onto these."""
+
+    addr: str = field(default_factory=bus.default_addr)
+    """NATS server URL(s), comma-separated."""
+    prefix: str = "marduk"
+    """Subject prefix of the deployment."""
+    host: str = field(default_factory=default_host)
+    """Names the events' source (``<probe>@<host>``)."""
+    devices: list[str] | None = None
+    """The host's devices, for host-wide conditions; None: those the probes discover."""
+    publish_timeout_s: float = 10.0
+    """One publish attempt: stored by JetStream and decided by the controller."""
+    connect_timeout_s: float = 5.0
+    """One attempt to connect to NATS (the daemon keeps trying)."""
+    clear_after_s: float = 0.0
+    """A condition must stay absent this long before it counts as cleared."""
+    probe_error_state: HealthState | None = None
+    """Report a failing probe as this state on every device of the host (None: don't)."""
+    check_timeout_s: float = 30.0
+    """Longest a polled probe's ``check()`` may take before it counts as failed."""
+    retry_initial_s: float = 0.5
+    """First pause before publishing again after a failure; doubles up to ``retry_max_s``."""
+    retry_max_s: float = 10.0
+    restart_initial_s: float = 1.0
+    """First pause before restarting a watch that stopped; doubles up to ``restart_max_s``."""
+    restart_max_s: float = 60.0
+    drain_timeout_s: float = 5.0
+    """At stop, how long queued events may still take to go out."""
+
+
+class MonitorDaemon:
+    """Probes in, health events out (see the module docstring)."""
+
+    def __init__(self, probes: Sequence[Probe | EventProbe], settings: DaemonSettings) -> None:
+        names = [p.name for p in probes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"probe names must be unique: {names}")
+        self.probes = list(probes)
+        self.settings = settings
+        self.tracker = ConditionTracker(
+            settings.host,
+            clear_after_s=settings.clear_after_s,
+            probe_error_state=settings.probe_error_state,
+        )
+        self.subjects = Subjects(settings.prefix)
+        self.stats: Counter[str] = Counter()
+        self._queue: deque[DeviceHealth] = deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._publisher: asyncio.Task[None] | None = None
+        self._nc: NATS | None = None
+        self._stopped = False
+
+    # -- lifecycle --
+
+    async def start(self) -> None:
+        for probe in self.probes:
+            if _is_event_probe(probe):
+                self._spawn(probe.name, lambda p=probe: self._watch(p))  # type: ignore[misc]
+            else:
+                self._spawn(probe.name, lambda p=probe: self._poll(p))  # type: ignore[misc]
+        if self.settings.clear_after_s > 0:
+            self._spawn("tick", self._tick)
+        self._publisher = self._spawn("publisher", self._publish_loop)
+        log.info(
+            "monitoring host %s, devices %s, with %s; publishing to %s at %s",
+            self.settings.host,
+            ", ".join(self.host_devices()) or "(none known yet)",
+            ", ".join(_describe(p) for p in self.probes) or "no probe",
+            self.subjects.health,
+            redact(self.settings.addr),
+        )
+
+    async def stop(self) -> None:
+        """Stop the probes, give queued events ``drain_timeout_s`` to go out, then close."""
+        if self._stopped:
+            return
+        self._stopped = True
+        others = [t for t in self._tasks if t is not self._publisher]
+        for t in others:
+            t.cancel()
+        await asyncio.gather(*others, return_exceptions=True)
+        if self._queue:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), self.settings.drain_timeout_s)
+        if self._publisher is not None:
+            self._publisher.cancel()
+            await asyncio.gather(self._publisher, return_exceptions=True)
+        if self._queue:
+            self.stats["events.unpublished_at_stop"] += len(self._queue)
+            log.warning(
+                "stopping with %d event(s) not published (NATS or the health stream "
+                "unavailable): %s",
+                len(self._queue),
+                ", ".join(f"{e.device} {e.state}" for e in self._queue),
+            )
+        if self._nc is not None:
+            await bus.close(self._nc, drain=False)
+            self._nc = None
+        log.info("monitor stopped; counters: %s", dict(sorted(self.stats.items())))
+
+    async def run(self) -> None:
+        """Start, serve until SIGTERM or SIGINT, stop."""
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await self.start()
+            await stop.wait()
+            log.info("stopping (signal)")
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            await self.stop()
+
+    # -- views --
+
+    def host_devices(self) -> list[str]:
+        """The host's devices: the configured list, else every device the probes discovered."""
+        if self.settings.devices is not None:
+            return list(self.settings.devices)
+        found: list[str] = []
+        for probe in self.probes:
+            known = getattr(probe, "known_devices", None)
+            if callable(known):
+                found.extend(d for d in known() if d not in found)
+        return found
+
+    @property
+    def pending(self) -> int:
+        """Events waiting to be published."""
+        return len(self._queue)
+
+    # -- tasks --
+
+    def _spawn(self, name: str, factory: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
+        """A named task that is restarted with backoff when it crashes (kopf-style)."""
+        s = self.settings
+
+        async def guarded() -> None:
+            backoff = s.restart_initial_s
+            loop = asyncio.get_running_loop()
+            while True:
+                began = loop.time()
+                try:
+                    await factory()
+                    log.error("task %s exited unexpectedly; restarting in %gs", name, backoff)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("task %s crashed; restarting in %gs", name, backoff)
+                self.stats[f"task.{name}.restarts"] += 1
+                if loop.time() - began > 60:
+                    backoff = s.restart_initial_s
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, s.restart_max_s)
+
+        task = asyncio.create_task(guarded(), name=f"marduk-monitor:{name}")
+        self._tasks.append(task)
+        return task
+
+    async def _poll(self, probe: Probe) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            began = loop.time()
+            try:
+                conditions = await asyncio.wait_for(probe.check(), self.settings.check_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._probe_failed(probe.name, e)
+            else:
+                self._observe(probe.name, conditions)
+            await asyncio.sleep(max(0.0, probe.interval_s - (loop.time() - began)))
+
+    async def _watch(self, probe: EventProbe) -> None:
+        s = self.settings
+        loop = asyncio.get_running_loop()
+        backoff = s.restart_initial_s
+
+        async def emit(conditions: list[Condition]) -> None:
+            self._observe(probe.name, conditions)
+
+        while True:
+            began = loop.time()
+            error: BaseException
+            try:
+                await probe.watch(emit)
+                error = MardukError("its watch returned")
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                error = e
+            self._probe_failed(probe.name, error)
+            self.stats[f"probe.{probe.name}.restarts"] += 1
+            if loop.time() - began > 60:
+                backoff = s.restart_initial_s
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, s.restart_max_s)
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.settings.clear_after_s / 4))
+            self._enqueue(self.tracker.tick(time.time()))
+
+    def _observe(self, name: str, conditions: list[Condition]) -> None:
+        failures = self.tracker.failing(name)
+        if failures:
+            log.info("probe %s works again after %d failure(s)", name, failures)
+        self.stats[f"probe.{name}.observations"] += 1
+        self._enqueue(self.tracker.observe(name, conditions, time.time()))
+
+    def _probe_failed(self, name: str, error: BaseException) -> None:
+        text = _one_line(error)
+        first = self.tracker.failing(name) == 0
+        events = self.tracker.probe_failed(name, text, time.time(), self.host_devices())
+        self.stats[f"probe.{name}.errors"] += 1
+        if first:
+            what = (
+                f"reported as {self.settings.probe_error_state}"
+                if self.settings.probe_error_state
+                else "not reported as a device condition"
+            )
+            log.warning("probe %s failed: %s (%s; retrying, logged once)", name, text, what)
+        self._enqueue(events)
+
+    def _enqueue(self, events: list[DeviceHealth]) -> None:
+        for e in events:
+            log.info(
+                "device %s %s (%s): %s [%s]", e.device, e.state, e.source, e.reason, e.event_id
+            )
+            self.stats["events.queued"] += 1
+            self._queue.append(e)
+        if self._queue:
+            self._idle.clear()
+            self._wake.set()
+
+    # -- publishing --
+
+    async def _connection(self) -> NATS:
+        if self._nc is not None and not self._nc.is_closed:
+            return self._nc
+
+        async def disconnected() -> None:
+            if self._stopped:
+                return
+            self.stats["nats.disconnects"] += 1
+            log.warning("lost the connection to NATS; reconnecting (events are queued)")
+
+        async def reconnected() -> None:
+            self.stats["nats.reconnects"] += 1
+            log.info("reconnected to NATS")
+
+        self._nc = await bus.connect(
+            self.settings.addr,
+            name=f"marduk-monitor@{self.settings.host}",
+            timeout=self.settings.connect_timeout_s,
+            reconnect=True,
+            on_disconnected=disconnected,
+            on_reconnected=reconnected,
+        )
+        log.info("connected to NATS at %s", redact(self.settings.addr))
+        return self._nc
+
+    async def _publish_loop(self) -> None:
+        """Publish the queue's head until it is stored and decided, in order, never skipping."""
+        s = self.settings
+        backoff = s.retry_initial_s
+        failures = 0
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            event = self._queue[0]
+            try:
+                nc = await self._connection()
+                reply = await asyncio.wait_for(
+                    publish_durably(
+                        nc, self.subjects, event, timeout=s.publish_timeout_s, addr=s.addr
+                    ),
+                    s.publish_timeout_s + 5.0,
+                )
+            except asyncio.CancelledError:
+                raise
+            except UndecidedError as e:
+                # Stored durably: the controller handles it when one serves. Not lost.
+                self.stats["events.undecided"] += 1
+                log.warning("%s", e)
+            except RequestRejected as e:
+                # The controller refuses it (e.g. a malformed device id): repeating won't help.
+                self.stats["events.rejected"] += 1
+                log.error("event %s about %s rejected: %s", event.event_id, event.device, e)
+            except Exception as e:
+                failures += 1
+                self.stats["publish.retries"] += 1
+                level = logging.WARNING if failures == 1 else logging.DEBUG
+                log.log(
+                    level,
+                    "cannot publish %s about %s yet (%s); retrying with backoff, %d queued",
+                    event.state,
+                    event.device,
+                    _one_line(e),
+                    len(self._queue),
+                )
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, s.retry_max_s)
+                continue
+            else:
+                self.stats["events.published"] += 1
+                if reply.duplicate:
+                    self.stats["events.duplicate"] += 1
+                acted = len(reply.actions)
+                log.info(
+                    "controller: %s %s%s",
+                    event.device,
+                    event.state,
+                    f", {acted} restart scope(s) acted on"
+                    if acted
+                    else ("" if reply.known else " (no replica uses it)"),
+                )
+            if failures > 1:
+                log.info("published again after %d failed attempt(s)", failures)
+            failures = 0
+            backoff = s.retry_initial_s
+            self._queue.popleft()
+
+
+def _is_event_probe(probe: Any) -> bool:
+    return callable(getattr(probe, "watch", None))
+
+
+def _describe(probe: Any) -> str:
+    if _is_event_probe(probe):
+        return f"{probe.name} (events)"
+    return f"{probe.name} (every {probe.interval_s:g}s)"
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    detail = text[0] if text else ""
+    name = type(error).__name__
+    if isinstance(error, MardukError) and detail:
+        return detail
+    return f"{name}: {detail}" if detail else name
