@@ -1,4 +1,5 @@
-"""The HTTP probes against real HTTP servers: a GCE metadata server that long-polls with ETags."""
+"""The HTTP probes against real HTTP servers: a GCE metadata server that long-polls with ETags,
+and a dcgm-exporter serving recorded /metrics text."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from monitor_cli.probes.base import Condition
+from monitor_cli.probes.dcgm import (
+    DcgmError,
+    DcgmExporterProbe,
+    conditions_from_metrics,
+)
 from monitor_cli.probes.gce import MAINTENANCE_EVENT, PREEMPTED, GceMetadataProbe
 from tests.conftest import eventually, free_port
 
@@ -256,3 +262,201 @@ def test_gce_base_url_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> N
     assert GceMetadataProbe([], base_url="http://x/").base_url == "http://x/"
     monkeypatch.delenv("MARDUK_GCE_METADATA_URL")
     assert GceMetadataProbe([]).base_url.startswith("http://metadata.google.internal/")
+
+
+# --- dcgm-exporter ---------------------------------------------------------------------------------
+
+UUIDS = [f"GPU-{i}a1b2c3d-0000-1111-2222-33334444555{i}" for i in range(8)]
+
+
+def _labels(i: int) -> str:
+    return (
+        f'gpu="{i}",UUID="{UUIDS[i]}",pci_bus_id="00000000:{0x18 + i:02X}:00.0",'
+        f'device="nvidia{i}",modelName="NVIDIA H100 80GB HBM3",Hostname="gpu-node-17",'
+        'DCGM_FI_DRIVER_VERSION="550.54.15"'
+    )
+
+
+def _family(name: str, kind: str, help_: str, values: list[float | int]) -> str:
+    lines = [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+    lines += [f"{name}{{{_labels(i)}}} {v}" for i, v in enumerate(values)]
+    return "\n".join(lines) + "\n"
+
+
+XID_TEXT = {0: "No Error", 13: "Graphics Engine Exception", 79: "GPU has fallen off the bus",
+            63: "ECC page retirement or row remapping recording event",
+            94: "Contained ECC error"}  # fmt: skip
+XIDS = [0, 13, 79, 0, 0, 63, 94, 0]
+
+# An 8-GPU H100 node as dcgm-exporter 3.x renders it (etc/default-counters.csv plus the ECC and
+# pending-remap fields enabled), with DCGM's blank sentinel on one memory temperature.
+DCGM_SAMPLE = (
+    _family("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (in MHz).", [1980] * 8)
+    + _family(
+        "DCGM_FI_DEV_MEMORY_TEMP",
+        "gauge",
+        "Memory temperature (in C).",
+        [38, 39, 40, 41, 38, 37, 40, 9223372036854775794],
+    )
+    + _family("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (in %).", [97] * 8)
+    + "# HELP DCGM_FI_DEV_XID_ERRORS Value of the last XID error encountered.\n"
+    + "# TYPE DCGM_FI_DEV_XID_ERRORS gauge\n"
+    + "".join(
+        f'DCGM_FI_DEV_XID_ERRORS{{{_labels(i)},err_code="{x}",err_msg="{XID_TEXT[x]}"}} {x}\n'
+        for i, x in enumerate(XIDS)
+    )
+    + _family("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (in MiB).", [71234] * 8)
+    + _family(
+        "DCGM_FI_DEV_ECC_SBE_VOL_TOTAL",
+        "counter",
+        "Total number of single-bit volatile ECC errors.",
+        [0, 0, 0, 15, 0, 2, 0, 0],
+    )
+    + _family(
+        "DCGM_FI_DEV_ECC_DBE_VOL_TOTAL",
+        "counter",
+        "Total number of double-bit volatile ECC errors.",
+        [0, 0, 0, 2, 0, 0, 0, 0],
+    )
+    + _family(
+        "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS",
+        "counter",
+        "Number of remapped rows for uncorrectable errors",
+        [0, 0, 0, 1, 512, 1, 0, 0],
+    )
+    + _family(
+        "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS",
+        "counter",
+        "Number of remapped rows for correctable errors",
+        [0, 0, 0, 0, 3, 0, 0, 0],
+    )
+    + _family(
+        "DCGM_FI_DEV_ROW_REMAP_FAILURE",
+        "gauge",
+        "Whether remapping of rows has failed",
+        [0, 0, 0, 0, 1, 0, 0, 0],
+    )
+    + _family(
+        "DCGM_FI_DEV_ROW_REMAP_PENDING",
+        "gauge",
+        "Whether remapping of rows is pending",
+        [0, 0, 0, 0, 0, 1, 0, 0],
+    )
+)
+
+EXPECTED = {
+    (UUIDS[2], "failed", "xid:79"),
+    (UUIDS[3], "failed", "ecc:uncorrectable"),
+    (UUIDS[4], "failed", "row-remap:failed"),
+    (UUIDS[5], "degraded", "xid:63"),
+    (UUIDS[5], "degraded", "row-remap:pending"),
+    (UUIDS[6], "degraded", "xid:94"),
+}
+
+
+def test_dcgm_sample_maps_by_uuid() -> None:
+    found = conditions_from_metrics(DCGM_SAMPLE)
+    assert {(c.device, c.state, c.key) for c in found} == EXPECTED
+    by_key = {(c.device, c.key): c.reason for c in found}
+    assert by_key[(UUIDS[2], "xid:79")] == (
+        "XID 79 (GPU 2): GPU has fallen off the bus (dcgm-exporter)"
+    )
+    assert "2 uncorrectable" in by_key[(UUIDS[3], "ecc:uncorrectable")]
+    # Only the host's devices, when given; XID 13 (an application's fault) is never a condition.
+    only = conditions_from_metrics(DCGM_SAMPLE, devices={UUIDS[1], UUIDS[2]})
+    assert [(c.device, c.key) for c in only] == [(UUIDS[2], "xid:79")]
+
+
+def test_dcgm_default_counters_only_and_the_old_uuid_label() -> None:
+    # dcgm-exporter's defaults (no ECC fields) and its 1.x-compatible lowercase label.
+    text = (
+        "# TYPE DCGM_FI_DEV_XID_ERRORS gauge\n"
+        'DCGM_FI_DEV_XID_ERRORS{gpu="0", uuid="GPU-x"} 48\n'
+        'DCGM_FI_DEV_XID_ERRORS{gpu="1", uuid="GPU-y"} 0\n'
+        "# TYPE DCGM_FI_DEV_ROW_REMAP_FAILURE gauge\n"
+        'DCGM_FI_DEV_ROW_REMAP_FAILURE{gpu="1", uuid="GPU-y"} 0\n'
+    )
+    assert [(c.device, c.state, c.key) for c in conditions_from_metrics(text)] == [
+        ("GPU-x", "failed", "xid:48")
+    ]
+    assert conditions_from_metrics("") == []
+
+
+class FakeExporter:
+    """Serves ``text`` at /metrics, with Content-Length or chunked like Go's net/http."""
+
+    def __init__(self) -> None:
+        self.text = DCGM_SAMPLE
+        self.status = 200
+        self.chunked = False
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                body = fake.text.encode()
+                if self.path != "/metrics":
+                    self.send_error(404)
+                    return
+                self.send_response(fake.status)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                if fake.chunked:
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                    for i in range(0, len(body), 1000):
+                        part = body[i : i + 1000]
+                        self.wfile.write(f"{len(part):x}\r\n".encode() + part + b"\r\n")
+                    self.wfile.write(b"0\r\n\r\n")
+                else:
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                self.close_connection = True
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def exporter() -> Iterator[FakeExporter]:
+    fake = FakeExporter()
+    yield fake
+    fake.stop()
+
+
+async def test_dcgm_probe_scrapes_a_real_exporter(exporter: FakeExporter) -> None:
+    probe = DcgmExporterProbe(exporter.url)
+    assert probe.name == "dcgm-exporter" and probe.interval_s > 0
+    assert {(c.device, c.state, c.key) for c in await probe.check()} == EXPECTED
+    exporter.chunked = True
+    assert {(c.device, c.state, c.key) for c in await probe.check()} == EXPECTED
+    # The GPUs recover (reset): the same probe reports nothing; it keeps no state.
+    exporter.text = _family("DCGM_FI_DEV_XID_ERRORS", "gauge", "Last XID.", [0] * 8)
+    assert await probe.check() == []
+
+
+async def test_dcgm_probe_failures_are_one_line_errors(exporter: FakeExporter) -> None:
+    probe = DcgmExporterProbe(exporter.url, timeout_s=2.0)
+    exporter.status = 500
+    with pytest.raises(DcgmError, match="HTTP 500"):
+        await probe.check()
+    exporter.status, exporter.text = 200, "<html>dcgm-exporter is starting</html>\n"
+    with pytest.raises(DcgmError, match="is not Prometheus text") as bad:
+        await probe.check()
+    down = DcgmExporterProbe(f"http://127.0.0.1:{free_port()}/metrics", timeout_s=2.0)
+    with pytest.raises(DcgmError, match=r"dcgm-exporter: GET http://127\.0\.0\.1") as refused:
+        await down.check()
+    for e in (bad.value, refused.value):
+        assert "\n" not in str(e)
+    exporter.text = DCGM_SAMPLE  # and the next check works again
+    assert len(await probe.check()) == len(EXPECTED)
