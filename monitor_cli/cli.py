@@ -482,3 +482,15 @@ _EVENT_STYLE: dict[str, str] = {
     "unknown_device": "magenta",
     "device_failed": "red",
 }
+
+
+def _mount() -> None:
+    """The host daemon and the Alertmanager receiver live in their own modules."""
+    from monitor_cli import run_cli
+    from monitor_cli.alertmanager_cli import app as alertmanager_app
+
+    app.command("run", help=run_cli.HELP)(run_cli.run)
+    app.add_typer(alertmanager_app)
+
+
+_mount()

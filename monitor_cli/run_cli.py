@@ -24,7 +24,7 @@ app = typer.Typer(add_completion=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 log = logging.getLogger("monitor_cli.run")
 
-PROBES = ("nvml", "tpu", "node")
+PROBES = ("nvml", "tpu", "node", "dcgm", "gce")
 EXIT_ERROR = 1
 EXIT_USAGE = 2
 _HOST_RE = re.compile(r"\A[\x21-\x7e]{1,200}\Z")
@@ -49,6 +49,12 @@ def detect_probes() -> list[str]:
         found.append("tpu")
     if os.environ.get("KUBERNETES_SERVICE_HOST") and os.environ.get("NODE_NAME"):
         found.append("node")
+    # dcgm-exporter and the GCE metadata server are opt-in (--probe dcgm / --probe gce, or
+    # their URL variables): guessing would poll addresses this host may not have.
+    if os.environ.get("MARDUK_DCGM_URL"):
+        found.append("dcgm")
+    if os.environ.get("MARDUK_GCE_METADATA_URL"):
+        found.append("gce")
     return found
 
 
@@ -63,6 +69,8 @@ def build_probes(
     node_name: str | None,
     node_api: str | None,
     host_devices: Any,
+    dcgm_url: str | None = None,
+    gce_metadata_url: str | None = None,
 ) -> list[Any]:
     """Probe objects for ``names``; a probe that cannot run here raises ``MardukError``."""
     probes: list[Any] = []
@@ -89,6 +97,14 @@ def build_probes(
 
             api = NodeApi(node_api) if node_api else NodeApi.in_cluster()
             probes.append(NodeProbe(node_name or "", host_devices, api, interval_s=interval))
+        elif name == "dcgm":
+            from monitor_cli.probes.dcgm import DEFAULT_URL, DcgmExporterProbe
+
+            probes.append(DcgmExporterProbe(dcgm_url or DEFAULT_URL, interval_s=max(interval, 1.0)))
+        elif name == "gce":
+            from monitor_cli.probes.gce import GceMetadataProbe
+
+            probes.append(GceMetadataProbe(host_devices, base_url=gce_metadata_url))
     return probes
 
 
@@ -119,6 +135,12 @@ metrics (tpu-info) too. A crashed TPU runtime is visible only to the agent, not 
 node — the Kubernetes node (in-cluster API, NODE_NAME): not Ready and the not-ready /
 unreachable taints are failed for every device of the host; memory, disk, PID pressure and
 NetworkUnavailable degraded; autoscaler / Karpenter removal taints preempting.
+
+dcgm — scrape dcgm-exporter (--dcgm-url) by the UUID label: XID, uncorrectable ECC and
+row-remap failure failed; pending remaps degraded. Opt-in.
+
+gce — the GCE metadata server's maintenance-event and preempted keys (long-polled): a
+maintenance or preemption notice is preempting for every device of the host. Opt-in.
 """
 
 
@@ -219,6 +241,24 @@ def run(
             show_default=False,
         ),
     ] = None,
+    dcgm_url: Annotated[
+        str | None,
+        typer.Option(
+            "--dcgm-url",
+            envvar="MARDUK_DCGM_URL",
+            help="dcgm-exporter's /metrics (probe dcgm) [default: http://localhost:9400/metrics].",
+            show_default=False,
+        ),
+    ] = None,
+    gce_metadata_url: Annotated[
+        str | None,
+        typer.Option(
+            "--gce-metadata-url",
+            envvar="MARDUK_GCE_METADATA_URL",
+            help="GCE metadata server (probe gce) [default: http://metadata.google.internal].",
+            show_default=False,
+        ),
+    ] = None,
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
     timeout: Annotated[
@@ -243,6 +283,8 @@ def run(
             tpu_runtime_addr=tpu_runtime_addr,
             node_name=node_name,
             node_api=node_api,
+            dcgm_url=dcgm_url,
+            gce_metadata_url=gce_metadata_url,
             addr=addr,
             prefix=prefix,
             timeout=timeout,
@@ -279,6 +321,8 @@ def _daemon(
     addr: str,
     prefix: str,
     timeout: float,
+    dcgm_url: str | None = None,
+    gce_metadata_url: str | None = None,
 ) -> MonitorDaemon:
     unknown = [n for n in names if n not in PROBES]
     if unknown:
@@ -295,7 +339,7 @@ def _daemon(
     if not names:
         raise MardukError(
             "no probe can run here: no NVML GPU, no TPU chip, not a Kubernetes pod with "
-            "NODE_NAME; name one with --probe"
+            "NODE_NAME, no --dcgm-url or --gce-metadata-url; name one with --probe"
         )
     if "node" in names and not node_name:
         raise UsageError("the node probe needs the node's name: --node-name or NODE_NAME")
@@ -310,6 +354,8 @@ def _daemon(
         node_name=node_name,
         node_api=node_api,
         host_devices=lambda: holder[0].host_devices() if holder else [],
+        dcgm_url=dcgm_url,
+        gce_metadata_url=gce_metadata_url,
     )
     settings = DaemonSettings(
         addr=addr,

@@ -26,7 +26,7 @@ import logging
 import os
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from monitor_cli.probes.base import Condition, Emit
 from monitor_cli.probes.httpget import HttpError, http_get
@@ -78,14 +78,15 @@ class GceMetadataProbe:
 
     def __init__(
         self,
-        devices: Sequence[str],
+        devices: Sequence[str] | Callable[[], Sequence[str]],
         *,
         base_url: str | None = None,
         wait_timeout_s: int = 60,
         backoff_s: float = 1.0,
         max_backoff_s: float = 30.0,
     ) -> None:
-        self.devices = list(devices)
+        # A sequence, or a callable giving the host's devices as the daemon learns them.
+        self._devices = devices
         self.base_url = metadata_url(base_url)
         self.wait_timeout_s = wait_timeout_s  # the server holds a hanging GET this long
         self.backoff_s = backoff_s
@@ -95,6 +96,11 @@ class GceMetadataProbe:
         self._values: dict[str, str] = {}
         self._emitted: list[Condition] | None = None
         self._lock = asyncio.Lock()
+
+    @property
+    def devices(self) -> list[str]:
+        d = self._devices
+        return list(d() if callable(d) else d)
 
     async def watch(self, emit: Emit) -> None:
         """Long-poll both keys until cancelled; ``emit`` the conditions whenever they change."""
