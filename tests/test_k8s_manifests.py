@@ -157,13 +157,26 @@ def walk(node: Any) -> Iterator[tuple[str | None, Any]]:
 def test_the_folder_has_every_piece() -> None:
     kinds = sorted(d["kind"] for _, d in documents())
     assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
         "DaemonSet",
         "Deployment",
         "Job",
         "JobSet",
         "Namespace",
         "PodDisruptionBudget",
+        "ServiceAccount",
     ]
+
+
+def test_the_monitor_may_read_nodes_and_nothing_more() -> None:
+    docs = {d["kind"]: d for _, d in documents()}
+    [rule] = docs["ClusterRole"]["rules"]
+    assert rule == {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}
+    pod = docs["DaemonSet"]["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == docs["ServiceAccount"]["metadata"]["name"]
+    [subject] = docs["ClusterRoleBinding"]["subjects"]
+    assert subject["name"] == pod["serviceAccountName"]
 
 
 @pytest.mark.parametrize("version", K8S_VERSIONS)
