@@ -907,6 +907,7 @@ class Controller:
                 "worker": event.worker,
                 "epoch": event.epoch,
                 "device": event.device,
+                "event_id": event.event_id or None,
             }
             log.log(level, "%s", line, extra={k: v for k, v in fields.items() if v is not None})
 

@@ -88,12 +88,14 @@ class DevicePolicy:
             event_id=event.event_id, device=event.device, state=event.state, known=known
         )
         if not known:
-            # Unknown devices are reported, not remembered: junk input must not grow our state.
+            # Unknown devices are reported; no device record is kept (junk input must not grow
+            # the state); only the event id is, for the dedup window.
             out.events.append(
                 ControllerEvent(
                     kind="unknown_device",
                     ts=now,
                     device=event.device,
+                    event_id=event.event_id,
                     detail=f"{event.state} from {event.source or '?'}: no replica uses it",
                 )
             )
@@ -122,6 +124,7 @@ class DevicePolicy:
                     kind=f"device_{event.state}",
                     ts=now,
                     device=event.device,
+                    event_id=event.event_id,
                     detail=f"{event.reason} (out of service: {device.out_reason})".strip(),
                 )
             )
@@ -133,6 +136,7 @@ class DevicePolicy:
                     kind=f"device_{event.state}",
                     ts=now,
                     device=event.device,
+                    event_id=event.event_id,
                     detail=(event.reason or "") + ("" if workers else " (no replica uses it)"),
                 )
             )
@@ -189,6 +193,7 @@ class DevicePolicy:
                         job=ekey.job,
                         replica=ekey.replica,
                         device=event.device,
+                        event_id=event.event_id,
                         epoch=state.epoch,
                         detail=f"{state.command.kind} at epoch {state.epoch} already in flight; "
                         f"devices {', '.join(state.command.devices) or '-'}",
@@ -207,6 +212,7 @@ class DevicePolicy:
                     job=ekey.job,
                     replica=ekey.replica,
                     device=event.device,
+                    event_id=event.event_id,
                     epoch=command.epoch,
                     detail=reason + f" (affects {', '.join(str(w) for w in affected)})",
                 )

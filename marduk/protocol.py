@@ -231,6 +231,7 @@ class ControllerEvent(Message, tag="event", kw_only=True):
     device: str | None = None
     epoch: int | None = None
     detail: Text = ""
+    event_id: ShortText = ""  # the health event that caused it, if one did
 
 
 class Hello(Message, tag="hello", kw_only=True):

@@ -95,6 +95,7 @@ def test_metrics_and_probes_move_as_events_happen(env: dict[str, str]) -> None:
     issued = [r for r in records if r.get("event") == "restart_issued"]
     assert issued and issued[0]["job"] == "default" and issued[0]["replica"] == "r1"
     assert issued[0]["epoch"] == 1 and issued[0]["device"] == "gpu-b"
+    assert issued[0]["event_id"].startswith("marduk-monitor-")  # inject-failure's id
 
 
 async def test_the_leader_is_a_nats_micro_service(
