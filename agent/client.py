@@ -56,7 +56,7 @@ class AgentError(MardukError):
 class Command:
     """A command for this replica, as the trainer sees it."""
 
-    kind: Literal["restart", "fail", "stop"]
+    kind: Literal["restart", "fail", "stop", "checkpoint"]
     epoch: int
     reason: str
     devices: tuple[str, ...]
@@ -227,6 +227,7 @@ class CommandInbox:
         self._received_epoch = opts.epoch
         self._received_devices: set[str] = set()  # of the command at _received_epoch
         self._acked_epoch = opts.epoch  # the last epoch acknowledged (acted on)
+        self._checkpoint: Command | None = None  # a checkpoint asked for, not yet saved
         self._pending_failure: Command | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.last_step: int | None = None
@@ -284,6 +285,8 @@ class CommandInbox:
             self._received_epoch, self._received_devices = c.epoch, set(c.devices)
             self.stats[f"commands.{c.kind}"] += 1
         command = Command.from_wire(c, time.time())
+        if command.kind == "checkpoint" and not update:
+            self._checkpoint = command
         pending = self._pending_failure
         if command.is_failure and (not update or pending is None or pending.epoch == c.epoch):
             self._pending_failure = command
@@ -320,6 +323,12 @@ class CommandInbox:
             return await asyncio.wait_for(self._queue.get(), timeout)
         except TimeoutError:
             return None
+
+    @property
+    def checkpoint_requested(self) -> bool:
+        """The controller asked to checkpoint now (the host is about to go away): save at the
+        next safe point, then call ``checkpoint_saved(step)``; keep training."""
+        return self._checkpoint is not None
 
     @property
     def failed(self) -> bool:
@@ -564,6 +573,29 @@ class AsyncClient(CommandInbox):
     async def section(self, name: str, open_: bool, timeout: float | None = None) -> None:
         self.last_progress = time.time()
 
+    async def checkpoint_saved(self, step: int) -> bool:
+        """Tell the controller the checkpoint it asked for is saved at ``step`` (recorded in
+        status: the job can be resumed from it). Clears ``checkpoint_requested``."""
+        asked, self._checkpoint = self._checkpoint, None
+        o = self.opts
+        report = wire.Report(
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            status="checkpointed",
+            epoch=self._acked_epoch,
+            incarnation=o.incarnation,
+            step=step,
+            summary=f"checkpoint saved at step {step}"
+            + (f" (asked at epoch {asked.epoch})" if asked else ""),
+        )
+        try:
+            await self.report(report)
+        except MardukError as e:
+            self._record(f"checkpoint report not confirmed: {e}")
+            return False
+        return True
+
     async def ack(self, command: Command | None = None) -> bool:
         """Acknowledge ``command`` (default: the pending failure): clears ``failed`` and tells
         the controller this worker applied the epoch. Returns True once the controller
@@ -774,6 +806,21 @@ class Client:
             coro.close()
             return
         asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    @property
+    def checkpoint_requested(self) -> bool:
+        """The controller asked to checkpoint now; see ``AsyncClient.checkpoint_requested``."""
+        return self._async.checkpoint_requested
+
+    def checkpoint_saved(self, step: int) -> bool:
+        """Report the checkpoint saved at ``step``; clears ``checkpoint_requested``."""
+        if self._closed:
+            return False
+        try:
+            return bool(self._call(self._async.checkpoint_saved(step), timeout=7.0))
+        except AgentError as e:
+            self._async._record(str(e))
+            return False
 
     def ack(self, command: Command | None = None) -> bool:
         """Acknowledge a command (default: the pending failure); see ``AsyncClient.ack``."""

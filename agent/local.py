@@ -11,6 +11,7 @@ JSON lines, one message per line:
                        {"op": "heartbeat"}
                        {"op": "section", "name": "checkpoint", "open": true, "timeout": 120}
                        {"op": "section", "name": "checkpoint", "open": false}
+                       {"op": "checkpointed", "step": 42}   (the checkpoint asked for is saved)
     agent -> trainer   {"op": "welcome", "epoch": 3}
                        {"op": "command", "command": {...a wire Command...}}
 
@@ -98,6 +99,12 @@ class LocalAsyncClient(CommandInbox):
             self._record(f"cannot reach the local agent: {e}")
 
     # --- the AsyncClient interface ---------------------------------------------------------------
+
+    async def checkpoint_saved(self, step: int) -> bool:
+        """Tell the supervisor; it reports ``checkpointed`` to the controller."""
+        self._checkpoint = None
+        await self._send({"op": "checkpointed", "step": int(step)})
+        return True
 
     async def ack(self, command: Command | None = None) -> bool:
         """Clears ``failed``; the supervisor confirms epochs to the controller itself."""

@@ -439,6 +439,11 @@ class Supervisor:
                     cmd = next_cmd.result()
                     if cmd.kind == "restart" and cmd.epoch <= self.epoch:
                         continue  # this incarnation already runs at (or after) that epoch
+                    if cmd.kind == "checkpoint":
+                        # Save now, keep training: the trainer's library sees it; nothing stops.
+                        log.warning("checkpoint requested (epoch %d): %s", cmd.epoch, cmd.reason)
+                        await self._forward(cmd)
+                        continue
                     await self._forward(cmd)
                     await self._terminate(f"{cmd.kind} command, epoch {cmd.epoch}")
                     return Exit("command", command=cmd)
@@ -480,6 +485,12 @@ class Supervisor:
                         self._progress(int(msg["step"]))
                     elif op == "heartbeat":
                         self._progress(None)
+                    elif op == "checkpointed":
+                        step = int(msg["step"])
+                        log.info("trainer saved the checkpoint asked for at step %d", step)
+                        await self._report(
+                            "checkpointed", summary=f"checkpoint saved at step {step}"
+                        )
                     elif op == "section":
                         name = str(msg["name"])
                         if msg.get("open"):

@@ -68,6 +68,8 @@ class DevicePolicy:
         cause: str,
         now: float,
         out: Outcome,
+        *,
+        pending: bool = True,
     ) -> Command:
         raise NotImplementedError
 
@@ -117,7 +119,9 @@ class DevicePolicy:
         acts = event.state == "failed" or (
             event.state == "degraded" and self.config.restart_on_degraded
         )
-        if self.out_of_service(device):
+        if event.state == "preempting" and workers and not self.out_of_service(device):
+            self._request_checkpoint(event, workers, now, out, reply)
+        elif self.out_of_service(device):
             # Its replicas got `fail` when it went out of service: nothing more to send.
             out.events.append(
                 ControllerEvent(
@@ -247,6 +251,59 @@ class DevicePolicy:
         return any(
             self._epoch_key(w) == ekey and self.workers[w].applied_epoch >= epoch for w in workers
         )
+
+    def _request_checkpoint(
+        self,
+        event: DeviceHealth,
+        workers: frozenset[WorkerKey],
+        now: float,
+        out: Outcome,
+        reply: HealthReply,
+    ) -> None:
+        """Pathways-style: the host is about to go away; every scope on it saves now.
+
+        A ``checkpoint`` command at a new epoch (agents apply it once), not held pending: a
+        failure meanwhile still restarts. A notice for another device of the same host within
+        the window is coalesced into the checkpoint already asked for.
+        """
+        reason = f"device {event.device} preempting" + (f": {event.reason}" if event.reason else "")
+        for ekey in sorted({self._epoch_key(w) for w in workers}, key=scope_order):
+            state = self.epochs.get(ekey)
+            recent = state is not None and state.command is not None
+            if recent and state is not None and state.command is not None:
+                recent = (
+                    state.command.kind == "checkpoint"
+                    and now - state.issued_at < self.config.pending_timeout_s
+                )
+            if recent and state is not None:
+                reply.actions.append(
+                    Action(
+                        job=ekey.job,
+                        replica=ekey.replica,
+                        kind="checkpoint",
+                        epoch=state.epoch,
+                        coalesced=True,
+                    )
+                )
+                continue
+            command = self._issue(
+                ekey, "checkpoint", reason, [event.device], event.event_id, now, out, pending=False
+            )
+            reply.actions.append(
+                Action(job=ekey.job, replica=ekey.replica, kind="checkpoint", epoch=command.epoch)
+            )
+            out.events.append(
+                ControllerEvent(
+                    kind="checkpoint_issued",
+                    ts=now,
+                    job=ekey.job,
+                    replica=ekey.replica,
+                    device=event.device,
+                    event_id=event.event_id,
+                    epoch=command.epoch,
+                    detail=reason,
+                )
+            )
 
     # --- flap damping, quarantine, drain ----------------------------------------------------------
 

@@ -60,6 +60,13 @@ from marduk.protocol import (
 )
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 
+
+def _awaited(state: EpochRecord) -> bool:
+    """Does the scope's current command wait for its workers to confirm it (a restart or a
+    fail does; a checkpoint request does not: nobody restarts for it)?"""
+    return state.command is None or state.command.kind != "checkpoint"
+
+
 __all__ = [
     "FAILURE_STATUSES",
     "HealthResult",
@@ -132,7 +139,7 @@ class Policy(DevicePolicy):
             policy.drmap.set_worker(key, rec.registration.devices)
             ekey = policy._epoch_key(key)
             state = policy.epochs.get(ekey)
-            if state is not None and rec.applied_epoch < state.epoch:
+            if state is not None and rec.applied_epoch < state.epoch and _awaited(state):
                 policy._awaiting.setdefault(ekey, set()).add(key)
         return policy
 
@@ -193,7 +200,7 @@ class Policy(DevicePolicy):
         self._job_workers.setdefault(key.job, set()).add(key)
         dropped = self.drmap.set_worker(key, reg.devices)
         self._forget_unused(dropped, out)
-        if applied >= current:
+        if applied >= current or not _awaited(state):
             self._confirm(ekey, key)
         else:
             self._awaiting.setdefault(ekey, set()).add(key)
@@ -494,7 +501,11 @@ class Policy(DevicePolicy):
         cause: str,
         now: float,
         out: Outcome,
+        *,
+        pending: bool = True,
     ) -> Command:
+        """A new epoch for ``ekey`` and its command. ``pending``: a restart the scope's workers
+        must confirm (coalescing further failures, resent until then); a checkpoint is not."""
         state = self.epochs.get(ekey) or EpochRecord(job=ekey.job, replica=ekey.replica)
         epoch = max(state.epoch, self._floor.pop(ekey, 0)) + 1
         if epoch > state.ceiling:
@@ -514,8 +525,11 @@ class Policy(DevicePolicy):
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
         self.epochs[ekey] = state
-        self._awaiting[ekey] = {w for w in self._scope_workers(ekey) if w not in self.stale}
-        self._last_sent[ekey] = now
+        if pending:
+            self._awaiting[ekey] = {w for w in self._scope_workers(ekey) if w not in self.stale}
+            self._last_sent[ekey] = now
+        else:
+            self._awaiting.pop(ekey, None)
         out.commands.append(command)
         if state not in out.write_ahead:
             out.put_epochs.append(state)

@@ -50,7 +50,8 @@ Version = int
 Scope = Literal["replica", "job"]
 # preempting: the device's host is about to go away (maintenance, preemption): checkpoint now.
 HealthState = Literal["failed", "degraded", "preempting", "healthy"]
-CommandKind = Literal["restart", "fail", "stop"]
+# checkpoint: save now (the host is about to go away); not a restart: keep training.
+CommandKind = Literal["restart", "fail", "stop", "checkpoint"]
 Role = Literal["library", "supervisor"]
 QueryWhat = Literal["map", "devices", "stats", "ping"]
 
@@ -162,7 +163,9 @@ class Action(msgspec.Struct, kw_only=True):
 
 # --- agent reports ------------------------------------------------------------------------------
 
-ReportStatus = Literal["running", "restarting", "crashed", "hung", "gave_up", "preempted", "exited"]
+ReportStatus = Literal[
+    "running", "restarting", "crashed", "hung", "gave_up", "preempted", "exited", "checkpointed"
+]
 
 
 class Report(Message, tag="report", kw_only=True):

@@ -52,6 +52,7 @@ EXIT_UNKNOWN_DEVICE = 3
 class FailureState(enum.StrEnum):
     failed = "failed"
     degraded = "degraded"
+    preempting = "preempting"
 
 
 def _run(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
@@ -115,7 +116,8 @@ def inject_failure(
     state: Annotated[
         FailureState,
         typer.Option(
-            help="failed: restart the replicas using it; degraded: report only (by default).",
+            help="failed: restart the replicas using it; degraded: report only (by default); "
+            "preempting: ask them to checkpoint now (the host is going away).",
         ),
     ] = FailureState.failed,
     source: Annotated[str, typer.Option(help="Who reports it.")] = "marduk-monitor",

@@ -89,3 +89,20 @@ def test_a_storm_from_one_host_yields_one_restart_per_scope() -> None:
     assert new == [("r1", 1), ("r2", 1)]
     assert len(resent) == 6 and {e for _, e in resent} == {1}
     assert p.epochs[("j", "r1")].command.devices == host[:4]  # type: ignore[index,union-attr]
+
+
+def test_preempting_asks_each_scope_on_the_host_to_checkpoint_once_and_holds_nothing() -> None:
+    p = two_replicas()
+    r = p.on_health(failed("d2", "p1", state="preempting"), now=1)
+    assert sorted((c.replica, c.kind) for c in r.outcome.commands) == [
+        ("r1", "checkpoint"),
+        ("r2", "checkpoint"),
+    ]
+    # Every device of the host gets the notice: one checkpoint per scope, the rest coalesced.
+    r = p.on_health(failed("d1", "p2", state="preempting"), now=2)
+    assert not r.outcome.commands and all(a.coalesced for a in r.reply.actions)
+    # Nothing is held pending, not even after agents re-register having seen but not applied
+    # the checkpoint's epoch: a real failure still restarts at once.
+    p.register(reg("r1", ["d1", "d2"]), now=3)
+    r = p.on_health(failed("d1", "f1"), now=4)
+    assert [(c.replica, c.kind, c.epoch) for c in r.outcome.commands] == [("r1", "restart", 2)]

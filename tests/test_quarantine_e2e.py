@@ -55,3 +55,36 @@ def test_a_flapping_device_is_quarantined_its_pod_exits_71_until_undrained(
     finally:
         agent.stop()
         ctl.stop()
+
+
+def test_a_preemption_notice_makes_the_trainer_checkpoint_and_keep_training(
+    env: dict[str, str],
+) -> None:
+    ctl = controller(env)
+    lib = [sys.executable, "tests/trainers/lib_trainer.py", "--mode", "checkpoint"]
+    agent = agent_run(env, "--replica", "r1", "--devices", "tpu-0,tpu-1", cmd=lib)
+    try:
+        agent.expect("CONNECTED")
+        out = cli(
+            env, "inject-failure", "tpu-0", "--state", "preempting", "--reason", "GCE TERMINATE"
+        )
+        assert "checkpoint" in out, out
+        line = agent.expect("CHECKPOINT SAVED step=")
+        step = int(line.split("step=")[1])
+
+        def checkpointed() -> bool:
+            [w] = status(env)["workers"]
+            return bool(w["status"] == "checkpointed" and w["step"] is not None)
+
+        from tests.conftest import eventually_sync
+
+        eventually_sync(checkpointed)
+        [dev] = [d for d in status(env)["devices"] if d["device"] == "tpu-0"]
+        assert dev["state"] == "preempting"
+        # Not a restart: the same trainer goes on stepping, and asked once.
+        assert sum("CONNECTED" in x for x in agent.all) == 1
+        assert sum("CHECKPOINT SAVED" in x for x in agent.all) == 1 and step >= 1
+        assert agent.proc.poll() is None
+    finally:
+        agent.stop()
+        ctl.stop()

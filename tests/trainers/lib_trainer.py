@@ -10,7 +10,7 @@ import time
 import agent
 
 p = argparse.ArgumentParser()
-p.add_argument("--mode", choices=["steps-then-stall", "long-section", "wait-command"])
+p.add_argument("--mode", choices=["steps-then-stall", "long-section", "wait-command", "checkpoint"])
 args = p.parse_args()
 
 client = agent.connect()  # under `marduk agent run`: talks to it, no second registration
@@ -41,6 +41,15 @@ elif args.mode == "long-section":
     with client.section("checkpoint", timeout=0.5):
         print("IN SECTION", flush=True)
         time.sleep(3600)
+elif args.mode == "checkpoint":  # save when asked, keep training
+    step = 0
+    while True:
+        step += 1
+        client.step(step)
+        if client.checkpoint_requested:
+            print(f"CHECKPOINT SAVED step={step}", flush=True)
+            client.checkpoint_saved(step)
+        time.sleep(0.05)
 else:
     while True:
         client.heartbeat()
