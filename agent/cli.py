@@ -129,6 +129,23 @@ def run(
             show_default="controller.pub beside --nkey, if there",
         ),
     ] = None,
+    preflight: Annotated[
+        bool,
+        typer.Option(
+            "--preflight/--no-preflight",
+            envvar="MARDUK_PREFLIGHT",
+            help="Before restarting after a device-class failure, check the devices in a "
+            "separate process (jax: list them, compute on each); a failing check exits 71 "
+            "instead of restarting into a broken device. Costs a jax start (~2 s on CPU).",
+        ),
+    ] = False,
+    preflight_expect: Annotated[
+        int | None,
+        _opt("MARDUK_PREFLIGHT_EXPECT", "Devices the check must see.", min=1, show_default=False),
+    ] = None,
+    preflight_timeout: Annotated[
+        float, _opt("MARDUK_PREFLIGHT_TIMEOUT", "Seconds the device check may take.", min=1.0)
+    ] = 120.0,
     metrics_addr: options.MetricsAddr = None,
     json_logs: options.JsonLogs = False,
     log_level: options.LogLevel = "info",
@@ -167,6 +184,9 @@ def run(
         cmd=cmd,
         opts=opts,
         metrics_addr=metrics_addr,
+        preflight=preflight,
+        preflight_expect=preflight_expect,
+        preflight_timeout_s=preflight_timeout,
         max_restarts=max_restarts,
         restart_window_s=restart_window,
         hang_timeout_s=hang_timeout,

@@ -84,6 +84,11 @@ class SupervisorConfig:
     status_interval_s: float = 15.0
     # Serve /metrics, /healthz and /readyz (ready: the trainer is stepping) on HOST:PORT.
     metrics_addr: str | None = None
+    # Before a restart after a device-class failure (a check_device diagnosis, or a restart
+    # command naming devices), check the devices in a separate process (agent/preflight.py).
+    preflight: bool = False
+    preflight_timeout_s: float = 120.0
+    preflight_expect: int | None = None  # devices the check must see (default: any)
     # Between incarnations, wait for the GPUs' memory to drop below this (0 s: don't wait).
     reclaim_timeout_s: float = 50.0
     reclaim_tolerance_mib: float = 512.0
@@ -287,6 +292,8 @@ class Supervisor:
                 self.epoch = cmd.epoch
                 if self.client is not None:
                     await self.client.ack(cmd)
+                if cmd.devices and not await self._preflight(f"device(s) {', '.join(cmd.devices)}"):
+                    return ExitCode.DEVICE_FAILED
             else:  # crashed or hung: a local failure, counted against the budget
                 if not self._within_budget():
                     log.error(
@@ -300,7 +307,59 @@ class Supervisor:
                 what = ended.diagnosis.failure_class if ended.diagnosis else "unclassified"
                 self.stats[f"restarts.{ended.reason}/{what}"] += 1
                 self.epoch = await self._report_failure(ended.reason, ended)
+                device_class = (
+                    ended.diagnosis is not None and ended.diagnosis.action == "check_device"
+                )
+                if device_class and not await self._preflight(what):
+                    return ExitCode.DEVICE_FAILED
             await self._cleanup()
+
+    async def _preflight(self, after: str) -> bool:
+        """Check the devices in a fresh process before restarting onto them (when enabled).
+
+        False: a device is broken; it was reported (gave_up, failure class ``preflight``) and
+        the agent exits 71 so the pod goes back to the scheduler instead of restarting into it.
+        """
+        if not self.config.preflight:
+            return True
+        cmd = [sys.executable, "-m", "agent.preflight"]
+        if self.config.preflight_expect:
+            cmd += ["--expect", str(self.config.preflight_expect)]
+        t0 = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env={**os.environ, **self._trainer_env()},
+            start_new_session=True,
+        )
+        try:
+            out, _ = await asyncio.wait_for(proc.communicate(), self.config.preflight_timeout_s)
+            ok, lines = proc.returncode == 0, out.decode(errors="replace").splitlines()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+            ok, lines = (
+                False,
+                [f"PREFLIGHT FAIL no answer within {self.config.preflight_timeout_s:g}s"],
+            )
+        took = time.monotonic() - t0
+        self.stats["preflight.ok" if ok else "preflight.failed"] += 1
+        if ok:
+            log.info("device check after %s passed in %.2fs", after, took)
+            return True
+        failed = [x for x in lines if x.startswith("PREFLIGHT FAIL")] or lines[-3:]
+        log.error("device check after %s failed in %.2fs: %s", after, took, " | ".join(failed))
+        await self._report(
+            "gave_up",
+            failure_class="preflight",
+            action="check_device",
+            summary=f"device check failed after {after}",
+            lines=[x[:4000] for x in failed[-20:]],
+        )
+        return False
 
     def _within_budget(self) -> bool:
         now = time.monotonic()

@@ -88,3 +88,37 @@ def test_a_preemption_notice_makes_the_trainer_checkpoint_and_keep_training(
     finally:
         agent.stop()
         ctl.stop()
+
+
+@pytest.mark.parametrize("expect", ["1", "99"])
+def test_a_device_check_runs_before_restarting_after_a_device_failure(
+    env: dict[str, str], expect: str
+) -> None:
+    """The trainer dies with an XID (a check_device diagnosis). With --preflight, a fresh
+    process checks the devices first: it passes (the trainer restarts) or, when the host lacks
+    a device, fails (exit 71: the pod goes back to the scheduler, no restart into it)."""
+    ctl = controller(env)
+    crash = [
+        sys.executable, "tests/trainers/toy.py", "--step-seconds", "0.05", "--crash-at", "5",
+        "--crash-line", "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus",
+    ]  # fmt: skip
+    agent = agent_run(
+        {**env, "JAX_PLATFORMS": "cpu"},
+        "--replica", "r1", "--devices", "gpu-a", "--preflight", "--preflight-expect", expect,
+        cmd=crash,
+    )  # fmt: skip
+    try:
+        agent.expect("START r1/0 epoch=0")
+        if expect == "1":
+            agent.expect("device check after gpu_xid passed", timeout=60)
+            agent.expect("START r1/0 epoch=1")
+        else:
+            assert exit_code(agent, timeout=90) == 71
+            out = "".join(agent.all)
+            assert "device check after gpu_xid failed" in out and "jax sees 1" in out
+            assert out.count("START r1/0") == 1
+            [w] = status(env)["workers"]
+            assert w["failure_class"] == "preflight"
+    finally:
+        agent.stop()
+        ctl.stop()

@@ -11,6 +11,7 @@ import time
 p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=0, help="exit 0 after this many steps (0: never)")
 p.add_argument("--crash-at", type=int, default=-1)
+p.add_argument("--crash-line", default="ValueError: toy crash", help="the last line printed")
 p.add_argument("--crash-incarnations", type=int, default=1, help="crash only in the first N")
 p.add_argument("--hang-at", type=int, default=-1)
 p.add_argument("--step-seconds", type=float, default=0.05)
@@ -32,9 +33,7 @@ while True:
     step += 1
     print(f"step {step}", flush=True)
     if step == args.crash_at and inc < args.crash_incarnations:
-        print(
-            "Traceback (most recent call last):\nValueError: toy crash", file=sys.stderr, flush=True
-        )
+        print(f"Traceback (most recent call last):\n{args.crash_line}", file=sys.stderr, flush=True)
         sys.exit(3)
     if step == args.hang_at and inc == 0:
         time.sleep(3600)

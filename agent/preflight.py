@@ -1,0 +1,58 @@
+"""A device check between incarnations (issue 9, item 4; seed 003's lesson).
+
+A crashed accelerator runtime can poison the process it ran in, and a fresh process cures it;
+but a device that is really broken fails the fresh process too. Before starting a new trainer
+after a device-class failure, ``marduk agent run --preflight`` runs this module in a separate
+process (never in the supervisor: a hang or a crash here must not take it down): jax lists the
+devices, and a tiny computation runs on each, under a timeout. Exit 0: all well. Exit 1: a
+device is missing or fails; the lines on stdout say which (``PREFLIGHT FAIL <id>: <why>``).
+
+    python -m agent.preflight --expect 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def check(expect: int | None) -> list[str]:
+    """Failures, one line each (empty: all well). Imports jax here, in the child only."""
+    import jax
+    import jax.numpy as jnp
+
+    failures = []
+    devices = jax.local_devices()
+    if expect is not None and len(devices) < expect:
+        failures.append(f"expected {expect} device(s), jax sees {len(devices)}")
+    for d in devices:
+        try:
+            x = jax.device_put(jnp.arange(8, dtype=jnp.float32), d)
+            got = float((x * 2).sum())
+            if got != 56.0:
+                failures.append(f"{d.platform}:{d.id}: computed {got}, expected 56.0")
+        except Exception as e:
+            failures.append(f"{d.platform}:{d.id}: {type(e).__name__}: {e}"[:300])
+    return failures
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--expect", type=int, default=None, help="devices this host must have")
+    args = p.parse_args()
+    t0 = time.perf_counter()
+    try:
+        failures = check(args.expect)
+    except Exception as e:  # jax cannot even start: that is the finding
+        failures = [f"runtime: {type(e).__name__}: {e}"[:300]]
+    for line in failures:
+        print(f"PREFLIGHT FAIL {line}", flush=True)
+    print(
+        f"PREFLIGHT {'FAILED' if failures else 'OK'} in {time.perf_counter() - t0:.2f}s", flush=True
+    )
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
