@@ -136,7 +136,7 @@ def run(
             envvar="MARDUK_PREFLIGHT",
             help="Before restarting after a device-class failure, check the devices in a "
             "separate process (jax: list them, compute on each); a failing check exits 71 "
-            "instead of restarting into a broken device. Costs a jax start (~2 s on CPU).",
+            "instead of restarting into a broken device. Costs a jax start (~1 s on CPU).",
         ),
     ] = False,
     preflight_expect: Annotated[
