@@ -183,7 +183,8 @@ class Watch:
 
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
-        self.inbox = f"_CHAOS.{os.getpid()}.{random.randrange(2**32)}"
+        # An _INBOX. subject: the controller answers no other reply subject (confused deputy).
+        self.inbox = f"_INBOX.CHAOS{os.getpid()}x{random.randrange(2**32)}"
         self.answers: dict[int, list[tuple[str, int, str]]] = defaultdict(list)
         self.asked = 0
 
