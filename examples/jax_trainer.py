@@ -116,12 +116,25 @@ def main() -> int:
         sys.exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Under `marduk agent run`, the library talks to the agent: a preemption notice arrives as
+    # a checkpoint request, saved at the next step while training goes on.
+    client = None
+    if os.environ.get("MARDUK_AGENT_SOCKET"):
+        import agent
+
+        client = agent.connect()
     for step in range(start + 1, args.steps + 1):
         params, loss = train_step(params, x, y, args.lr)
         state["step"], state["params"] = step, params
         print(f"step {step} loss {float(loss):.6f}", flush=True)
         if step % args.ckpt_every == 0:
             save(ckpt_dir, step, params)
+        if client is not None:
+            client.step(step)
+            if client.checkpoint_requested:
+                save(ckpt_dir, step, params)
+                print(f"checkpoint saved at step {step} on request", flush=True)
+                client.checkpoint_saved(step)
         if args.step_seconds:
             time.sleep(args.step_seconds)
     save(ckpt_dir, args.steps, params)

@@ -107,3 +107,43 @@ def test_job_scope_restarts_all_four_once(jax_env: dict[str, str]) -> None:
         for a in agents:
             a.stop()
         ctl.stop()
+
+
+def test_preemption_notice_checkpoints_and_a_new_pod_resumes_there(
+    jax_env: dict[str, str],
+) -> None:
+    """Pathways-style: the notice asks for a checkpoint; training goes on; the VM then goes
+    away (SIGKILL, no grace); a new pod with the same replica id resumes from that step."""
+    import asyncio
+    import signal
+    import time
+
+    from monitor_cli import client as monitor
+
+    ctl = controller(jax_env)
+    p = jax_agent(jax_env, "pre", "r1", 0, "replica")
+    try:
+        p.expect("resuming at step 0", timeout=180)
+        p.expect("step 1 loss", timeout=120)
+        advance(p, 3)
+        t0 = time.monotonic()
+        reply = asyncio.run(
+            monitor.publish_health(
+                jax_env["MARDUK_ADDR"], "marduk", "pre-r1-d0", "preempting", reason="GCE TERMINATE"
+            )
+        )
+        assert [a.kind for a in reply.actions] == ["checkpoint"]
+        line = p.expect("on request", timeout=60)
+        took = time.monotonic() - t0
+        saved = int(line.split()[4])
+        print(f"notice -> checkpoint saved: {took * 1000:.0f} ms (step {saved})")
+        advance(p, 2)  # not a restart: it trains on
+        assert sum("resuming at step" in x for x in p.all) == 1
+        p.stop(signal.SIGKILL)  # the VM goes away
+        again = jax_agent(jax_env, "pre", "r1", 0, "replica")
+        resumed = again.expect("resuming at step", timeout=180)
+        assert int(resumed.split()[-1]) >= saved
+        again.stop()
+    finally:
+        p.stop()
+        ctl.stop()
