@@ -370,7 +370,7 @@ class Supervisor:
         try:
             proc = await self._take_forked()
             await proc.activate({**env, "MARDUK_WARM_START": "zygote"})
-        except ZygoteError as e:
+        except (ZygoteError, OSError) as e:  # OSError: no pidfd (Linux < 5.3), no descriptors
             self._zygote_failures += 1
             await self._discard_zygote()
             if isinstance(e, ZygoteUnsafe):
@@ -387,13 +387,17 @@ class Supervisor:
         self._zygote_failures = 0
         self.started_by = "zygote"
         # The next one is forked once this one has stepped (or after PREFORK_AFTER_S): forking
-        # meanwhile would slow this start. A fault before that forks one directly.
-        self._prefork_task = asyncio.create_task(self._prefork_later())
+        # meanwhile would slow a restart (8 workers on 2 cores: 130 -> 280 ms). A fault before
+        # that forks one directly. At the job's start, now: that start waits for imports
+        # anyway, and a job's first step is when a bad device or a bug often shows.
+        first = self.incarnation == 0
+        self._prefork_task = asyncio.create_task(self._prefork_later(0.0 if first else None))
         return proc
 
-    async def _prefork_later(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._first_step.wait(), PREFORK_AFTER_S)
+    async def _prefork_later(self, after: float | None) -> None:
+        if after is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._first_step.wait(), PREFORK_AFTER_S)
         self._forking = asyncio.create_task(self._prefork())
 
     async def _take_forked(self) -> ForkedProcess:
@@ -419,7 +423,7 @@ class Supervisor:
             return
         try:
             forked = await zygote.fork()
-        except ZygoteError as e:  # the next start finds out again, and falls back
+        except (ZygoteError, OSError) as e:  # the next start finds out again, and falls back
             log.warning("fork server: %s", e)
             return
         if self.forked is None:

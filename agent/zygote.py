@@ -431,7 +431,16 @@ class Zygote:
             if not msg:
                 await self.close()
             raise (ZygoteUnsafe if error.startswith("ZygoteUnsafe") else ZygoteError)(error)
-        return ForkedProcess(int(reply["pid"]), ours)
+        pid = int(reply["pid"])
+        try:
+            return ForkedProcess(pid, ours)
+        except OSError:  # no pidfd: end the fork, ours to reap
+            ours.close()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                await asyncio.to_thread(os.waitpid, pid, 0)
+            raise
 
     async def close(self) -> None:
         """Stop the fork server (its trainers, not its children, live on). Safe to call twice."""
