@@ -90,6 +90,16 @@ def run(
             "(python SCRIPT or python -m MODULE commands only).",
         ),
     ] = True,
+    fork_server: Annotated[
+        bool,
+        typer.Option(
+            "--fork-server/--no-fork-server",
+            envvar="MARDUK_FORK_SERVER",
+            help="With --prespawn: fork every trainer from one process that imported the "
+            "framework once (a fork server), so every restart is warm, back-to-back faults "
+            "included; --no-fork-server keeps one standby process per incarnation instead.",
+        ),
+    ] = True,
     preload: Annotated[
         str,
         _opt(
@@ -195,6 +205,7 @@ def run(
         grace_s=grace,
         cleanup_cmd=cleanup_cmd,
         prespawn=prespawn,
+        fork_server=fork_server,
         reclaim_timeout_s=reclaim_timeout,
         reclaim_tolerance_mib=reclaim_tolerance,
         preload=(

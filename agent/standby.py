@@ -1,12 +1,12 @@
 """A trainer process started ahead of time: ``python -m agent.standby --preload jax -- train.py``.
 
 Most of a restarted trainer's time-to-first-step is the interpreter importing the framework.
-The supervisor therefore keeps one standby process per worker that has already imported the
-modules named by ``--preload`` and waits. On a restart the supervisor writes one JSON line to
-its stdin, ``{"env": {...}}`` (the new MARDUK_EPOCH, MARDUK_RESTART_COUNT, ...); the standby
-applies it to ``os.environ`` and runs the trainer as ``python`` would (``runpy``, with
-``__name__ == "__main__"`` and ``sys.argv`` set). EOF on stdin (the supervisor discarded it)
-exits quietly.
+With ``--no-fork-server`` (or where the fork server, ``agent/zygote.py``, cannot be used) the
+supervisor keeps one standby process per worker that has already imported the modules named by
+``--preload`` and waits. On a restart the supervisor writes one JSON line to its stdin,
+``{"env": {...}}`` (the new MARDUK_EPOCH, MARDUK_RESTART_COUNT, ...); the standby applies it to
+``os.environ`` and runs the trainer as ``python`` would (``runpy``, with ``__name__ ==
+"__main__"`` and ``sys.argv`` set). EOF on stdin (the supervisor discarded it) exits quietly.
 
 Only what is imported is preloaded: no device is touched before the trainer runs, so the old
 trainer still owns the accelerators while its successor waits.
@@ -20,30 +20,33 @@ import os
 import runpy
 import sys
 
+USAGE = "usage: python -m agent.{} [--preload a,b] -- SCRIPT|-m MODULE [ARGS...]"
 
-def main(argv: list[str]) -> None:
-    preload: list[str] = []
+
+def parse(argv: list[str], name: str = "standby") -> tuple[dict[str, str], list[str]]:
+    """(options, target) of ``[--opt value]... -- SCRIPT|-m MODULE [ARGS...]``."""
     if "--" not in argv:
-        sys.exit("usage: python -m agent.standby [--preload a,b] -- SCRIPT|-m MODULE [ARGS...]")
+        sys.exit(USAGE.format(name))
     split = argv.index("--")
     opts, target = argv[:split], argv[split + 1 :]
-    if len(opts) >= 2 and opts[0] == "--preload":
-        preload = [m for m in opts[1].split(",") if m]
-    if not target:
-        sys.exit("agent.standby: nothing to run")
-    for name in preload:
+    if len(opts) % 2 or not all(o.startswith("--") for o in opts[::2]):
+        sys.exit(USAGE.format(name))
+    if not target or (target[0] == "-m" and len(target) < 2):
+        sys.exit(f"agent.{name}: nothing to run")
+    return dict(zip(opts[::2], opts[1::2], strict=True)), target
+
+
+def preload(modules: str, who: str = "standby") -> None:
+    """Import ``modules`` (comma-separated); a failure is reported, not fatal."""
+    for name in (m for m in modules.split(",") if m):
         try:
             importlib.import_module(name)
         except Exception as e:  # the trainer will import it and fail for real if it must
-            print(f"agent.standby: could not preload {name}: {e}", file=sys.stderr, flush=True)
+            print(f"agent.{who}: could not preload {name}: {e}", file=sys.stderr, flush=True)
 
-    line = sys.stdin.readline()
-    if not line:
-        return  # discarded
-    order = json.loads(line)
-    os.environ.update({str(k): str(v) for k, v in order.get("env", {}).items()})
-    sys.stdin.close()
-    sys.stdin = open(os.devnull)  # noqa: SIM115 - the trainer's stdin, as the supervisor gives
+
+def run_target(target: list[str]) -> None:
+    """Run ``SCRIPT ARGS`` or ``-m MODULE ARGS`` as ``python`` would, in this process."""
     if target[0] == "-m":
         sys.argv = [target[1], *target[2:]]
         runpy.run_module(target[1], run_name="__main__", alter_sys=True)
@@ -52,6 +55,19 @@ def main(argv: list[str]) -> None:
         # As `python SCRIPT` does: the script's directory first on the path.
         sys.path[0] = os.path.dirname(os.path.abspath(target[0]))
         runpy.run_path(target[0], run_name="__main__")
+
+
+def main(argv: list[str]) -> None:
+    opts, target = parse(argv)
+    preload(opts.get("--preload", ""))
+    line = sys.stdin.readline()
+    if not line:
+        return  # discarded
+    order = json.loads(line)
+    os.environ.update({str(k): str(v) for k, v in order.get("env", {}).items()})
+    sys.stdin.close()
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - the trainer's stdin, as the supervisor gives
+    run_target(target)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ import sys
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -43,6 +44,7 @@ from prometheus_client.core import Metric
 from agent.client import AsyncClient, Command, Options
 from agent.reclaim import wait_for_release
 from agent.signatures import Diagnosis, diagnose
+from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
 from marduk import protocol as wire
 from marduk.children import die_with_parent
 from marduk.errors import MardukError
@@ -51,6 +53,8 @@ from marduk.metrics import MetricsServer, Probes, StatsCollector, gauge, histogr
 log = logging.getLogger("agent.supervisor")
 
 DEFAULT_STEP_REGEX = r"\bstep[\s:=#]+(\d+)"
+ZYGOTE_RETRIES = 3
+PREFORK_AFTER_S = 1.0  # at the latest, after a start forked from the zygote: fork the next one
 
 
 class ExitCode(enum.IntEnum):
@@ -77,9 +81,13 @@ class SupervisorConfig:
     tail_lines: int = 200
     cleanup_cmd: str = ""
     stale_files: list[str] = field(default_factory=lambda: ["/tmp/libtpu_lockfile"])
-    # Keep the next trainer process started ahead of time with these modules imported.
+    # Start trainers warm, with these modules imported ahead of time: forked from a fork
+    # server (agent/zygote.py) or, with fork_server off, from one standby process each.
     prespawn: bool = True
     preload: list[str] = field(default_factory=list)
+    fork_server: bool = True
+    # How long a trainer start waits for a fork server still importing before it starts cold.
+    fork_server_timeout_s: float = 600.0
     # How often a running trainer's progress (last step and when) is reported.
     status_interval_s: float = 15.0
     # Serve /metrics, /healthz and /readyz (ready: the trainer is stepping) on HOST:PORT.
@@ -148,9 +156,15 @@ class Supervisor:
         self.step: int | None = None
         self.step_at = 0.0
         self.started_at = 0.0
-        self.proc: asyncio.subprocess.Process | None = None
+        self.proc: TrainerProcess | None = None
         self.standby: asyncio.subprocess.Process | None = None
         self._standby_task: asyncio.Task[None] | None = None
+        self.zygote: Zygote | None = None
+        self.forked: ForkedProcess | None = None  # the next trainer, forked ahead of time
+        self._prefork_task: asyncio.Task[None] | None = None  # waits, then starts _forking
+        self._forking: asyncio.Task[None] | None = None
+        self._zygote_failures = 0  # in a row; past ZYGOTE_RETRIES the standby is used instead
+        self.started_by = ""  # how the current trainer started: zygote, standby or "" (cold)
         self._first_step = asyncio.Event()
         self.progress_at = 0.0  # monotonic time of the last step or heartbeat; 0: none yet
         self.sections: dict[str, tuple[float, float | None]] = {}
@@ -376,17 +390,23 @@ class Supervisor:
     async def _spawn(self) -> None:
         self.incarnation += 1
         env = self._trainer_env()
+        env.pop("MARDUK_WARM_START", None)  # set by the zygote or standby that starts it
         if self.standby_cmd is None:
-            self.proc = await self._exec(self.config.cmd, env, stdin=False)
+            self.proc, self.started_by = await self._exec(self.config.cmd, env, stdin=False), ""
         else:
-            self.proc = await self._activate_standby(env)
-            # The next one starts once this trainer has made its first step (or after a
-            # minute): importing a framework meanwhile would slow the restart it waits for.
             self._first_step.clear()
-            task = asyncio.create_task(self._prepare_standby(env))
-            self._standby_task = task
+            if self._fork_server_wanted():
+                self.proc = await self._fork(env)
+            else:
+                self.proc = await self._activate_standby(env)
+            if not self._fork_server_wanted():  # (or forking turned out unsafe just now)
+                # The next one starts once this trainer has made its first step (or after a
+                # minute): importing a framework meanwhile would slow the restart it waits for.
+                self._prepare(self._prepare_standby(env))
         self.started_at = time.monotonic()
         self.stats["trainer_starts"] += 1
+        if self.started_by:
+            self.stats[f"trainer_starts.{self.started_by}"] += 1
         if self._ended_at is not None:
             self._restart_seconds.observe(self.started_at - self._ended_at)
             self._ended_at = None
@@ -398,9 +418,136 @@ class Supervisor:
             self.proc.pid,
             self.epoch,
             self.incarnation,
-            " (pre-spawned)" if self.standby_cmd else "",
+            f" (pre-spawned), from the {self.started_by}" if self.started_by else "",
         )
         await self._report("running")
+
+    def _fork_server_wanted(self) -> bool:
+        return (
+            self.config.fork_server
+            and self._zygote_failures < ZYGOTE_RETRIES
+            and hasattr(os, "pidfd_open")
+        )
+
+    async def _fork(self, env: dict[str, str]) -> TrainerProcess:
+        """The trainer forked by the zygote (started first if there is none): the one forked
+        ahead of time, else a fresh fork. If neither can be had, the trainer starts cold (or
+        from a standby, where forking is unsafe) and a new zygote starts once it has stepped."""
+        if self.zygote is None and self.incarnation == 0:
+            # The first trainer waits for the zygote's import, as it would wait for its own;
+            # every later start, the first fault's included, is a fork.
+            self.zygote = await self._start_zygote(env)
+        try:
+            proc = await self._take_forked()
+            await proc.activate({**env, "MARDUK_WARM_START": "zygote"})
+        except (ZygoteError, OSError) as e:  # OSError: no pidfd (Linux < 5.3), no descriptors
+            self._zygote_failures += 1
+            await self._discard_zygote()
+            if isinstance(e, ZygoteUnsafe):
+                log.error("cannot fork trainers: %s; using a standby process instead", e)
+                self._zygote_failures = ZYGOTE_RETRIES
+                return await self._activate_standby(env)
+            log.warning("fork server: %s; starting the trainer cold", e)
+            self.stats["fork_server.failures"] += 1
+            self.started_by = ""
+            cold = await self._exec(self.config.cmd, env, stdin=False)
+            if self._fork_server_wanted():
+                self._prepare(self._prepare_zygote(env))
+            return cold
+        self._zygote_failures = 0
+        self.started_by = "zygote"
+        # The next one is forked once this one has stepped (or after PREFORK_AFTER_S): forking
+        # meanwhile would slow a restart (8 workers on 2 cores: 130 -> 280 ms). A fault before
+        # that forks one directly. At the job's start, now: that start waits for imports
+        # anyway, and a job's first step is when a bad device or a bug often shows.
+        first = self.incarnation == 0
+        self._prefork_task = asyncio.create_task(self._prefork_later(0.0 if first else None))
+        return proc
+
+    async def _prefork_later(self, after: float | None) -> None:
+        if after is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._first_step.wait(), PREFORK_AFTER_S)
+        self._forking = asyncio.create_task(self._prefork())
+
+    async def _take_forked(self) -> ForkedProcess:
+        if self._prefork_task is not None:
+            self._prefork_task.cancel()
+        if self._forking is not None:  # one being forked: wait for it rather than fork two
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._forking)
+        proc, self.forked = self.forked, None
+        if proc is not None and proc.waiting:
+            return proc
+        if proc is not None:
+            await proc.discard()
+        zygote = self.zygote
+        if zygote is None or not zygote.alive:
+            raise ZygoteError("the fork server is not running")
+        await zygote.wait_ready(self.config.fork_server_timeout_s)
+        return await zygote.fork()
+
+    async def _prefork(self) -> None:
+        zygote = self.zygote
+        if zygote is None or not zygote.alive or self.forked is not None:
+            return
+        try:
+            forked = await zygote.fork()
+        except (ZygoteError, OSError) as e:  # the next start finds out again, and falls back
+            log.warning("fork server: %s", e)
+            return
+        if self.forked is None:
+            self.forked = forked
+        else:
+            await forked.discard()
+
+    async def _start_zygote(self, env: dict[str, str]) -> Zygote | None:
+        python, *target = self.config.cmd
+        try:
+            zygote = await Zygote.start(python, target, self.config.preload, env)
+        except OSError as e:
+            log.warning("cannot start the fork server: %s", e)
+            return None
+        log.info(
+            "fork server started: pid %d, preloading %s",
+            zygote.proc.pid,
+            ",".join(self.config.preload) or "nothing",
+        )
+        return zygote
+
+    def _prepare(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` (the next standby's or zygote's start) instead of any pending one."""
+        if self._standby_task is not None:
+            self._standby_task.cancel()
+        self._standby_task = asyncio.create_task(coro)
+
+    async def _prepare_zygote(self, env: dict[str, str]) -> None:
+        """A new zygote, once the trainer started cold has stepped (or after a minute)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._first_step.wait(), 60.0)
+        # Shielded: a restart that cancels this task mid-exec must not orphan the process.
+        await asyncio.shield(self._install_zygote(env))
+
+    async def _install_zygote(self, env: dict[str, str]) -> None:
+        zygote = await self._start_zygote(env)
+        if self.zygote is None:
+            self.zygote = zygote
+        elif zygote is not None:  # a start raced this one
+            await zygote.close()
+
+    async def _discard_zygote(self) -> None:
+        """Stop the zygote and the trainer it forked ahead of time (not the running one)."""
+        if self._prefork_task is not None:
+            self._prefork_task.cancel()
+        if self._forking is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._forking)
+        zygote, self.zygote = self.zygote, None
+        forked, self.forked = self.forked, None
+        if forked is not None:
+            await forked.discard()
+        if zygote is not None:
+            await zygote.close()
 
     async def _activate_standby(self, env: dict[str, str]) -> asyncio.subprocess.Process:
         assert self.standby_cmd is not None
@@ -409,7 +556,12 @@ class Supervisor:
         proc, self.standby = self.standby, None
         if proc is None or proc.returncode is not None:
             proc = await self._exec(self.standby_cmd, env, stdin=True)
-        order = {"env": {k: env[k] for k in ("MARDUK_EPOCH", "MARDUK_RESTART_COUNT")}}
+        order = {
+            "env": {
+                **{k: env[k] for k in ("MARDUK_EPOCH", "MARDUK_RESTART_COUNT")},
+                "MARDUK_WARM_START": "standby",
+            }
+        }
         assert proc.stdin is not None
         try:
             proc.stdin.write(json.dumps(order).encode() + b"\n")
@@ -417,7 +569,9 @@ class Supervisor:
             proc.stdin.close()
         except (BrokenPipeError, ConnectionResetError):
             log.warning("the pre-spawned trainer died; starting one directly")
+            self.started_by = ""
             return await self._exec(self.config.cmd, env, stdin=False)
+        self.started_by = "standby"
         return proc
 
     async def _prepare_standby(self, env: dict[str, str]) -> None:
@@ -442,6 +596,7 @@ class Supervisor:
             self._standby_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._standby_task
+        await self._discard_zygote()
         proc, self.standby = self.standby, None
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):

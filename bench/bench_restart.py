@@ -2,21 +2,36 @@
 
 Contenders, all running bench/restart_worker.py (imports torch, joins a gloo group of 8, steps):
 
-* ``marduk-crash``: 8 ``marduk agent run`` (scope job, 4 replicas x 2 workers, pre-spawned
-  trainers with torch preloaded) and a controller; rank 0 crashes.
-* ``marduk-device``: the same; the fault is a device health event for one of rank 0's devices.
-* ``torchrun``: ``torchrun --nproc-per-node 8 --max-restarts N``; rank 0 crashes.
+* ``marduk``: 8 ``marduk agent run`` (scope job, 4 replicas x 2 workers, ``--preload torch``:
+  trainers forked from each agent's fork server) and a controller; rank 0 crashes.
+* ``marduk-standby``: the same with ``--no-fork-server`` (one pre-spawned standby process per
+  incarnation, started after the trainer's first step).
+* ``marduk-device``: as ``marduk``; the fault is a device health event for one of rank 0's
+  devices.
+* ``torchrun``: ``torchrun --standalone --nproc-per-node 8 --max-restarts N``; rank 0 crashes.
 * ``plain``: a minimal restart-all supervisor (kill all, start all), the floor for restarting
   without pre-spawned processes.
+
+Scenarios:
+
+* ``isolated``: a fault ``--settle`` seconds after the job is ready again;
+* ``back-to-back``: a fault ``--gap`` (0.3) s after the previous restart (every worker's new
+  process running), or as soon after as rank 0 is stepping again, ``--trials`` times in a row;
+* ``first``: a fault ``--gap`` s after the job first started (as soon as rank 0 steps): a fresh
+  job per trial.
 
 Per trial: **restart** = fault -> every worker's new process running (its first statement);
 **ready** = fault -> every worker has done its first step again (imports, backend, rendezvous).
 The fault time is the crash event (rank 0 logs it just before exiting) or the health event's
-publish.
+publish. Every port is held by the process that uses it: nats-server, the rendezvous stores and
+torchrun's (``--standalone``) bind port 0 and say which they got.
 
 Needs torch: ``.venv/bin/pip install torch==2.13.0`` (the CPU build).
 
-    .venv/bin/python bench/bench_restart.py --trials 20
+    .venv/bin/python bench/bench_restart.py --scenario back-to-back --trials 10
+
+BENCH_AGENT_LOG_LEVEL=info logs the agents to the run's marduk.log; BENCH_KEEP=1 keeps the
+run's directory (events, logs).
 """
 
 from __future__ import annotations
@@ -24,28 +39,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+
+from bench_notify import machine, source_version, start_nats_server
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "bench" / "restart_worker.py")
 REPLICAS, PER = 4, 2
 WORLD = REPLICAS * PER
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+CONTENDERS = ("plain", "torchrun", "marduk", "marduk-standby", "marduk-device")
+SCENARIOS = ("isolated", "back-to-back", "first")
+Procs = list[subprocess.Popen[bytes]]
 
 
 def events(bench_dir: Path) -> list[dict]:  # type: ignore[type-arg]
@@ -67,14 +80,16 @@ def wait_for(pred: Callable[[], object], timeout: float, what: str) -> object:
     raise TimeoutError(f"timed out waiting for {what}")
 
 
-def incarnation_done(bench_dir: Path, inc: int) -> tuple[float, float] | None:
-    """(last start, last ready) of incarnation ``inc`` once every rank is ready in it."""
+def incarnation_done(bench_dir: Path, inc: int) -> tuple[float, float, Counter[str]] | None:
+    """(last start, last ready, how each started) of incarnation ``inc`` once every rank is
+    ready in it."""
     evs = [e for e in events(bench_dir) if e["inc"] == inc]
-    starts = {e["rank"]: e["t"] for e in evs if e["ev"] == "start"}
+    starts = {e["rank"]: e for e in evs if e["ev"] == "start"}
     ready = {e["rank"]: e["t"] for e in evs if e["ev"] == "ready"}
     if len(ready) < WORLD or len(starts) < WORLD:
         return None
-    return max(starts.values()), max(ready.values())
+    by = Counter(str(e.get("by", "?")) for e in starts.values())
+    return max(e["t"] for e in starts.values()), max(ready.values()), by
 
 
 def crash_time(bench_dir: Path, inc: int) -> float | None:
@@ -84,64 +99,85 @@ def crash_time(bench_dir: Path, inc: int) -> float | None:
     return None
 
 
+def read_port(path: Path, proc: subprocess.Popen[bytes], timeout: float = 60) -> int:
+    """The port a process bound (0: its pick) and wrote to ``path``."""
+
+    def port() -> int | None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args!r} exited with {proc.returncode}")
+        text = path.read_text() if path.exists() else ""  # written whole (renamed into place)
+        return int(text) if text.isdigit() else None
+
+    return int(wait_for(port, timeout, f"the port in {path}"))  # type: ignore[arg-type]
+
+
 # --- contenders ------------------------------------------------------------------------------
 
+# A rendezvous store on a port of its own choosing (0), up for the whole run; it writes the
+# port to argv[1] (torchrun's agent hosts one the same way).
+STORE_HOLDER = r"""
+import os, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, int(sys.argv[2]), is_master=True, wait_for_workers=False)
+with open(sys.argv[1] + ".tmp", "w") as f:
+    f.write(str(store.port))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(10**7)
+"""
 
-def start_marduk(bench_dir: Path, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
-    store_port = free_port()
+
+def start_marduk(bench_dir: Path, env: dict[str, str], extra: list[str]) -> Procs:
+    server, url = start_nats_server(bench_dir)
+    (bench_dir / "url").write_text(url)
     env = {
         **env,
+        "MARDUK_ADDR": url,
         # Every trial fails the same device: lift its failure budget, which would
         # otherwise (rightly) escalate the 4th failure within the hour to `fail`.
         "MARDUK_DEVICE_MAX_FAILURES": "1000000",
         "MARDUK_STATE_DIR": str(bench_dir / "state"),
         "BENCH_WORKERS_PER_REPLICA": str(PER),
         "BENCH_WORLD": str(WORLD),
-        "BENCH_STORE_PORT": str(store_port),
     }
     log = open(bench_dir / "marduk.log", "wb")  # noqa: SIM115
-    # The workers' rendezvous store, up for the whole run (torchrun's agent hosts its own).
-    store = subprocess.Popen(
-        [sys.executable, "-c", STORE_HOLDER, str(store_port), str(WORLD)], stdout=log, stderr=log
-    )
-    ctl = subprocess.Popen(
-        [sys.executable, "-m", "marduk", "controller"], env=env, cwd=ROOT, stdout=log, stderr=log
+    procs: Procs = [server]
+    if env.get("BENCH_FRAMEWORK") != "jax":
+        store = subprocess.Popen(
+            [sys.executable, "-c", STORE_HOLDER, str(bench_dir / "store.port"), str(WORLD)],
+            stdout=log,
+            stderr=log,
+        )
+        procs.append(store)
+        env["BENCH_STORE_PORT"] = str(read_port(bench_dir / "store.port", store))
+    procs.append(
+        subprocess.Popen(
+            [sys.executable, "-m", "marduk", "controller", "--no-embedded"],
+            env=env,
+            cwd=ROOT,
+            stdout=log,
+            stderr=log,
+        )
     )
     wait_for(
         lambda: b"serving prefix" in (bench_dir / "marduk.log").read_bytes(), 30, "the controller"
     )
-    procs = [ctl, store]
+    preload = "jax" if env.get("BENCH_FRAMEWORK") == "jax" else "torch"
     for r in range(REPLICAS):
         for w in range(PER):
             procs.append(
                 subprocess.Popen(
                     [
-                        sys.executable,
-                        "-m",
-                        "marduk",
-                        "agent",
-                        "run",
-                        "--job",
-                        "bench",
-                        "--replica",
-                        f"r{r}",
-                        "--worker",
-                        str(w),
-                        "--devices",
-                        f"dev-{r}-{w}",
-                        "--scope",
-                        "job",
-                        "--preload",
-                        "torch",
-                        "--grace",
-                        "2",
-                        "--max-restarts",
-                        "100000",
-                        "--log-level",
-                        "warning",
-                        "--",
-                        sys.executable,
-                        WORKER,
+                        *(sys.executable, "-m", "marduk", "agent", "run", "--job", "bench"),
+                        *("--replica", f"r{r}", "--worker", str(w), "--devices", f"dev-{r}-{w}"),
+                        *("--scope", "job", "--preload", preload, "--grace", "2"),
+                        *(
+                            "--max-restarts",
+                            "100000",
+                            "--log-level",
+                            os.environ.get("BENCH_AGENT_LOG_LEVEL", "warning"),
+                        ),
+                        *extra,
+                        *("--", sys.executable, WORKER),
                     ],
                     env=env,
                     cwd=ROOT,
@@ -152,25 +188,15 @@ def start_marduk(bench_dir: Path, env: dict[str, str]) -> list[subprocess.Popen[
     return procs
 
 
-def start_torchrun(bench_dir: Path, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+def start_torchrun(bench_dir: Path, env: dict[str, str]) -> Procs:
     env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     torchrun = str(Path(sys.executable).parent / "torchrun")
     log = open(bench_dir / "torchrun.log", "wb")  # noqa: SIM115
     return [
         subprocess.Popen(
             [
-                torchrun,
-                "--nnodes",
-                "1",
-                "--nproc-per-node",
-                str(WORLD),
-                "--max-restarts",
-                "100000",
-                "--rdzv-backend",
-                "c10d",
-                "--rdzv-endpoint",
-                f"127.0.0.1:{free_port()}",
-                WORKER,
+                *(torchrun, "--standalone", "--nproc-per-node", str(WORLD)),
+                *("--max-restarts", "100000", WORKER),
             ],
             env=env,
             cwd=ROOT,
@@ -181,21 +207,19 @@ def start_torchrun(bench_dir: Path, env: dict[str, str]) -> list[subprocess.Pope
     ]
 
 
-STORE_HOLDER = r"""
-import sys, time
-import torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), int(sys.argv[2]), is_master=True,
-                      wait_for_workers=False)
-time.sleep(10**7)
-"""
-
+# Kill all, start all; the workers rendezvous through a store this supervisor hosts on a port
+# of its own choosing, keyed by incarnation.
 PLAIN = r"""
 import os, signal, subprocess, sys
-worker, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+worker, world = sys.argv[1], int(sys.argv[2])
+env = {**os.environ, "BENCH_PLAIN": "1", "WORLD_SIZE": str(world)}
+if os.environ.get("BENCH_FRAMEWORK") != "jax":
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    env["BENCH_STORE_PORT"] = str(store.port)
 inc = 0
 while True:
-    env = {**os.environ, "BENCH_PLAIN": "1", "BENCH_INCARNATION": str(inc),
-           "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port + inc)}
+    env["BENCH_INCARNATION"] = str(inc)
     procs = {subprocess.Popen([sys.executable, worker], env={**env, "RANK": str(r)},
                               stdout=subprocess.DEVNULL).pid: r for r in range(world)}
     while True:
@@ -216,10 +240,10 @@ while True:
 """
 
 
-def start_plain(bench_dir: Path, env: dict[str, str]) -> list[subprocess.Popen[bytes]]:
+def start_plain(bench_dir: Path, env: dict[str, str]) -> Procs:
     return [
         subprocess.Popen(
-            [sys.executable, "-c", PLAIN, WORKER, str(WORLD), str(free_port() + 100)],
+            [sys.executable, "-c", PLAIN, WORKER, str(WORLD)],
             env=env,
             cwd=ROOT,
             stdout=subprocess.DEVNULL,
@@ -228,17 +252,41 @@ def start_plain(bench_dir: Path, env: dict[str, str]) -> list[subprocess.Popen[b
     ]
 
 
-def inject(env: dict[str, str], device: str) -> float:
+def start(name: str, bench_dir: Path, env: dict[str, str]) -> Procs:
+    if name == "plain":
+        return start_plain(bench_dir, env)
+    if name == "torchrun":
+        return start_torchrun(bench_dir, env)
+    return start_marduk(bench_dir, env, ["--no-fork-server"] if name == "marduk-standby" else [])
+
+
+def stop(name: str, procs: Procs) -> None:
+    for p in reversed(procs):
+        try:
+            if name in ("torchrun", "plain"):
+                os.killpg(p.pid, signal.SIGTERM)
+            else:
+                p.send_signal(signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        try:
+            p.wait(20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def inject(url: str, device: str) -> float:
     """Publish a health event; return its publish time."""
     import asyncio
 
     import nats
 
-    sys.path.insert(0, str(ROOT))
     from marduk import protocol as wire
 
     async def go() -> float:
-        nc = await nats.connect(env["MARDUK_ADDR"])
+        nc = await nats.connect(url)
         t = time.time()
         await nc.publish(
             "marduk.health", wire.encode(wire.DeviceHealth(device=device, state="failed"))
@@ -253,65 +301,94 @@ def inject(env: dict[str, str], device: str) -> float:
 # --- driver ------------------------------------------------------------------------------------
 
 
-def run(name: str, trials: int, settle: float) -> dict[str, object]:
+class Trials:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.restart: list[float] = []
+        self.ready: list[float] = []
+        self.by: Counter[str] = Counter()
+
+    def fault_and_measure(self, bench_dir: Path, inc: int, at: float) -> tuple[float, float]:
+        """Fault incarnation ``inc`` at wall time ``at`` (or as soon after as it can be);
+        return the next incarnation's (last start, ready)."""
+        time.sleep(max(0.0, at - time.time()))
+        if self.name == "marduk-device":
+            url = (bench_dir / "url").read_text()
+            t_fault = inject(url, "dev-0-0")
+        else:
+            (bench_dir / f"crash-{inc}").touch()
+            t_fault = float(wait_for(lambda: crash_time(bench_dir, inc), 60, "crash"))  # type: ignore[arg-type]
+        last_start, last_ready, by = wait_for(  # type: ignore[misc]
+            lambda: incarnation_done(bench_dir, inc + 1), 180, f"restart {inc + 1}"
+        )
+        self.restart.append(last_start - t_fault)
+        self.ready.append(last_ready - t_fault)
+        self.by.update(by)
+        print(
+            f"{self.name} trial {len(self.restart)}: restart {self.restart[-1] * 1000:.0f} ms, "
+            f"ready {self.ready[-1] * 1000:.0f} ms, started by {dict(by)}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return last_start, last_ready
+
+    def result(self, scenario: str) -> dict[str, object]:
+        return {
+            "contender": self.name,
+            "scenario": scenario,
+            "trials": len(self.restart),
+            **stats("restart", self.restart),
+            **stats("ready", self.ready),
+            "started_by": dict(self.by),
+        }
+
+
+def job(name: str, framework: str) -> tuple[Path, dict[str, str], Procs]:
     bench_dir = Path(tempfile.mkdtemp(prefix=f"marduk-restart-{name}-"))
     env = {
         **os.environ,
         "BENCH_DIR": str(bench_dir),
+        "BENCH_FRAMEWORK": framework,
         "PYTHONUNBUFFERED": "1",
         "OMP_NUM_THREADS": "1",
     }
-    if name.startswith("marduk"):
-        env["MARDUK_ADDR"] = f"nats://127.0.0.1:{free_port()}"
-    starter = {
-        "marduk-crash": start_marduk,
-        "marduk-device": start_marduk,
-        "torchrun": start_torchrun,
-        "plain": start_plain,
-    }[name]
-    procs = starter(bench_dir, env)
-    restart, ready = [], []
+    return bench_dir, env, start(name, bench_dir, env)
+
+
+def first_fault(trials: Trials, args: argparse.Namespace) -> None:
+    """A fresh job, faulted ``--gap`` s after its first worker started."""
+    bench_dir, _env, procs = job(trials.name, args.framework)
     try:
-        wait_for(lambda: incarnation_done(bench_dir, 0), 180, "first start")
-        for k in range(trials):
-            time.sleep(settle)  # pre-spawned trainers (if any) import their framework
-            if name == "marduk-device":
-                t_fault = inject(env, "dev-0-0")
-            else:
-                (bench_dir / f"crash-{k}").touch()
-                t_fault = float(wait_for(lambda k=k: crash_time(bench_dir, k), 60, "crash"))  # type: ignore[misc]
-            last_start, last_ready = wait_for(  # type: ignore[misc]
-                lambda k=k: incarnation_done(bench_dir, k + 1), 180, f"restart {k + 1}"
-            )
-            restart.append(last_start - t_fault)
-            ready.append(last_ready - t_fault)
-            print(
-                f"{name} trial {k + 1}: restart {restart[-1] * 1000:.0f} ms, "
-                f"ready {ready[-1] * 1000:.0f} ms",
-                file=sys.stderr,
-                flush=True,
-            )
+        starts = wait_for(
+            lambda: [e["t"] for e in events(bench_dir) if e["ev"] == "start"], 180, "start"
+        )
+        trials.fault_and_measure(bench_dir, 0, min(starts) + args.gap)  # type: ignore[call-overload]
     finally:
-        for p in reversed(procs):
-            try:
-                if name in ("torchrun", "plain"):
-                    os.killpg(p.pid, signal.SIGTERM)
-                else:
-                    p.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(trials.name, procs)
         shutil.rmtree(bench_dir, ignore_errors=True)
-    return {
-        "contender": name,
-        "trials": len(restart),
-        **stats("restart", restart),
-        **stats("ready", ready),
-    }
+
+
+def run(name: str, scenario: str, args: argparse.Namespace) -> dict[str, object]:
+    trials = Trials(name)
+    if scenario == "first":
+        for _ in range(args.trials):
+            first_fault(trials, args)
+        return trials.result(scenario)
+    bench_dir, _env, procs = job(name, args.framework)
+    try:
+        last_start, last_ready, _by = wait_for(  # type: ignore[misc]
+            lambda: incarnation_done(bench_dir, 0), 180, "first start"
+        )
+        for k in range(args.trials):
+            at = last_ready + args.settle if scenario == "isolated" else last_start + args.gap
+            last_start, last_ready = trials.fault_and_measure(bench_dir, k, at)
+    finally:
+        stop(name, procs)
+        if os.environ.get("BENCH_KEEP"):
+            print(f"kept {bench_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(bench_dir, ignore_errors=True)
+    return trials.result(scenario)
 
 
 def stats(name: str, values: list[float]) -> dict[str, float]:
@@ -324,35 +401,55 @@ def stats(name: str, values: list[float]) -> dict[str, float]:
         f"{name}_p50_ms": round(statistics.median(values_ms), 1),
         f"{name}_p99_ms": round(pct(99), 1),
         f"{name}_max_ms": round(values_ms[-1], 1),
+        f"{name}_min_ms": round(values_ms[0], 1),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trials", type=int, default=20)
-    p.add_argument("--contenders", default="plain,torchrun,marduk-crash,marduk-device")
+    p.add_argument("--trials", type=int, default=10)
+    p.add_argument("--contenders", default="torchrun,marduk")
+    p.add_argument("--scenario", default="isolated,back-to-back", help=", ".join(SCENARIOS))
     p.add_argument(
         "--settle",
         type=float,
-        default=8.0,
-        help="seconds between trials (pre-spawned trainers import torch meanwhile)",
+        default=2.0,
+        help="isolated: seconds from the job's ready to the next fault (a standby, "
+        "--no-fork-server, needs its import time here to be warm: about 15 s for 8 on 2 cores)",
     )
+    p.add_argument(
+        "--gap",
+        type=float,
+        default=0.3,
+        help="back-to-back, first: seconds from a start to the fault",
+    )
+    p.add_argument("--framework", choices=("torch", "jax"), default="torch")
+    p.add_argument("--out", help="also write the JSON report here")
     args = p.parse_args()
     results = []
-    for name in args.contenders.split(","):
-        results.append(run(name, args.trials, args.settle if name.startswith("marduk") else 1.0))
-        print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    print(
-        json.dumps(
-            {
-                "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpu "
-                f"python {platform.python_version()}",
-                "workers": WORLD,
-                "results": results,
-            },
-            indent=2,
-        )
+    for scenario in args.scenario.split(","):
+        if scenario not in SCENARIOS:
+            p.error(f"unknown scenario {scenario!r}")
+        for name in args.contenders.split(","):
+            if name not in CONTENDERS:
+                p.error(f"unknown contender {name!r}")
+            results.append(run(name, scenario, args))
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+    report = json.dumps(
+        {
+            "source": source_version(),
+            "machine": machine(),
+            "workers": WORLD,
+            "framework": args.framework,
+            "settle_s": args.settle,
+            "gap_s": args.gap,
+            "results": results,
+        },
+        indent=2,
     )
+    print(report)
+    if args.out:
+        Path(args.out).write_text(report + "\n")
 
 
 if __name__ == "__main__":
