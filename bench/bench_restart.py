@@ -365,7 +365,10 @@ def first_fault(trials: Trials, args: argparse.Namespace) -> None:
         trials.fault_and_measure(bench_dir, 0, min(starts) + args.gap)  # type: ignore[call-overload]
     finally:
         stop(trials.name, procs)
-        shutil.rmtree(bench_dir, ignore_errors=True)
+        if os.environ.get("BENCH_KEEP"):
+            print(f"kept {bench_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(bench_dir, ignore_errors=True)
 
 
 def run(name: str, scenario: str, args: argparse.Namespace) -> dict[str, object]:
