@@ -39,7 +39,7 @@ bench: $(STAMP)
 ## Restart/ready side by side with torchrun (installs the CPU build of torch into .venv).
 bench-restart: $(STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) bench/bench_restart.py --trials 20
+	$(PY) bench/bench_restart.py --trials 10
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

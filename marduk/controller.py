@@ -486,7 +486,8 @@ class Controller:
             {k: float(v) for k, v in devices.items()},
             "state",
         )
-        standbys = float(len(self._standbys))
+        now = time.monotonic()
+        standbys = float(sum(1 for _, seen in self._standbys.values() if now - seen < 3.0))
         yield gauge("marduk_standbys", "Hot standbys heard from.", {"all": standbys}, "scope")
 
     def _leading(self) -> bool:
