@@ -814,20 +814,19 @@ class Client:
 
     def checkpoint_saved(self, step: int) -> bool:
         """Report the checkpoint saved at ``step``; clears ``checkpoint_requested``."""
-        if self._closed:
-            return False
-        try:
-            return bool(self._call(self._async.checkpoint_saved(step), timeout=7.0))
-        except AgentError as e:
-            self._async._record(str(e))
-            return False
+        return self._call_recorded(self._async.checkpoint_saved(step))
 
     def ack(self, command: Command | None = None) -> bool:
         """Acknowledge a command (default: the pending failure); see ``AsyncClient.ack``."""
+        return self._call_recorded(self._async.ack(command))
+
+    def _call_recorded(self, coro: Any) -> bool:
+        """Run ``coro`` on the client's loop; a failure is recorded in ``errors``, never raised."""
         if self._closed:
+            coro.close()
             return False
         try:
-            return bool(self._call(self._async.ack(command), timeout=7.0))
+            return bool(self._call(coro, timeout=7.0))
         except AgentError as e:
             self._async._record(str(e))
             return False

@@ -341,11 +341,8 @@ class Controller:
             raise
         except (MardukError, OSError, TimeoutError, nats.errors.Error) as e:
             # NATS or JetStream not answering right now: let a standby (or us, later) try.
-            log.error("could not start serving (term %d): %s; stepping down", term, e)
             self.stats["errors.takeover"] += 1
-            await self._stop_serving()
-            if self.leadership is not None and self.leadership.term == term:
-                await self.leadership.resign()
+            await self._step_down(f"could not start serving (term {term}): {e}")
         except Exception as e:
             # A bug: campaigning again would fail the same way. End the process (exit 1) so
             # its supervisor restarts it and a standby leads meanwhile.
@@ -423,15 +420,16 @@ class Controller:
             (time.monotonic() - t0) * 1000,
         )
 
-    def _spawn_step_down(self, why: str) -> None:
-        async def step_down() -> None:
-            log.error("stepping down: %s", why)
-            await self._stop_serving()
-            if self.leadership is not None:
-                await self.leadership.resign()
+    async def _step_down(self, why: str) -> None:
+        """Stop serving and give the lease up: whoever leads next rebuilds from the store."""
+        log.error("stepping down: %s", why)
+        await self._stop_serving()
+        if self.leadership is not None:
+            await self.leadership.resign()
 
+    def _spawn_step_down(self, why: str) -> None:
         # Not from inside the commit: _stop_serving waits for the commit lock we hold.
-        task = asyncio.create_task(step_down(), name="step-down")
+        task = asyncio.create_task(self._step_down(why), name="step-down")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -486,8 +484,7 @@ class Controller:
             {k: float(v) for k, v in devices.items()},
             "state",
         )
-        now = time.monotonic()
-        standbys = float(sum(1 for _, seen in self._standbys.values() if now - seen < 3.0))
+        standbys = float(len(self._live_standbys()))
         yield gauge("marduk_standbys", "Hot standbys heard from.", {"all": standbys}, "scope")
 
     def _leading(self) -> bool:
@@ -531,6 +528,12 @@ class Controller:
                 await self.nc.publish(
                     self.subjects.standby, encode(Standby(controller=self.info()))
                 )
+
+    def _live_standbys(self) -> list[ControllerInfo]:
+        """Standbys heard from in the last 3 s (they announce themselves every second)."""
+        now = time.monotonic()
+        self._standbys = {k: v for k, v in self._standbys.items() if now - v[1] < 3.0}
+        return [info for info, _ in self._standbys.values()]
 
     async def _on_standby(self, msg: Msg) -> None:
         try:
@@ -776,7 +779,7 @@ class Controller:
     async def _on_query(self, query: Query, subject: str) -> QueryReply:
         """Answer a query, one page at a time: every reply fits the server's max payload."""
         now = time.monotonic()
-        self._standbys = {k: v for k, v in self._standbys.items() if now - v[1] < 3.0}
+        standbys = self._live_standbys()
         job = query.job
         snap = self._snapshots.get(
             query.snapshot,
@@ -791,7 +794,7 @@ class Controller:
         self.stats["queries.pages"] += 1
         return QueryReply(
             controller=self.info(),
-            standbys=[info for info, _ in self._standbys.values()],
+            standbys=standbys,
             stats=dict(self.stats) if page.offset == 0 else {},
             workers=page.workers,
             devices=page.devices,

@@ -115,14 +115,6 @@ class Credentials:
             opts["tls"] = ctx
         return opts
 
-    def to_env(self) -> dict[str, str]:
-        """MARDUK_* variables for a child process (paths, and secrets it was itself given)."""
-        return {
-            f"MARDUK_{f.name.upper()}": str(getattr(self, f.name))
-            for f in fields(self)
-            if getattr(self, f.name)
-        }
-
     def describe(self) -> str:
         """What is presented, without any secret: for logs."""
         parts = []

@@ -75,10 +75,6 @@ class Outcome:
     # Commands sent again (same epoch): a merged device, or a worker that has not confirmed.
     resent: list[Command] = field(default_factory=list)
 
-    def merge(self, other: Outcome) -> None:
-        for name in self.__slots__:
-            getattr(self, name).extend(getattr(other, name))
-
 
 @dataclass(slots=True)
 class Registered:

@@ -269,13 +269,13 @@ class DevicePolicy:
         reason = f"device {event.device} preempting" + (f": {event.reason}" if event.reason else "")
         for ekey in sorted({self._epoch_key(w) for w in workers}, key=scope_order):
             state = self.epochs.get(ekey)
-            recent = state is not None and state.command is not None
-            if recent and state is not None and state.command is not None:
-                recent = (
-                    state.command.kind == "checkpoint"
-                    and now - state.issued_at < self.config.pending_timeout_s
-                )
-            if recent and state is not None:
+            command = state.command if state is not None else None
+            if (
+                state is not None
+                and command is not None
+                and command.kind == "checkpoint"
+                and now - state.issued_at < self.config.pending_timeout_s
+            ):
                 reply.actions.append(
                     Action(
                         job=ekey.job,
