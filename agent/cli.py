@@ -1,7 +1,17 @@
-"""``marduk agent run -- CMD``: supervise the trainer as the pod's main process."""
+"""``marduk agent run -- CMD``: supervise the trainers as the pod's main process.
+
+torchrun's options (``--nproc-per-node``, ``--nnodes``, ``--node-rank``, ``--master-addr``,
+``--master-port``, ``--rdzv-endpoint``, ``--max-restarts``, ``--monitor-interval``,
+``--log-dir``, ``--redirects``, ``--tee``, ``--local-ranks-filter``, ``--role``, ``-m``,
+``--no-python``) mean what they mean to torchrun (agent/launch.py); the script may be given as
+torchrun takes it (``train.py ARGS``: run with this interpreter).
+"""
 
 from __future__ import annotations
 
+import re
+import socket
+import sys
 from typing import Annotated, Literal
 
 import typer
@@ -23,7 +33,14 @@ def _opt(envvar: str, help: str, **kw: object) -> typer.models.OptionInfo:
 def run(
     cmd: Annotated[list[str], typer.Argument(help="The trainer command, after --.")],
     job: Annotated[str, _opt("MARDUK_JOB", "Job name.")] = "default",
-    replica: Annotated[str, _opt("MARDUK_REPLICA_ID", "Replica id of this worker.")] = "",
+    replica: Annotated[
+        str,
+        _opt(
+            "MARDUK_REPLICA_ID",
+            "Replica id of this worker.",
+            show_default="the host name, with --nproc-per-node or --standalone",
+        ),
+    ] = "",
     worker: Annotated[
         int, _opt("MARDUK_WORKER", "Index of this worker in its replica.", min=0)
     ] = 0,
@@ -41,12 +58,14 @@ def run(
     ] = "replica",
     max_restarts: Annotated[
         int,
-        _opt(
-            "MARDUK_MAX_RESTARTS",
-            "Restarts after local crashes "
-            "or hangs within --restart-window before giving up "
-            "(exit 70).",
+        typer.Option(
+            "--max-restarts",
+            "--max_restarts",
+            envvar="MARDUK_MAX_RESTARTS",
             min=0,
+            help="Restarts after local crashes "
+            "or hangs within --restart-window before giving up "
+            "(exit 70). torchrun's --max-restarts (whose default is 0).",
         ),
     ] = 3,
     restart_window: Annotated[
@@ -156,24 +175,203 @@ def run(
     preflight_timeout: Annotated[
         float, _opt("MARDUK_PREFLIGHT_TIMEOUT", "Seconds the device check may take.", min=1.0)
     ] = 120.0,
+    nproc_per_node: Annotated[
+        str | None,
+        typer.Option(
+            "--nproc-per-node",
+            "--nproc_per_node",
+            envvar="MARDUK_NPROC_PER_NODE",
+            help="Local ranks (trainer processes) on this node, as torchrun's: each gets RANK, "
+            "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...; any one failing restarts all. 'gpu' or "
+            "'auto': one per device. Not given: one trainer without torchrun's variables.",
+            show_default=False,
+        ),
+    ] = None,
+    nnodes: Annotated[
+        str | None,
+        typer.Option(
+            "--nnodes",
+            envvar="MARDUK_NNODES",
+            help="Nodes in the job (one agent each); N or N:N.",
+            show_default="1",
+        ),
+    ] = None,
+    node_rank: Annotated[
+        int | None,
+        typer.Option(
+            "--node-rank",
+            "--node_rank",
+            envvar="MARDUK_NODE_RANK",
+            min=0,
+            help="This node's rank (GROUP_RANK); required with --nnodes above 1.",
+            show_default="0",
+        ),
+    ] = None,
+    master_addr: Annotated[
+        str | None,
+        typer.Option(
+            "--master-addr",
+            "--master_addr",
+            envvar="MARDUK_MASTER_ADDR",
+            help="MASTER_ADDR for the ranks (the node of rank 0).",
+            show_default="127.0.0.1",
+        ),
+    ] = None,
+    master_port: Annotated[
+        int | None,
+        typer.Option(
+            "--master-port",
+            "--master_port",
+            envvar="MARDUK_MASTER_PORT",
+            help="MASTER_PORT for the ranks.",
+            show_default="a free port per restart on one node; 29500 across nodes",
+        ),
+    ] = None,
+    rdzv_endpoint: Annotated[
+        str,
+        typer.Option(
+            "--rdzv-endpoint",
+            "--rdzv_endpoint",
+            help="HOST:PORT of the master (torchrun's); the rendezvous is static.",
+        ),
+    ] = "",
+    rdzv_backend: Annotated[
+        str,
+        typer.Option(
+            "--rdzv-backend",
+            "--rdzv_backend",
+            help="Accepted for torchrun command lines; ranks are static (--node-rank).",
+        ),
+    ] = "static",
+    rdzv_id: Annotated[
+        str,
+        typer.Option("--rdzv-id", "--rdzv_id", help="TORCHELASTIC_RUN_ID for the ranks."),
+    ] = "none",
+    role: Annotated[
+        str, typer.Option("--role", help="ROLE_NAME for the ranks (torchrun's).")
+    ] = "default",
+    rank_devices: Annotated[
+        Literal["all", "split"],
+        typer.Option(
+            "--rank-devices",
+            envvar="MARDUK_RANK_DEVICES",
+            help="all: every local rank sees every device (torchrun's way, and JAX's one "
+            "process per host); split: each rank gets its share of --devices, "
+            "CUDA_VISIBLE_DEVICES set to it.",
+        ),
+    ] = "all",
+    module: Annotated[
+        bool,
+        typer.Option(
+            "-m", "--module", help="Run the command as 'python -m MODULE' (torchrun's -m)."
+        ),
+    ] = False,
+    no_python: Annotated[
+        bool,
+        typer.Option(
+            "--no-python",
+            "--no_python",
+            help="Run the command as it is, even a .py script (torchrun's --no-python).",
+        ),
+    ] = False,
+    monitor_interval: Annotated[
+        float | None,
+        typer.Option(
+            "--monitor-interval",
+            "--monitor_interval",
+            envvar="MARDUK_MONITOR_INTERVAL",
+            min=0.01,
+            help="Seconds between hang and section checks (exits are seen at once).",
+            show_default="hang timeout / 4, at most 1",
+        ),
+    ] = None,
+    log_dir: Annotated[
+        str | None,
+        typer.Option(
+            "--log-dir",
+            "--log_dir",
+            envvar="MARDUK_LOG_DIR",
+            help="Where --redirects and --tee write: "
+            "LOG_DIR/JOB_REPLICA_WORKER/attempt_N/LOCAL_RANK/{stdout,stderr}.log.",
+            show_default="a new temporary directory",
+        ),
+    ] = None,
+    redirects: Annotated[
+        str,
+        typer.Option(
+            "-r",
+            "--redirects",
+            envvar="MARDUK_REDIRECTS",
+            help="Ranks' streams written to log files only: 0 none, 1 stdout, 2 stderr, 3 both, "
+            "or per local rank: 0:1,1:2.",
+        ),
+    ] = "0",
+    tee: Annotated[
+        str,
+        typer.Option(
+            "-t",
+            "--tee",
+            envvar="MARDUK_TEE",
+            help="Ranks' streams written to log files and the console (as --redirects).",
+        ),
+    ] = "0",
+    local_ranks_filter: Annotated[
+        str,
+        typer.Option(
+            "--local-ranks-filter",
+            "--local_ranks_filter",
+            help="Only these local ranks' output on the console (e.g. 0,1); log files keep all.",
+        ),
+    ] = "",
+    standalone: Annotated[
+        bool,
+        typer.Option(
+            "--standalone",
+            envvar="MARDUK_STANDALONE",
+            help="Start without waiting for a controller: restarts are local (as torchrun's), "
+            "and the agent joins the controller at --addr when one answers. No NATS needed.",
+        ),
+    ] = False,
+    require_controller: Annotated[
+        bool,
+        typer.Option(
+            "--require-controller",
+            envvar="MARDUK_REQUIRE_CONTROLLER",
+            help="Exit 1 when no controller answers within --connect-timeout, instead of "
+            "running standalone.",
+        ),
+    ] = False,
     metrics_addr: options.MetricsAddr = None,
     json_logs: options.JsonLogs = False,
     log_level: options.LogLevel = "info",
 ) -> None:
-    """Run CMD as the trainer: restart it on crashes, hangs and controller commands.
+    """Run CMD as the trainer (or --nproc-per-node of them): restart on crashes, hangs and
+    controller commands.
 
-    Exit codes: 0 the trainer finished; 1 setup error; 2 bad options; 70 gave up after
+    Exit codes: 0 the trainers finished; 1 setup error; 2 bad options; 70 gave up after
     --max-restarts; 71 the controller sent 'fail' (a bad device); 72 the controller sent 'stop';
     143 SIGTERM (preemption).
     """
-    import re
-
     from agent.client import AgentError, resolve_options
+    from agent.launch import (
+        LaunchError,
+        LaunchSpec,
+        LogSpec,
+        default_prefix_template,
+        parse_endpoint,
+        parse_nnodes,
+        parse_std,
+    )
     from agent.supervisor import Supervisor, SupervisorConfig, default_preload
     from marduk.logs import setup_logging
     from marduk.runtime import run as run_loop
 
     setup_logging(json_logs=json_logs, level=log_level)
+    torchrun_style = any(
+        x is not None for x in (nproc_per_node, nnodes, node_rank, master_addr, master_port)
+    ) or bool(rdzv_endpoint)
+    if not replica and (torchrun_style or standalone):
+        replica = node_name()
     try:
         re.compile(step_regex)
         opts = resolve_options(
@@ -188,10 +386,49 @@ def run(
             role="supervisor",
             controller_key=controller_key,
         )
-    except (AgentError, re.error) as e:
+        launch = None
+        if torchrun_style:
+            nproc = nproc_per_node or "1"
+            n = (len(opts.devices) or 1) if nproc in ("gpu", "auto") else int(nproc)
+            host, port = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else (None, None)
+            nodes = parse_nnodes(nnodes or "1")
+            if nodes > 1 and node_rank is None:
+                raise LaunchError(
+                    f"--nnodes {nodes} needs --node-rank: ranks are static (each agent is told "
+                    "its node), there is no elastic rendezvous"
+                )
+            launch = LaunchSpec(
+                nproc_per_node=n,
+                nnodes=nodes,
+                node_rank=node_rank or 0,
+                master_addr=master_addr or host or "127.0.0.1",
+                master_port=master_port if master_port is not None else port,
+                rank_devices=rank_devices,
+                role=role,
+                run_id=rdzv_id,
+                max_restarts=max_restarts,
+            )
+            launch.check_devices(opts.devices)
+        nlocal = launch.nproc_per_node if launch is not None else 1
+        logs = LogSpec(
+            log_dir=log_dir,
+            redirects=parse_std(redirects, nlocal, "--redirects"),
+            tee=parse_std(tee, nlocal, "--tee"),
+            local_ranks_filter=(
+                frozenset(int(x) for x in local_ranks_filter.split(",") if x.strip())
+                if local_ranks_filter
+                else None
+            ),
+            prefix_template=default_prefix_template(nlocal) if launch is not None else None,
+        )
+    except (AgentError, re.error, LaunchError) as e:
         options.fail(str(e), 2)
+    except ValueError as e:
+        options.fail(f"--nproc-per-node or --local-ranks-filter: {e}", 2)
+    if not cmd:
+        options.fail("no trainer command given", 2)
     config = SupervisorConfig(
-        cmd=cmd,
+        cmd=trainer_command(cmd, module=module, no_python=no_python),
         opts=opts,
         metrics_addr=metrics_addr,
         preflight=preflight,
@@ -208,6 +445,11 @@ def run(
         fork_server=fork_server,
         reclaim_timeout_s=reclaim_timeout,
         reclaim_tolerance_mib=reclaim_tolerance,
+        launch=launch,
+        logs=logs,
+        monitor_interval_s=monitor_interval,
+        standalone=standalone,
+        require_controller=require_controller,
         preload=(
             default_preload()
             if not preload
@@ -215,3 +457,19 @@ def run(
         ),
     )
     raise typer.Exit(run_loop(Supervisor(config).run()))
+
+
+def trainer_command(cmd: list[str], *, module: bool, no_python: bool) -> list[str]:
+    """The command to run: as given, or as torchrun runs ``SCRIPT.py ARGS`` and ``-m MODULE``
+    (with this interpreter)."""
+    if module:
+        return [sys.executable, "-m", *cmd]
+    if not no_python and cmd and cmd[0].endswith(".py"):
+        return [sys.executable, *cmd]
+    return cmd
+
+
+def node_name() -> str:
+    """The host name as a replica id (letters, digits, '_' and '-')."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0])[:128]
+    return name if name[:1].isalnum() else f"node-{name}"[:128]

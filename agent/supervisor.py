@@ -1,18 +1,27 @@
-"""``marduk agent run``: the pod's main process. Spawns the trainer, watches it, restarts it.
+"""``marduk agent run``: the pod's main process. Starts the trainers, watches them, restarts them.
 
-The pod survives when the trainer dies: this process registers the worker's devices with the
-controller itself (so the registration outlives trainer restarts), runs the trainer in its own
-process group, passes its output through line by line, and
+The pod survives when a trainer dies. This process registers the node's devices with the
+controller once (so the registration outlives trainer restarts), runs ``--nproc-per-node`` local
+ranks (torchrun's contract: agent/launch.py), each in its own process group, passes their
+output through line by line, and applies the decisions of the supervision core
+(agent/supervision.py) to what it observes:
 
-* on a crash (exit code or signal) or a hang (no step for ``hang_timeout_s``; before the first
-  step, ``startup_timeout_s``) reports it with a diagnosis and restarts it at the epoch the
-  controller answers with;
-* on a ``restart`` command (a device failure, another worker's crash in scope ``job``) restarts
-  it at the command's epoch, once per epoch;
-* after ``max_restarts`` restarts caused by local failures within ``restart_window_s``, or on a
-  ``fail`` command, reports that it gives up and exits non-zero so the scheduler replaces the pod;
-* on SIGTERM/SIGINT (eviction, preemption) forwards SIGTERM to the trainer, gives it the grace
-  period to checkpoint, reports ``preempted`` and exits.
+* a local rank crashes (exit code or signal) or hangs (no step for ``hang_timeout_s``; before
+  the first step, ``startup_timeout_s``; a section open past its timeout): every local rank is
+  stopped, the failure is reported with a diagnosis, and all start again at the epoch the
+  controller answers with (standalone: the same epoch);
+* a ``restart`` command (a device failure, another worker's crash in scope ``job``): every
+  local rank restarts at the command's epoch, once per epoch;
+* past ``max_restarts`` local failures within ``restart_window_s``, or on a ``fail`` command,
+  it reports that it gives up and exits non-zero so the scheduler replaces the pod;
+* every local rank exited 0: exit 0;
+* SIGTERM/SIGINT (eviction, preemption): SIGTERM to the ranks, the grace period to
+  checkpoint, ``preempted``, exit.
+
+Stopping an incarnation is SIGTERM to every rank's process group and to every process its
+trainers left behind (agent/proctree.py: the agent is their subreaper), ``grace_s`` to finish,
+then SIGKILL. With no controller reachable (or ``--standalone``) the same rules run locally and
+the agent keeps trying to join the controller in the background.
 
 Exit codes: see ``ExitCode``.
 """
@@ -21,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
+import dataclasses
 import functools
 import json
 import logging
@@ -33,39 +42,43 @@ import sys
 import tempfile
 import time
 from collections import Counter, deque
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO
 
 import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from agent.client import AsyncClient, Command, Options
+from agent.launch import LaunchSpec, LogSpec, Std
+from agent.proctree import become_subreaper, end_leftovers, leftovers
 from agent.reclaim import wait_for_release
 from agent.signatures import Diagnosis, diagnose
-from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
+from agent.starter import Starter, standby_command
+from agent.supervision import (
+    Decision,
+    ExitCode,
+    Finish,
+    Forward,
+    GiveUp,
+    Ignore,
+    Limits,
+    Restart,
+    Supervision,
+)
+from agent.zygote import TrainerProcess
 from marduk import protocol as wire
-from marduk.children import die_with_parent
+from marduk.credentials import redact
 from marduk.errors import MardukError
 from marduk.metrics import MetricsServer, Probes, StatsCollector, gauge, histogram
+
+__all__ = ["ExitCode", "Supervisor", "SupervisorConfig", "default_preload", "standby_command"]
 
 log = logging.getLogger("agent.supervisor")
 
 DEFAULT_STEP_REGEX = r"\bstep[\s:=#]+(\d+)"
-ZYGOTE_RETRIES = 3
-PREFORK_AFTER_S = 1.0  # at the latest, after a start forked from the zygote: fork the next one
-
-
-class ExitCode(enum.IntEnum):
-    OK = 0  # the trainer finished (exit 0)
-    SETUP = 1  # could not register with the controller, or could not start the trainer
-    GAVE_UP = 70  # restarted max_restarts times within the window: replace the pod
-    DEVICE_FAILED = 71  # the controller sent `fail`: a device of this pod is bad
-    # The controller sent `stop`. Never 0: a scheduler must not record a job stopped from
-    # outside as finished (no controller path issues `stop` today; reserved for operators).
-    STOPPED = 72
-    PREEMPTED = 143  # SIGTERM/SIGINT (128 + 15): the trainer got the grace period
+PUMP_DRAIN_S = 2.0  # after a rank exits: its output still in the pipe (a leftover may hold it)
 
 
 @dataclass(slots=True)
@@ -90,7 +103,7 @@ class SupervisorConfig:
     fork_server_timeout_s: float = 600.0
     # How often a running trainer's progress (last step and when) is reported.
     status_interval_s: float = 15.0
-    # Serve /metrics, /healthz and /readyz (ready: the trainer is stepping) on HOST:PORT.
+    # Serve /metrics, /healthz and /readyz (ready: every rank is stepping) on HOST:PORT.
     metrics_addr: str | None = None
     # Before a restart after a device-class failure (a check_device diagnosis, or a restart
     # command naming devices), check the devices in a separate process (agent/preflight.py).
@@ -100,27 +113,19 @@ class SupervisorConfig:
     # Between incarnations, wait for the GPUs' memory to drop below this (0 s: don't wait).
     reclaim_timeout_s: float = 50.0
     reclaim_tolerance_mib: float = 512.0
-
-
-@dataclass(slots=True)
-class Exit:
-    """Why one incarnation of the trainer ended."""
-
-    reason: str  # exited | crashed | hung | command | signal
-    returncode: int | None = None
-    command: Command | None = None
-    diagnosis: Diagnosis | None = None
-
-
-def standby_command(cmd: list[str], preload: list[str]) -> list[str] | None:
-    """The pre-spawn form of ``cmd`` (``python SCRIPT ...`` or ``python -m MODULE ...``), or
-    None when ``cmd`` is not a plain Python trainer (then it is started directly)."""
-    if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
-        return None
-    rest = cmd[1:]
-    if (rest[0] == "-m" and len(rest) >= 2) or not rest[0].startswith("-"):
-        return [cmd[0], "-m", "agent.standby", "--preload", ",".join(preload), "--", *rest]
-    return None
+    # torchrun's contract (ranks, master, devices per rank); None: one trainer, none of
+    # torchrun's variables set (as before --nproc-per-node existed).
+    launch: LaunchSpec | None = None
+    logs: LogSpec = field(default_factory=LogSpec)
+    # How often hangs, startup and sections are checked (exits are seen at once); None:
+    # a quarter of hang_timeout_s, at most 1 s.
+    monitor_interval_s: float | None = None
+    # Start without waiting for a controller (it is joined in the background when it appears).
+    standalone: bool = False
+    # No controller at start: exit 1 (SETUP) instead of running standalone.
+    require_controller: bool = False
+    # Standalone: seconds between attempts to reach the controller.
+    join_interval_s: float = 2.0
 
 
 def default_preload() -> list[str]:
@@ -141,48 +146,105 @@ def describe_returncode(code: int) -> tuple[int | None, str]:
     return code, ""
 
 
+# --- what the shell observes (facts for the core) ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankExited:
+    incarnation: int
+    rank: int
+    returncode: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class CommandArrived:
+    command: Command
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    epoch: int
+    unusable_devices: list[str]
+
+
+Fact = RankExited | Tick | Preempted | CommandArrived | Joined
+
+
+class Rank:
+    """One local rank: its current process, its output, its library's connections."""
+
+    def __init__(self, index: int, socket_path: str, tail_lines: int) -> None:
+        self.index = index
+        self.socket_path = socket_path
+        self.proc: TrainerProcess | None = None
+        self.tail: deque[str] = deque(maxlen=tail_lines)
+        self.trainers: set[asyncio.StreamWriter] = set()  # its library's connections
+        self.tasks: list[asyncio.Task[None]] = []  # output pumps and the exit waiter
+        self.files: list[IO[bytes]] = []  # --log-dir files of the current attempt
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
 class Supervisor:
     def __init__(self, config: SupervisorConfig) -> None:
         self.config = config
         self.opts = config.opts
+        self.launch = config.launch
+        nproc = self.launch.nproc_per_node if self.launch is not None else 1
+        self.core = Supervision(
+            Limits(
+                max_restarts=config.max_restarts,
+                restart_window_s=config.restart_window_s,
+                hang_timeout_s=config.hang_timeout_s,
+                startup_timeout_s=config.startup_timeout_s,
+            ),
+            nproc,
+            epoch=self.opts.epoch,
+        )
         self.step_re = re.compile(config.step_regex)
-        self.tail: deque[str] = deque(maxlen=config.tail_lines)
-        self.commands: asyncio.Queue[Command] = asyncio.Queue()
-        self.stop_signal: asyncio.Event = asyncio.Event()
+        self.facts: asyncio.Queue[Fact] = asyncio.Queue()
         self.client: AsyncClient | None = None
-        self.epoch = self.opts.epoch
-        self.incarnation = -1  # the current trainer's; the first one is 0
-        self.local_restarts: deque[float] = deque()
-        self.step: int | None = None
-        self.step_at = 0.0
-        self.started_at = 0.0
-        self.proc: TrainerProcess | None = None
-        self.standby: asyncio.subprocess.Process | None = None
-        self._standby_task: asyncio.Task[None] | None = None
-        self.zygote: Zygote | None = None
-        self.forked: ForkedProcess | None = None  # the next trainer, forked ahead of time
-        self._prefork_task: asyncio.Task[None] | None = None  # waits, then starts _forking
-        self._forking: asyncio.Task[None] | None = None
-        self._zygote_failures = 0  # in a row; past ZYGOTE_RETRIES the standby is used instead
-        self.started_by = ""  # how the current trainer started: zygote, standby or "" (cold)
-        self._first_step = asyncio.Event()
-        self.progress_at = 0.0  # monotonic time of the last step or heartbeat; 0: none yet
-        self.sections: dict[str, tuple[float, float | None]] = {}
-        # A private directory (0700, made race-free by mkdtemp) holds the trainer's socket: no
-        # other user can connect to it, or guess and squat its path.
+        self._join_task: asyncio.Task[None] | None = None
+        self.stats: Counter[str] = Counter()
+        self.starter = Starter(
+            config.cmd,
+            nproc=nproc,
+            prespawn=config.prespawn,
+            fork_server=config.fork_server,
+            preload=config.preload,
+            fork_server_timeout_s=config.fork_server_timeout_s,
+            stats=self.stats,
+        )
+        # A private directory (0700, made race-free by mkdtemp) holds the trainers' sockets: no
+        # other user can connect to them, or guess and squat their paths.
         self.socket_dir = tempfile.mkdtemp(
             prefix="marduk-agent-", dir=os.environ.get("XDG_RUNTIME_DIR") or None
         )
-        self.socket_path = os.path.join(self.socket_dir, "agent.sock")
-        self._trainers: set[asyncio.StreamWriter] = set()
-        self.standby_cmd = standby_command(config.cmd, config.preload) if config.prespawn else None
-        self.stats: Counter[str] = Counter()
+        names = ["agent.sock"] if nproc == 1 else [f"agent-{i}.sock" for i in range(nproc)]
+        self.ranks = [
+            Rank(i, os.path.join(self.socket_dir, name), config.tail_lines)
+            for i, name in enumerate(names)
+        ]
+        self.master_port = 0
+        self.run_dir = ""  # --log-dir/<job>_<replica>_<worker>, made at the first start
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(self.stats, self._gauges))
         self._restart_seconds = histogram(
             self.registry,
             "marduk_agent_restart_seconds",
-            "From a trainer's end (crash, hang, command) to the next trainer running.",
+            "From a trainer's end (crash, hang, command) to the next trainers running.",
         )
         self._first_step_seconds = histogram(
             self.registry,
@@ -191,33 +253,70 @@ class Supervisor:
         )
         self._ended_at: float | None = None
 
-    # --- top level -------------------------------------------------------------------------------
+    # --- what the rest of the code reads ----------------------------------------------------------
+
+    @property
+    def epoch(self) -> int:
+        return self.core.epoch
+
+    @property
+    def incarnation(self) -> int:
+        return self.core.incarnation
+
+    @property
+    def nproc(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def step(self) -> int | None:
+        """The lowest step of the ranks that stepped (the node's progress)."""
+        steps = [r.step for r in self.core.ranks if r.step is not None]
+        return min(steps) if steps else None
+
+    # --- top level --------------------------------------------------------------------------------
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop_signal.set)
-        self.client = AsyncClient(
-            self.opts, on_command=self.commands.put_nowait, deliver=lambda _c: None
-        )
-        try:
-            await self.client.start()
-        except MardukError as e:
-            log.error("cannot register with the controller: %s", e)
-            return ExitCode.SETUP
-        self.epoch = max(self.epoch, self.client.epoch)
-        if self.client.unusable_devices:
-            # Quarantined or drained by the controller: running here cannot help; the pod goes
-            # back to the scheduler (a node the device is not on).
-            log.error(
-                "device(s) %s out of service (quarantined or drained); not starting the trainer",
-                ", ".join(self.client.unusable_devices),
+            loop.add_signal_handler(sig, self.facts.put_nowait, Preempted())
+        # Orphans of our trainers (setsid'd helpers) become ours, not init's: ended with them.
+        if not become_subreaper():
+            log.warning(
+                "cannot become a child subreaper: processes that leave a trainer's "
+                "session may outlive it"
             )
-            await self._report("gave_up", summary="devices out of service")
-            await self.client.close(deregister=True, reason="devices out of service")
-            return ExitCode.DEVICE_FAILED
-        # The library client's counters (commands, dropped forgeries, ...) are exported too.
-        self.registry.register(StatsCollector(self.client.stats, lambda: []))
+        if self.config.standalone:
+            log.info(
+                "standalone: restarts are local; joining the controller at %s when it answers",
+                redact(self.opts.addr),
+            )
+            self._join_task = asyncio.create_task(self._join(), name="marduk-agent-join")
+        else:
+            try:
+                self.client = await self._connect(self.opts)
+            except MardukError as e:
+                if self.config.require_controller:
+                    log.error("cannot register with the controller: %s", e)
+                    return ExitCode.SETUP
+                log.warning(
+                    "cannot register with the controller (%s): running standalone (local "
+                    "restarts only) and joining it when it answers",
+                    e,
+                )
+                self._join_task = asyncio.create_task(self._join(), name="marduk-agent-join")
+        if self.client is not None:
+            self.core.joined(self.client.epoch, [])
+            if self.client.unusable_devices:
+                # Quarantined or drained by the controller: running here cannot help; the pod
+                # goes back to the scheduler (a node the device is not on).
+                log.error(
+                    "device(s) %s out of service (quarantined or drained); not starting the "
+                    "trainer",
+                    ", ".join(self.client.unusable_devices),
+                )
+                await self._report("gave_up", summary="devices out of service")
+                await self.client.close(deregister=True, reason="devices out of service")
+                return ExitCode.DEVICE_FAILED
         metrics = None
         if self.config.metrics_addr:
             metrics = MetricsServer(self.config.metrics_addr, Probes(self.registry, self._ready))
@@ -225,43 +324,98 @@ class Supervisor:
                 await metrics.start()
             except MardukError as e:
                 log.error("%s", e)
-                await self.client.close(deregister=False)
+                await self._close_client(deregister=False)
                 return ExitCode.SETUP
-        server = await asyncio.start_unix_server(self._serve_trainer, self.socket_path)
-        os.chmod(self.socket_path, 0o600)
-        status = asyncio.create_task(self._status_loop())
+        servers = []
+        for rank in self.ranks:
+            serve = functools.partial(self._serve_trainer, rank)
+            servers.append(await asyncio.start_unix_server(serve, rank.socket_path))
+            os.chmod(rank.socket_path, 0o600)
+        background = [
+            asyncio.create_task(self._status_loop(), name="marduk-agent-status"),
+            asyncio.create_task(self._ticker(), name="marduk-agent-ticker"),
+        ]
         try:
             return await self._loop()
         finally:
-            status.cancel()
-            server.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.socket_path)
+            for task in background:
+                task.cancel()
+            if self._join_task is not None:
+                self._join_task.cancel()
+            await self._stop_all("the agent is exiting")
+            for server in servers:
+                server.close()
+            for rank in self.ranks:
+                with contextlib.suppress(OSError):
+                    os.unlink(rank.socket_path)
             with contextlib.suppress(OSError):
                 os.rmdir(self.socket_dir)
-            await self._discard_standby()
-            await self.client.close(deregister=False)
+            await self.starter.close()
+            await end_leftovers(set(), 1.0)
+            await self._close_client(deregister=False)
             if metrics is not None:
                 await metrics.stop()
 
+    async def _connect(self, opts: Options) -> AsyncClient:
+        client = AsyncClient(opts, on_command=self._on_command, deliver=lambda _c: None)
+        await client.start()
+        # The library client's counters (commands, dropped forgeries, ...) are exported too.
+        self.registry.register(StatsCollector(client.stats, lambda: []))
+        return client
+
+    async def _join(self) -> None:
+        """Standalone: try to reach the controller until it answers; then follow it."""
+        opts = dataclasses.replace(self.opts, timeout=min(self.opts.timeout, 5.0))
+        said = False
+        while True:
+            try:
+                client = await self._connect(opts)
+            except MardukError as e:
+                if not said:
+                    log.info("no controller at %s yet (%s); still trying", redact(opts.addr), e)
+                    said = True
+                await asyncio.sleep(self.config.join_interval_s)
+                continue
+            self.client = client
+            log.warning(
+                "joined the controller at %s (epoch %d): it decides restarts from now on",
+                redact(opts.addr),
+                client.epoch,
+            )
+            self.facts.put_nowait(Joined(client.epoch, list(client.unusable_devices)))
+            if any(r.running for r in self.ranks):
+                await self._report("running")
+            return
+
+    async def _close_client(self, *, deregister: bool, reason: str = "closed") -> None:
+        if self._join_task is not None:
+            self._join_task.cancel()
+        if self.client is not None:
+            await self.client.close(deregister=deregister, reason=reason)
+
+    def _on_command(self, command: Command) -> None:
+        self.facts.put_nowait(CommandArrived(command))
+
     def _ready(self) -> tuple[bool, str]:
-        if self.proc is None or self.proc.returncode is not None:
-            return False, "no trainer running"
-        if not self._first_step.is_set():
-            return False, f"trainer (incarnation {self.incarnation}) has not stepped yet"
+        if not all(r.running for r in self.ranks):
+            return False, "not every trainer is running"
+        waiting = [i for i, r in enumerate(self.core.ranks) if not r.progress_at]
+        if waiting:
+            who = "trainer" if self.nproc == 1 else f"local rank(s) {waiting}"
+            return False, f"{who} (incarnation {self.incarnation}) has not stepped yet"
         return True, f"trainer stepping (epoch {self.epoch}, step {self.step})"
 
     def _gauges(self) -> Iterator[Metric]:
-        running = float(self.proc is not None and self.proc.returncode is None)
+        running = float(sum(r.running for r in self.ranks))
         yield gauge(
             "marduk_agent_trainer_running",
-            "1 while a trainer runs.",
+            "Trainers (local ranks) running.",
             {"trainer": running},
             "process",
         )
         yield gauge(
             "marduk_agent_epoch",
-            "The epoch the trainer runs at.",
+            "The epoch the trainers run at.",
             {"current": float(self.epoch)},
             "epoch",
         )
@@ -272,61 +426,380 @@ class Supervisor:
             "incarnation",
         )
 
+    # --- the loop: start every rank, wait for a decision, apply it --------------------------------
+
     async def _loop(self) -> int:
         while True:
             try:
-                await self._spawn()
+                await self._start_all()
             except OSError as e:
                 log.error("cannot start the trainer %s: %s", shlex.join(self.config.cmd), e)
                 await self._report("gave_up", summary=f"cannot start: {e}")
                 return ExitCode.SETUP
-            ended = await self._watch()
+            decision, command = await self._supervise()
+            if command is not None:
+                await self._forward(command)  # the libraries learn why they are stopped
+            await self._stop_all(decision_why(decision))
             self._ended_at = time.monotonic()
-            if ended.reason == "exited":
-                log.info("trainer finished (exit 0)")
-                await self._report("exited", exit_code=0)
-                assert self.client is not None
-                await self.client.close(deregister=True, reason="trainer exited 0")
-                return ExitCode.OK
-            if ended.reason == "signal":
-                await self._report("preempted", summary="SIGTERM to the agent")
-                return ExitCode.PREEMPTED
-            if ended.reason == "command":
-                assert ended.command is not None
-                cmd = ended.command
-                if cmd.kind == "stop":
-                    log.warning("stop command (epoch %d): %s", cmd.epoch, cmd.reason)
-                    return ExitCode.STOPPED
-                if cmd.kind == "fail":
-                    log.error("fail command (epoch %d): %s; giving up", cmd.epoch, cmd.reason)
-                    await self._report("gave_up", summary=f"fail command: {cmd.reason}")
-                    return ExitCode.DEVICE_FAILED
-                log.warning("restart command epoch %d: %s", cmd.epoch, cmd.reason)
-                self.stats["restarts.command"] += 1
-                self.epoch = cmd.epoch
-                if self.client is not None:
-                    await self.client.ack(cmd)
-                if cmd.devices and not await self._preflight(f"device(s) {', '.join(cmd.devices)}"):
-                    return ExitCode.DEVICE_FAILED
-            else:  # crashed or hung: a local failure, counted against the budget
-                if not self._within_budget():
-                    log.error(
-                        "restarted %d time%s within %gs; giving up",
-                        self.config.max_restarts,
-                        "" if self.config.max_restarts == 1 else "s",
-                        self.config.restart_window_s,
-                    )
-                    await self._report_failure("gave_up", ended)
-                    return ExitCode.GAVE_UP
-                what = ended.diagnosis.failure_class if ended.diagnosis else "unclassified"
-                self.stats[f"restarts.{ended.reason}/{what}"] += 1
-                self.epoch = await self._report_failure(ended.reason, ended)
-                device_class = (
-                    ended.diagnosis is not None and ended.diagnosis.action == "check_device"
-                )
-                if device_class and not await self._preflight(what):
-                    return ExitCode.DEVICE_FAILED
+            code = await self._apply(decision, command)
+            if code is not None:
+                return code
             await self._cleanup()
+
+    async def _supervise(self) -> tuple[Decision, Command | None]:
+        """Feed the core what happens until it decides something the ranks must stop for."""
+        while True:
+            fact = await self.facts.get()
+            now = time.monotonic()
+            command = None
+            decision: Decision | None
+            if isinstance(fact, RankExited):
+                if fact.incarnation != self.core.incarnation:
+                    continue  # a rank of an incarnation already stopped
+                decision = self.core.exited(fact.rank, fact.returncode, now)
+                if fact.returncode == 0 and decision is None:
+                    log.info("local rank %d finished (exit 0)", fact.rank)
+            elif isinstance(fact, Tick):
+                decision = self.core.tick(now)
+            elif isinstance(fact, Preempted):
+                decision = self.core.preempted()
+            elif isinstance(fact, Joined):
+                decision = self.core.joined(fact.epoch, fact.unusable_devices)
+            else:
+                command = fact.command
+                decision = self.core.command(command.kind, command.epoch, command.reason)
+                if isinstance(decision, Forward):
+                    # Save now, keep training: the trainers' libraries see it; nothing stops.
+                    log.warning("%s", decision.why)
+                    await self._forward(command)
+                    continue
+            if decision is None or isinstance(decision, Ignore):
+                continue
+            return decision, command
+
+    async def _apply(self, decision: Decision, command: Command | None) -> int | None:
+        """Report the decision and prepare the restart; an exit code ends the agent."""
+        if isinstance(decision, Finish):
+            log.info("trainer finished (exit 0)" if self.nproc == 1 else "every rank finished")
+            await self._report("exited", exit_code=0)
+            await self._close_client(deregister=True, reason="trainer exited 0")
+            return ExitCode.OK
+        if isinstance(decision, GiveUp):
+            if decision.code == ExitCode.PREEMPTED:
+                await self._report("preempted", summary="SIGTERM to the agent")
+            elif decision.code == ExitCode.STOPPED:
+                log.warning("%s", decision.why)
+            elif decision.failure is not None:
+                log.error("%s", decision.why)
+                await self._report_failure("gave_up", decision.failure, decision)
+            else:
+                log.error("%s; giving up", decision.why)
+                await self._report("gave_up", summary=decision.why)
+                if command is None:  # the controller we joined says our devices are out
+                    await self._close_client(deregister=True, reason=decision.why)
+            return int(decision.code)
+        assert isinstance(decision, Restart)
+        if decision.failure is None:
+            assert command is not None
+            log.warning("%s", decision.why)
+            self.stats["restarts.command"] += 1
+            self.core.restarting_at(command.epoch)
+            if self.client is not None:
+                await self.client.ack(command)
+            if command.devices and not await self._preflight(
+                f"device(s) {', '.join(command.devices)}"
+            ):
+                return ExitCode.DEVICE_FAILED
+            return None
+        diagnosis = self._diagnose(decision.rank)
+        what = diagnosis.failure_class if diagnosis else "unclassified"
+        self.stats[f"restarts.{decision.failure}/{what}"] += 1
+        answered = await self._report_failure(decision.failure, decision.failure, decision)
+        self.core.restart_epoch(answered)
+        device_class = diagnosis is not None and diagnosis.action == "check_device"
+        if device_class and not await self._preflight(what):
+            return ExitCode.DEVICE_FAILED
+        return None
+
+    def _diagnose(self, rank: int | None) -> Diagnosis | None:
+        return diagnose(self.ranks[rank].tail) if rank is not None else None
+
+    # --- one incarnation of every rank ------------------------------------------------------------
+
+    def _trainer_env(self) -> dict[str, str]:
+        """What every rank's trainer gets (and the fork server imports with)."""
+        o = self.opts
+        return {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "MARDUK_JOB": o.job,
+            "MARDUK_REPLICA_ID": o.replica,
+            "MARDUK_WORKER": str(o.worker),
+            "MARDUK_EPOCH": str(self.epoch),
+            "MARDUK_RESTART_COUNT": str(max(self.incarnation, 0)),
+            "MARDUK_DEVICES": ",".join(o.devices),
+            "MARDUK_SCOPE": o.scope,
+            "MARDUK_ADDR": o.addr,
+            "MARDUK_SUPERVISOR_PID": str(os.getpid()),
+        }
+
+    def _rank_env(self, rank: Rank, base: dict[str, str]) -> dict[str, str]:
+        env = {**base, "MARDUK_AGENT_SOCKET": rank.socket_path}
+        if self.launch is not None:
+            env.update(
+                self.launch.env(rank.index, self.opts.devices, self.incarnation, self.master_port)
+            )
+        return env
+
+    async def _start_all(self) -> None:
+        incarnation = self.core.started(time.monotonic())
+        if self.launch is not None:
+            self.master_port = self.launch.port_for_incarnation()
+        base = self._trainer_env()
+        for rank in self.ranks:
+            rank.tail.clear()
+            rank.files = self._open_logs(rank.index, incarnation)
+            try:
+                rank.proc = await self.starter.start(
+                    rank.index,
+                    self._rank_env(rank, base),
+                    first=incarnation == 0,
+                    base_env=base,
+                )
+            except OSError:
+                await self._stop_all("a local rank could not start")
+                raise
+            self._watch(rank, incarnation)
+        started = time.monotonic()
+        self.stats["trainer_starts"] += self.nproc
+        for rank in self.ranks:
+            by = self.starter.slots[rank.index].started_by
+            if by:
+                self.stats[f"trainer_starts.{by}"] += 1
+        if self._ended_at is not None:
+            self._restart_seconds.observe(started - self._ended_at)
+            self._ended_at = None
+        by = self.starter.slots[0].started_by
+        pids = ", ".join(str(r.proc.pid) for r in self.ranks if r.proc is not None)
+        log.info(
+            "trainer%s started: pid%s %s, epoch %d, incarnation %d%s",
+            "" if self.nproc == 1 else "s",
+            "" if self.nproc == 1 else "s",
+            pids,
+            self.epoch,
+            incarnation,
+            f" (pre-spawned), from the {by}" if by else "",
+        )
+        await self._report("running")
+
+    def _watch(self, rank: Rank, incarnation: int) -> None:
+        proc = rank.proc
+        assert proc is not None
+        pumps = [
+            asyncio.create_task(self._pump(rank, proc.stdout, Std.OUT)),
+            asyncio.create_task(self._pump(rank, proc.stderr, Std.ERR)),
+        ]
+        waiter = asyncio.create_task(self._wait_exit(rank, proc, incarnation, pumps))
+        rank.tasks = [*pumps, waiter]
+
+    async def _wait_exit(
+        self,
+        rank: Rank,
+        proc: TrainerProcess,
+        incarnation: int,
+        pumps: list[asyncio.Task[None]],
+    ) -> None:
+        code = await proc.wait()
+        # Nothing lost at exit; but a process it left behind may hold the pipe open.
+        _, pending = await asyncio.wait(pumps, timeout=PUMP_DRAIN_S)
+        for task in pending:
+            task.cancel()
+        self.facts.put_nowait(RankExited(incarnation, rank.index, code))
+
+    async def _ticker(self) -> None:
+        interval = self.config.monitor_interval_s or min(1.0, self.config.hang_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            self.facts.put_nowait(Tick())
+
+    async def _stop_all(self, why: str) -> None:
+        """SIGTERM every rank's group and every process the trainers left behind; the grace
+        period; SIGKILL what is left; wait until all of it is gone."""
+        running = [r for r in self.ranks if r.running]
+        spare = self.starter.infrastructure_pids()
+        deadline = time.monotonic() + self.config.grace_s
+        if running:
+            pids = ", ".join(str(r.proc.pid) for r in running if r.proc is not None)
+            who = "the trainer" if self.nproc == 1 else f"{len(running)} local rank(s)"
+            log.warning("stopping %s (pid %s): %s", who, pids, why)
+            for r in running:
+                assert r.proc is not None
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(r.proc.pid, signal.SIGTERM)
+            # Their whole trees: helpers that left the group (setsid) get the same grace.
+            for p in await asyncio.to_thread(leftovers, spare):
+                with contextlib.suppress(Exception):
+                    p.send_signal(signal.SIGTERM)
+            waits = [r.proc.wait() for r in running if r.proc is not None]
+            try:
+                await asyncio.wait_for(asyncio.gather(*waits), self.config.grace_s)
+            except TimeoutError:
+                log.warning("trainer ignored SIGTERM for %gs; SIGKILL", self.config.grace_s)
+                for r in running:
+                    if r.proc is not None and r.proc.returncode is None:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(r.proc.pid, signal.SIGKILL)
+                await asyncio.gather(*(r.proc.wait() for r in running if r.proc is not None))
+        for r in self.ranks:
+            await self._wait_group_gone(r)
+        await end_leftovers(spare, max(0.0, deadline - time.monotonic()))
+        for r in self.ranks:
+            for task in r.tasks:
+                if task.done() or task is asyncio.current_task():
+                    continue
+                task.cancel()
+            for f in r.files:
+                with contextlib.suppress(OSError):
+                    f.close()
+            r.files = []
+
+    async def _wait_group_gone(self, rank: Rank, timeout: float = 10.0) -> None:
+        """Until no process of the rank's group is left (children it forked included)."""
+        if rank.proc is None:
+            return
+        pgid = rank.proc.pid
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                return
+            await asyncio.sleep(0.01)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+
+    # --- output -----------------------------------------------------------------------------------
+
+    def _open_logs(self, local_rank: int, attempt: int) -> list[IO[bytes]]:
+        """The --log-dir files of this attempt (--tee, --redirects), [stdout, stderr] or []."""
+        logs = self.config.logs
+        if not logs.wants_files:
+            return []
+        if not self.run_dir:
+            base = logs.log_dir or tempfile.mkdtemp(prefix="marduk_logs_")
+            o = self.opts
+            self.run_dir = os.path.join(base, f"{o.job}_{o.replica}_{o.worker}")
+            log.info("rank logs under %s", self.run_dir)
+        files: list[IO[bytes]] = []
+        for stream in (Std.OUT, Std.ERR):
+            path = logs.path(self.run_dir, attempt, local_rank, stream)
+            if logs.to_file(local_rank, stream):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                files.append(open(path, "wb"))  # noqa: SIM115 - closed when the attempt ends
+            else:
+                files.append(open(os.devnull, "wb"))  # noqa: SIM115 - as above
+        return files
+
+    async def _pump(self, rank: Rank, stream: asyncio.StreamReader | None, which: Std) -> None:
+        """Pass a rank's output through line by line (prefixed, teed, redirected); keep the
+        tail; parse steps."""
+        if stream is None:
+            return
+        logs = self.config.logs
+        console = sys.stdout.buffer if which == Std.OUT else sys.stderr.buffer
+        show = logs.to_console(rank.index, which)
+        prefix = logs.prefix(self.launch, rank.index) if self.launch is not None else b""
+        file = rank.files[0 if which == Std.OUT else 1] if rank.files else None
+        while True:
+            line = await stream.readline()
+            if not line:
+                return
+            if show:
+                console.write(prefix + line)
+                console.flush()
+            if file is not None and not file.closed:
+                file.write(line)
+                file.flush()
+            text = line.decode(errors="replace").rstrip()
+            rank.tail.append(text)
+            m = self.step_re.search(text)
+            if m:
+                with contextlib.suppress(ValueError, IndexError):
+                    self._progress(rank.index, int(m.group(1)))
+
+    def _progress(self, rank: int, step: int | None) -> None:
+        if self.core.progress(rank, step, time.monotonic()):
+            self._stepped(rank)
+
+    def _stepped(self, rank: int) -> None:
+        self._first_step_seconds.observe(time.monotonic() - self.core.ranks[rank].started_at)
+        self.starter.stepped(rank)
+
+    # --- the trainers' library (agent/local.py) ---------------------------------------------------
+
+    async def _serve_trainer(
+        self, rank: Rank, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        rank.trainers.add(writer)
+        try:
+            while line := await reader.readline():
+                try:
+                    msg = json.loads(line)
+                    op = msg.get("op")
+                    if op == "hello":
+                        writer.write(
+                            json.dumps({"op": "welcome", "epoch": self.epoch}).encode() + b"\n"
+                        )
+                        await writer.drain()
+                    elif op == "step":
+                        self._progress(rank.index, int(msg["step"]))
+                    elif op == "heartbeat":
+                        self._progress(rank.index, None)
+                    elif op == "checkpointed":
+                        step = int(msg["step"])
+                        log.info("trainer saved the checkpoint asked for at step %d", step)
+                        await self._report(
+                            "checkpointed", summary=f"checkpoint saved at step {step}"
+                        )
+                    elif op == "section":
+                        timeout = msg.get("timeout")
+                        first = self.core.section(
+                            rank.index,
+                            str(msg["name"]),
+                            bool(msg.get("open")),
+                            float(timeout) if timeout else None,
+                            time.monotonic(),
+                        )
+                        if first:
+                            self._stepped(rank.index)
+                except (ValueError, KeyError, TypeError) as e:
+                    log.warning("bad message from the trainer's library: %s", e)
+        except (OSError, ValueError):
+            pass
+        finally:
+            rank.trainers.discard(writer)
+            writer.close()
+
+    async def _forward(self, cmd: Command) -> None:
+        """Tell the trainers' libraries (those connected) why they are about to be stopped."""
+        wire_cmd = msgspec.to_builtins(cmd.to_wire())
+        line = json.dumps({"op": "command", "command": wire_cmd}).encode() + b"\n"
+        for rank in self.ranks:
+            for writer in list(rank.trainers):
+                with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+                    writer.write(line)
+                    await asyncio.wait_for(writer.drain(), 1.0)
+
+    async def _status_loop(self) -> None:
+        """Report progress (last step and when) while the trainers run."""
+        while True:
+            await asyncio.sleep(self.config.status_interval_s)
+            stepped = [r for r in self.core.ranks if r.step is not None]
+            if any(r.running for r in self.ranks) and stepped:
+                age = time.monotonic() - min(r.step_at for r in stepped)
+                await self._report("running", step_at=time.time() - age)
+
+    # --- between incarnations ---------------------------------------------------------------------
 
     async def _preflight(self, after: str) -> bool:
         """Check the devices in a fresh process before restarting onto them (when enabled).
@@ -345,7 +818,7 @@ class Supervisor:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            env={**os.environ, **self._trainer_env()},
+            env=self._trainer_env(),
             start_new_session=True,
         )
         try:
@@ -375,447 +848,6 @@ class Supervisor:
         )
         return False
 
-    def _within_budget(self) -> bool:
-        now = time.monotonic()
-        window = self.config.restart_window_s
-        while self.local_restarts and now - self.local_restarts[0] > window:
-            self.local_restarts.popleft()
-        if len(self.local_restarts) >= self.config.max_restarts:
-            return False
-        self.local_restarts.append(now)
-        return True
-
-    # --- one incarnation -------------------------------------------------------------------------
-
-    async def _spawn(self) -> None:
-        self.incarnation += 1
-        env = self._trainer_env()
-        env.pop("MARDUK_WARM_START", None)  # set by the zygote or standby that starts it
-        if self.standby_cmd is None:
-            self.proc, self.started_by = await self._exec(self.config.cmd, env, stdin=False), ""
-        else:
-            self._first_step.clear()
-            if self._fork_server_wanted():
-                self.proc = await self._fork(env)
-            else:
-                self.proc = await self._activate_standby(env)
-            if not self._fork_server_wanted():  # (or forking turned out unsafe just now)
-                # The next one starts once this trainer has made its first step (or after a
-                # minute): importing a framework meanwhile would slow the restart it waits for.
-                self._prepare(self._prepare_standby(env))
-        self.started_at = time.monotonic()
-        self.stats["trainer_starts"] += 1
-        if self.started_by:
-            self.stats[f"trainer_starts.{self.started_by}"] += 1
-        if self._ended_at is not None:
-            self._restart_seconds.observe(self.started_at - self._ended_at)
-            self._ended_at = None
-        self.step, self.step_at, self.progress_at = None, 0.0, 0.0
-        self.sections.clear()
-        self.tail.clear()
-        log.info(
-            "trainer started: pid %d, epoch %d, incarnation %d%s",
-            self.proc.pid,
-            self.epoch,
-            self.incarnation,
-            f" (pre-spawned), from the {self.started_by}" if self.started_by else "",
-        )
-        await self._report("running")
-
-    def _fork_server_wanted(self) -> bool:
-        return (
-            self.config.fork_server
-            and self._zygote_failures < ZYGOTE_RETRIES
-            and hasattr(os, "pidfd_open")
-        )
-
-    async def _fork(self, env: dict[str, str]) -> TrainerProcess:
-        """The trainer forked by the zygote (started first if there is none): the one forked
-        ahead of time, else a fresh fork. If neither can be had, the trainer starts cold (or
-        from a standby, where forking is unsafe) and a new zygote starts once it has stepped."""
-        if self.zygote is None and self.incarnation == 0:
-            # The first trainer waits for the zygote's import, as it would wait for its own;
-            # every later start, the first fault's included, is a fork.
-            self.zygote = await self._start_zygote(env)
-        try:
-            proc = await self._take_forked()
-            await proc.activate({**env, "MARDUK_WARM_START": "zygote"})
-        except (ZygoteError, OSError) as e:  # OSError: no pidfd (Linux < 5.3), no descriptors
-            self._zygote_failures += 1
-            await self._discard_zygote()
-            if isinstance(e, ZygoteUnsafe):
-                log.error("cannot fork trainers: %s; using a standby process instead", e)
-                self._zygote_failures = ZYGOTE_RETRIES
-                return await self._activate_standby(env)
-            log.warning("fork server: %s; starting the trainer cold", e)
-            self.stats["fork_server.failures"] += 1
-            self.started_by = ""
-            cold = await self._exec(self.config.cmd, env, stdin=False)
-            if self._fork_server_wanted():
-                self._prepare(self._prepare_zygote(env))
-            return cold
-        self._zygote_failures = 0
-        self.started_by = "zygote"
-        # The next one is forked once this one has stepped (or after PREFORK_AFTER_S): forking
-        # meanwhile would slow a restart (8 workers on 2 cores: 130 -> 280 ms). A fault before
-        # that forks one directly. At the job's start, now: that start waits for imports
-        # anyway, and a job's first step is when a bad device or a bug often shows.
-        first = self.incarnation == 0
-        self._prefork_task = asyncio.create_task(self._prefork_later(0.0 if first else None))
-        return proc
-
-    async def _prefork_later(self, after: float | None) -> None:
-        if after is None:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._first_step.wait(), PREFORK_AFTER_S)
-        self._forking = asyncio.create_task(self._prefork())
-
-    async def _take_forked(self) -> ForkedProcess:
-        if self._prefork_task is not None:
-            self._prefork_task.cancel()
-        if self._forking is not None:  # one being forked: wait for it rather than fork two
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._forking)
-        proc, self.forked = self.forked, None
-        if proc is not None and proc.waiting:
-            return proc
-        if proc is not None:
-            await proc.discard()
-        zygote = self.zygote
-        if zygote is None or not zygote.alive:
-            raise ZygoteError("the fork server is not running")
-        await zygote.wait_ready(self.config.fork_server_timeout_s)
-        return await zygote.fork()
-
-    async def _prefork(self) -> None:
-        zygote = self.zygote
-        if zygote is None or not zygote.alive or self.forked is not None:
-            return
-        try:
-            forked = await zygote.fork()
-        except (ZygoteError, OSError) as e:  # the next start finds out again, and falls back
-            log.warning("fork server: %s", e)
-            return
-        if self.forked is None:
-            self.forked = forked
-        else:
-            await forked.discard()
-
-    async def _start_zygote(self, env: dict[str, str]) -> Zygote | None:
-        python, *target = self.config.cmd
-        try:
-            zygote = await Zygote.start(python, target, self.config.preload, env)
-        except OSError as e:
-            log.warning("cannot start the fork server: %s", e)
-            return None
-        log.info(
-            "fork server started: pid %d, preloading %s",
-            zygote.proc.pid,
-            ",".join(self.config.preload) or "nothing",
-        )
-        return zygote
-
-    def _prepare(self, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` (the next standby's or zygote's start) instead of any pending one."""
-        if self._standby_task is not None:
-            self._standby_task.cancel()
-        self._standby_task = asyncio.create_task(coro)
-
-    async def _prepare_zygote(self, env: dict[str, str]) -> None:
-        """A new zygote, once the trainer started cold has stepped (or after a minute)."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._first_step.wait(), 60.0)
-        # Shielded: a restart that cancels this task mid-exec must not orphan the process.
-        await asyncio.shield(self._install_zygote(env))
-
-    async def _install_zygote(self, env: dict[str, str]) -> None:
-        zygote = await self._start_zygote(env)
-        if self.zygote is None:
-            self.zygote = zygote
-        elif zygote is not None:  # a start raced this one
-            await zygote.close()
-
-    async def _discard_zygote(self) -> None:
-        """Stop the zygote and the trainer it forked ahead of time (not the running one)."""
-        if self._prefork_task is not None:
-            self._prefork_task.cancel()
-        if self._forking is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(self._forking)
-        zygote, self.zygote = self.zygote, None
-        forked, self.forked = self.forked, None
-        if forked is not None:
-            await forked.discard()
-        if zygote is not None:
-            await zygote.close()
-
-    async def _activate_standby(self, env: dict[str, str]) -> asyncio.subprocess.Process:
-        assert self.standby_cmd is not None
-        if self._standby_task is not None:
-            self._standby_task.cancel()
-        proc, self.standby = self.standby, None
-        if proc is None or proc.returncode is not None:
-            proc = await self._exec(self.standby_cmd, env, stdin=True)
-        order = {
-            "env": {
-                **{k: env[k] for k in ("MARDUK_EPOCH", "MARDUK_RESTART_COUNT")},
-                "MARDUK_WARM_START": "standby",
-            }
-        }
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(json.dumps(order).encode() + b"\n")
-            await proc.stdin.drain()
-            proc.stdin.close()
-        except (BrokenPipeError, ConnectionResetError):
-            log.warning("the pre-spawned trainer died; starting one directly")
-            self.started_by = ""
-            return await self._exec(self.config.cmd, env, stdin=False)
-        self.started_by = "standby"
-        return proc
-
-    async def _prepare_standby(self, env: dict[str, str]) -> None:
-        assert self.standby_cmd is not None
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._first_step.wait(), 60.0)
-        # Shielded: a restart that cancels this task mid-exec must not orphan the process.
-        await asyncio.shield(self._start_standby(env))
-
-    async def _start_standby(self, env: dict[str, str]) -> None:
-        assert self.standby_cmd is not None
-        proc = await self._exec(self.standby_cmd, env, stdin=True)
-        if self.standby is None:
-            self.standby = proc
-        else:  # a restart started its own meanwhile
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-
-    async def _discard_standby(self) -> None:
-        if self._standby_task is not None:
-            self._standby_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._standby_task
-        await self._discard_zygote()
-        proc, self.standby = self.standby, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-
-    async def _exec(
-        self, cmd: list[str], env: dict[str, str], *, stdin: bool
-    ) -> asyncio.subprocess.Process:
-        return await asyncio.create_subprocess_exec(
-            *cmd,
-            stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-            start_new_session=True,  # its own process group, apart from ours and the standby's
-            preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
-        )
-
-    def _trainer_env(self) -> dict[str, str]:
-        o = self.opts
-        return {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "MARDUK_JOB": o.job,
-            "MARDUK_REPLICA_ID": o.replica,
-            "MARDUK_WORKER": str(o.worker),
-            "MARDUK_EPOCH": str(self.epoch),
-            "MARDUK_RESTART_COUNT": str(self.incarnation),
-            "MARDUK_DEVICES": ",".join(o.devices),
-            "MARDUK_SCOPE": o.scope,
-            "MARDUK_ADDR": o.addr,
-            "MARDUK_SUPERVISOR_PID": str(os.getpid()),
-            "MARDUK_AGENT_SOCKET": self.socket_path,
-        }
-
-    async def _watch(self) -> Exit:
-        assert self.proc is not None
-        proc = self.proc
-        pumps = [
-            asyncio.create_task(self._pump(proc.stdout, sys.stdout.buffer)),
-            asyncio.create_task(self._pump(proc.stderr, sys.stderr.buffer)),
-        ]
-        waiter = asyncio.create_task(proc.wait())
-        stop = asyncio.create_task(self.stop_signal.wait())
-        hang = asyncio.create_task(self._hang_watch())
-        try:
-            while True:
-                next_cmd = asyncio.create_task(self.commands.get())
-                done, _ = await asyncio.wait(
-                    {waiter, stop, hang, next_cmd}, return_when=asyncio.FIRST_COMPLETED
-                )
-                if next_cmd in done:
-                    cmd = next_cmd.result()
-                    if cmd.kind == "restart" and cmd.epoch <= self.epoch:
-                        continue  # this incarnation already runs at (or after) that epoch
-                    if cmd.kind == "checkpoint":
-                        # Save now, keep training: the trainer's library sees it; nothing stops.
-                        log.warning("checkpoint requested (epoch %d): %s", cmd.epoch, cmd.reason)
-                        await self._forward(cmd)
-                        continue
-                    await self._forward(cmd)
-                    await self._terminate(f"{cmd.kind} command, epoch {cmd.epoch}")
-                    return Exit("command", command=cmd)
-                next_cmd.cancel()
-                if waiter in done:
-                    await asyncio.gather(*pumps)  # nothing lost at exit
-                    code = proc.returncode
-                    assert code is not None
-                    if code == 0:
-                        return Exit("exited", 0)
-                    return Exit("crashed", code, diagnosis=diagnose(self.tail))
-                if stop in done:
-                    await self._terminate("SIGTERM to the agent (preemption or eviction)")
-                    return Exit("signal")
-                if hang in done:
-                    await self._terminate(hang.result())
-                    return Exit("hung", proc.returncode, diagnosis=diagnose(self.tail))
-        finally:
-            for t in (waiter, stop, hang, *pumps):
-                t.cancel()
-
-    # --- the trainer's library (agent/local.py) ---------------------------------------------------
-
-    async def _serve_trainer(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        self._trainers.add(writer)
-        try:
-            while line := await reader.readline():
-                try:
-                    msg = json.loads(line)
-                    op = msg.get("op")
-                    if op == "hello":
-                        writer.write(
-                            json.dumps({"op": "welcome", "epoch": self.epoch}).encode() + b"\n"
-                        )
-                        await writer.drain()
-                    elif op == "step":
-                        self._progress(int(msg["step"]))
-                    elif op == "heartbeat":
-                        self._progress(None)
-                    elif op == "checkpointed":
-                        step = int(msg["step"])
-                        log.info("trainer saved the checkpoint asked for at step %d", step)
-                        await self._report(
-                            "checkpointed", summary=f"checkpoint saved at step {step}"
-                        )
-                    elif op == "section":
-                        name = str(msg["name"])
-                        if msg.get("open"):
-                            timeout = msg.get("timeout")
-                            self.sections[name] = (
-                                time.monotonic(),
-                                float(timeout) if timeout else None,
-                            )
-                        else:
-                            self.sections.pop(name, None)
-                        self._progress(None)
-                except (ValueError, KeyError, TypeError) as e:
-                    log.warning("bad message from the trainer's library: %s", e)
-        except (OSError, ValueError):
-            pass
-        finally:
-            self._trainers.discard(writer)
-            writer.close()
-
-    async def _forward(self, cmd: Command) -> None:
-        """Tell the trainer's library (if it connected) why it is about to be stopped."""
-        wire_cmd = msgspec.to_builtins(cmd.to_wire())
-        line = json.dumps({"op": "command", "command": wire_cmd}).encode() + b"\n"
-        for writer in list(self._trainers):
-            with contextlib.suppress(OSError, RuntimeError):
-                writer.write(line)
-                await asyncio.wait_for(writer.drain(), 1.0)
-
-    async def _status_loop(self) -> None:
-        """Report progress (last step and when) while the trainer runs."""
-        while True:
-            await asyncio.sleep(self.config.status_interval_s)
-            if self.proc is not None and self.proc.returncode is None and self.step is not None:
-                age = time.monotonic() - self.step_at
-                await self._report("running", step_at=time.time() - age)
-
-    async def _pump(self, stream: asyncio.StreamReader | None, out: object) -> None:
-        """Pass the trainer's output through line by line; keep the tail; parse steps."""
-        if stream is None:
-            return
-        while True:
-            line = await stream.readline()
-            if not line:
-                return
-            out.write(line)  # type: ignore[attr-defined]
-            out.flush()  # type: ignore[attr-defined]
-            text = line.decode(errors="replace").rstrip()
-            self.tail.append(text)
-            m = self.step_re.search(text)
-            if m:
-                with contextlib.suppress(ValueError, IndexError):
-                    self._progress(int(m.group(1)))
-
-    def _progress(self, step: int | None) -> None:
-        now = time.monotonic()
-        if step is not None:
-            self.step, self.step_at = step, now
-        self.progress_at = now
-        if not self._first_step.is_set():
-            self._first_step_seconds.observe(now - self.started_at)
-        self._first_step.set()
-
-    async def _hang_watch(self) -> str:
-        while True:
-            await asyncio.sleep(min(1.0, self.config.hang_timeout_s / 4))
-            now = time.monotonic()
-            for name, (opened, timeout) in self.sections.items():
-                if timeout is not None and now - opened > timeout:
-                    return f"section {name!r} open for more than {timeout:g}s"
-            if not self.progress_at:
-                if now - self.started_at > self.config.startup_timeout_s:
-                    return f"no first step within {self.config.startup_timeout_s:g}s"
-            elif now - self.progress_at > self.config.hang_timeout_s:
-                last = f"after {self.step} " if self.step is not None else ""
-                return f"no step {last}for {self.config.hang_timeout_s:g}s"
-
-    async def _terminate(self, why: str) -> None:
-        """SIGTERM the trainer's process group, wait the grace period, SIGKILL, wait it out."""
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            await self._wait_group_gone()
-            return
-        log.warning("stopping the trainer (pid %d): %s", proc.pid, why)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), self.config.grace_s)
-        except TimeoutError:
-            log.warning("trainer ignored SIGTERM for %gs; SIGKILL", self.config.grace_s)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-        await self._wait_group_gone()
-
-    async def _wait_group_gone(self, timeout: float = 10.0) -> None:
-        """Until no process of the trainer's group is left (children it forked included)."""
-        if self.proc is None:
-            return
-        pgid = self.proc.pid
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            except PermissionError:
-                return
-            await asyncio.sleep(0.01)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-
     async def _cleanup(self) -> None:
         """Between incarnations: remove stale lockfiles, run the user's cleanup command, wait
         for the GPUs' memory to be released."""
@@ -839,29 +871,35 @@ class Supervisor:
                 timeout_s=self.config.reclaim_timeout_s,
             )
 
-    # --- reports ---------------------------------------------------------------------------------
+    # --- reports ----------------------------------------------------------------------------------
 
-    async def _report_failure(self, status: str, ended: Exit) -> int:
-        """Report a crash or hang; return the epoch to restart at (the controller's answer)."""
-        code, sig = (
-            describe_returncode(ended.returncode) if ended.returncode is not None else (None, "")
-        )
-        d = ended.diagnosis
+    async def _report_failure(
+        self, status: str, failure: str, decision: Restart | GiveUp
+    ) -> int | None:
+        """Report a crash or hang; return the epoch the controller says to restart at (None:
+        no controller answered)."""
+        rc = decision.returncode
+        code, sig = describe_returncode(rc) if rc is not None else (None, "")
+        d = self._diagnose(decision.rank)
         where = f"exit code {code}" if code is not None else (sig or "killed")
+        who = "trainer" if self.nproc == 1 else f"local rank {decision.rank}"
         log.error(
-            "trainer %s (%s)%s", status, where, f": {d.failure_class} - {d.summary}" if d else ""
+            "%s %s (%s)%s", who, failure, where, f": {d.failure_class} - {d.summary}" if d else ""
         )
+        tail = list(self.ranks[decision.rank].tail) if decision.rank is not None else []
+        summary = d.summary if d else (decision.why if failure == "hung" else "")
         reply = await self._report(
             status,  # type: ignore[arg-type]
             exit_code=code,
             signal=sig,
             failure_class=d.failure_class if d else "",
             action=d.action if d else "",
-            summary=d.summary if d else "",
-            lines=list(d.lines) if d else list(self.tail)[-5:],
+            summary=summary,
+            lines=list(d.lines) if d else tail[-5:],
         )
-        epochs = [a.epoch for a in reply.actions] if reply else []
-        return max([self.epoch, *epochs])
+        if reply is None:
+            return None
+        return max([self.epoch, *(a.epoch for a in reply.actions)])
 
     async def _report(self, status: wire.ReportStatus, **fields: object) -> wire.ReportReply | None:
         if self.client is None:
@@ -873,7 +911,7 @@ class Supervisor:
             worker=o.worker,
             status=status,
             epoch=self.epoch,
-            incarnation=self.incarnation,
+            incarnation=max(self.incarnation, 0),
             step=self.step,
             **fields,  # type: ignore[arg-type]
         )
@@ -882,3 +920,9 @@ class Supervisor:
         except MardukError as e:
             log.warning("report %s not delivered: %s", status, e)
             return None
+
+
+def decision_why(decision: Decision) -> str:
+    if isinstance(decision, Finish):
+        return "every rank finished"
+    return decision.why

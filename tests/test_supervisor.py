@@ -125,6 +125,7 @@ def test_unreachable_controller_is_a_setup_error(tmp_path: Path) -> None:
         a = agent_run(
             {"MARDUK_ADDR": server.url},
             *("--replica", "r1", "--devices", "d1", "--connect-timeout", "1"),
+            "--require-controller",
             cmd=TOY,
         )
         assert a.proc.wait(30) == ExitCode.SETUP

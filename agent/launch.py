@@ -1,0 +1,227 @@
+"""torchrun's contract for ``marduk agent run --nproc-per-node N``: what each local rank is told,
+and where its output goes.
+
+An existing ``torchrun`` command line works by changing the launcher::
+
+    torchrun --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr h0 train.py --lr 3
+    marduk agent run --nnodes 2 --node-rank 1 --nproc-per-node 8 --master-addr h0 train.py --lr 3
+
+Each local rank gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``,
+``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
+``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``) and ``MARDUK_LOCAL_RANK``. The
+rendezvous is static: every agent knows its node rank (``--node-rank``), as with torchrun's
+``static`` backend; ``--rdzv-endpoint host:port`` names the master. Pure: no I/O but
+``free_port``.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import socket
+import string
+from dataclasses import dataclass, field
+from typing import Literal
+
+DEFAULT_MASTER_PORT = 29500  # torchrun's, for multi-node jobs that do not name one
+
+
+class LaunchError(ValueError):
+    """A launch option that cannot work (one clear line for the user)."""
+
+
+class Std(enum.IntFlag):
+    """Streams of a rank, as torchrun numbers them in ``--redirects`` and ``--tee``."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """Where this node's ranks sit in the job."""
+
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port per incarnation (one node only)
+    # all: every rank sees every device of the node (JAX: one process per host; torchrun's
+    # way, the script picks cuda:LOCAL_RANK); split: each rank gets its share, and
+    # CUDA_VISIBLE_DEVICES names it.
+    rank_devices: Literal["all", "split"] = "all"
+    role: str = "default"
+    run_id: str = "none"
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            raise LaunchError("--nproc-per-node and --nnodes must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise LaunchError(f"--node-rank {self.node_rank} is not in [0, {self.nnodes})")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise LaunchError(f"--master-port {self.master_port} is not a port")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nproc_per_node + local_rank
+
+    def rank_devices_of(self, devices: list[str], local_rank: int) -> list[str]:
+        """The devices local rank ``local_rank`` may use."""
+        if self.rank_devices == "all":
+            return list(devices)
+        share = len(devices) // self.nproc_per_node
+        return devices[local_rank * share : (local_rank + 1) * share]
+
+    def check_devices(self, devices: list[str]) -> None:
+        n = self.nproc_per_node
+        if self.rank_devices == "split" and (not devices or len(devices) % n):
+            raise LaunchError(
+                f"--rank-devices split needs a multiple of {n} devices (one share per local "
+                f"rank), not {len(devices)}: {','.join(devices) or 'none'}"
+            )
+
+    def env(
+        self, local_rank: int, devices: list[str], restart_count: int, master_port: int
+    ) -> dict[str, str]:
+        """torchrun's variables for one local rank (with devices split: its devices)."""
+        rank = self.global_rank(local_rank)
+        out = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.nproc_per_node),
+            "GROUP_RANK": str(self.node_rank),
+            "GROUP_WORLD_SIZE": str(self.nnodes),
+            "ROLE_RANK": str(rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "ROLE_NAME": self.role,
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            "TORCHELASTIC_RUN_ID": self.run_id,
+            "MARDUK_LOCAL_RANK": str(local_rank),
+        }
+        if self.rank_devices == "split":
+            mine = self.rank_devices_of(devices, local_rank)
+            out["MARDUK_DEVICES"] = ",".join(mine)
+            out["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_ids(devices, mine))
+        return out
+
+    def port_for_incarnation(self) -> int:
+        """MASTER_PORT for the next incarnation: the fixed one, or a free one on one node (a
+        fresh port per restart, as torchrun's rendezvous picks: no wait on the old socket)."""
+        if self.master_port is not None:
+            return self.master_port
+        if self.nnodes > 1:
+            return DEFAULT_MASTER_PORT
+        return free_port(self.master_addr)
+
+
+def cuda_ids(devices: list[str], mine: list[str]) -> list[str]:
+    """CUDA_VISIBLE_DEVICES for ``mine``: NVIDIA UUIDs as they are (CUDA takes them), other
+    ids by their position among the node's devices (CUDA ordinals)."""
+    return [d if d.startswith(("GPU-", "MIG-")) else str(devices.index(d)) for d in mine]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("localhost", "") else "127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int | None]:
+    """``host[:port]`` of ``--rdzv-endpoint``."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep:
+        return endpoint, None
+    if not port.isdigit():
+        raise LaunchError(f"--rdzv-endpoint {endpoint!r}: the port must be a number")
+    return host.strip("[]"), int(port)
+
+
+def parse_nnodes(value: str) -> int:
+    """``N`` or ``N:N`` (torchrun's elastic range ``MIN:MAX`` only when both are equal)."""
+    lo, _, hi = value.partition(":")
+    try:
+        n, m = int(lo), int(hi or lo)
+    except ValueError:
+        raise LaunchError(f"--nnodes {value!r}: a number, or MIN:MAX") from None
+    if n != m:
+        raise LaunchError(
+            f"--nnodes {value}: elastic node counts are not supported; restarts keep the "
+            "node count (give one number)"
+        )
+    return n
+
+
+def parse_std(value: str, nproc: int, option: str) -> dict[int, Std]:
+    """``--redirects``/``--tee``: ``3`` for every local rank, or ``0:1,1:2`` per rank."""
+    try:
+        if ":" not in value:
+            return dict.fromkeys(range(nproc), Std(int(value)))
+        out = dict.fromkeys(range(nproc), Std.NONE)
+        for part in value.split(","):
+            rank, _, std = part.partition(":")
+            out[int(rank)] = Std(int(std))
+        return out
+    except ValueError:
+        raise LaunchError(
+            f"{option} {value!r}: 0 (none), 1 (stdout), 2 (stderr), 3 (both), or "
+            "LOCAL_RANK:N,... such as 0:1,1:2"
+        ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class LogSpec:
+    """Where each local rank's stdout and stderr go: the agent's console (prefixed by the rank
+    when there are several), and files under ``log_dir`` (``--redirects``: only there;
+    ``--tee``: there too)."""
+
+    log_dir: str | None = None
+    redirects: dict[int, Std] = field(default_factory=dict)
+    tee: dict[int, Std] = field(default_factory=dict)
+    local_ranks_filter: frozenset[int] | None = None  # None: every rank on the console
+    prefix_template: str | None = None  # torchrun's ${role_name} ${rank} ${local_rank}
+
+    def to_console(self, local_rank: int, stream: Std) -> bool:
+        if self.redirects.get(local_rank, Std.NONE) & stream:
+            return False
+        return self.local_ranks_filter is None or local_rank in self.local_ranks_filter
+
+    def to_file(self, local_rank: int, stream: Std) -> bool:
+        both = self.redirects.get(local_rank, Std.NONE) | self.tee.get(local_rank, Std.NONE)
+        return bool(both & stream)
+
+    def prefix(self, spec: LaunchSpec, local_rank: int) -> bytes:
+        if self.prefix_template is None:
+            return b""
+        text = string.Template(self.prefix_template).safe_substitute(
+            role_name=spec.role, rank=spec.global_rank(local_rank), local_rank=local_rank
+        )
+        return text.encode()
+
+    def path(self, run_dir: str, attempt: int, local_rank: int, stream: Std) -> str:
+        """``<run_dir>/attempt_<n>/<local_rank>/stdout.log`` (torchrun's layout)."""
+        name = "stdout.log" if stream == Std.OUT else "stderr.log"
+        return os.path.join(run_dir, f"attempt_{attempt}", str(local_rank), name)
+
+    @property
+    def wants_files(self) -> bool:
+        return any(self.redirects.values()) or any(self.tee.values())
+
+
+def default_prefix_template(nproc_per_node: int) -> str | None:
+    """``[rank3]:`` before each line when a node runs several ranks (torchrun's
+    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, when set, instead)."""
+    template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+    if template:
+        return template
+    return "[rank${rank}]:" if nproc_per_node > 1 else None

@@ -1,0 +1,333 @@
+"""How ``marduk agent run`` starts its trainers: cold, forked from the fork server, or from a
+standby process — for each local rank.
+
+One fork server (agent/zygote.py) per agent serves every local rank: each rank's next trainer is
+forked ahead of time and waits for its environment (``RANK``, ``LOCAL_RANK``, the epoch, ...),
+given at activation. Where forking is unsafe or impossible, each rank keeps one standby process
+(agent/standby.py) started with its own environment. Commands that are not ``python SCRIPT`` or
+``python -m MODULE`` start cold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+from collections import Counter
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
+from marduk.children import die_with_parent
+
+log = logging.getLogger("agent.supervisor")
+
+ZYGOTE_RETRIES = 3
+PREFORK_AFTER_S = 1.0  # at the latest, after a start forked from the zygote: fork the next one
+
+
+def standby_command(cmd: list[str], preload: list[str]) -> list[str] | None:
+    """The pre-spawn form of ``cmd`` (``python SCRIPT ...`` or ``python -m MODULE ...``), or
+    None when ``cmd`` is not a plain Python trainer (then it is started directly)."""
+    if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
+        return None
+    rest = cmd[1:]
+    if (rest[0] == "-m" and len(rest) >= 2) or not rest[0].startswith("-"):
+        return [cmd[0], "-m", "agent.standby", "--preload", ",".join(preload), "--", *rest]
+    return None
+
+
+async def exec_trainer(
+    cmd: list[str], env: dict[str, str], *, stdin: bool
+) -> asyncio.subprocess.Process:
+    """``cmd`` in a session of its own (its process group is its pid), its output piped."""
+    return await asyncio.create_subprocess_exec(
+        *cmd,
+        stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        start_new_session=True,  # its own process group, apart from ours and the standby's
+        preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
+    )
+
+
+@dataclass(slots=True)
+class RankSlot:
+    """The warm-start state of one local rank: its next trainer, ready or being made."""
+
+    first_step: asyncio.Event = field(default_factory=asyncio.Event)
+    forked: ForkedProcess | None = None  # the next trainer, forked ahead of time
+    prefork_task: asyncio.Task[None] | None = None  # waits, then starts ``forking``
+    forking: asyncio.Task[None] | None = None
+    standby: asyncio.subprocess.Process | None = None
+    standby_task: asyncio.Task[None] | None = None  # starts the next standby or zygote
+    started_by: str = ""  # how its current trainer started: zygote, standby or "" (cold)
+
+
+class Starter:
+    """Starts the trainers of ``nproc`` local ranks, warm where it can."""
+
+    def __init__(
+        self,
+        cmd: list[str],
+        *,
+        nproc: int,
+        prespawn: bool,
+        fork_server: bool,
+        preload: list[str],
+        fork_server_timeout_s: float,
+        stats: Counter[str],
+    ) -> None:
+        self.cmd = cmd
+        self.preload = preload
+        self.fork_server = fork_server
+        self.fork_server_timeout_s = fork_server_timeout_s
+        self.stats = stats
+        self.standby_cmd = standby_command(cmd, preload) if prespawn else None
+        self.slots = [RankSlot() for _ in range(nproc)]
+        self.zygote: Zygote | None = None
+        self._zygote_failures = 0  # in a row; past ZYGOTE_RETRIES the standby is used instead
+        self._zygote_task: asyncio.Task[None] | None = None
+
+    def infrastructure_pids(self) -> set[int]:
+        """Processes of ours that are not trainers: the zygote, forked and standby trainers
+        waiting (a sweep of leftover processes spares them and what they fork)."""
+        pids = set()
+        if self.zygote is not None and self.zygote.proc.returncode is None:
+            pids.add(self.zygote.proc.pid)
+        for s in self.slots:
+            if s.forked is not None and s.forked.waiting:
+                pids.add(s.forked.pid)
+            if s.standby is not None and s.standby.returncode is None:
+                pids.add(s.standby.pid)
+        return pids
+
+    async def start(
+        self, rank: int, env: dict[str, str], *, first: bool, base_env: dict[str, str]
+    ) -> TrainerProcess:
+        """Rank ``rank``'s trainer, running with ``env``. ``first``: the job's first start;
+        ``base_env``: the environment the fork server imports in (no rank's variables)."""
+        slot = self.slots[rank]
+        env = {k: v for k, v in env.items() if k != "MARDUK_WARM_START"}  # set by what starts it
+        if self.standby_cmd is None:
+            slot.started_by = ""
+            return await exec_trainer(self.cmd, env, stdin=False)
+        slot.first_step.clear()
+        if self._fork_server_wanted():
+            proc = await self._fork(rank, env, first, base_env)
+        else:
+            proc = await self._activate_standby(rank, env)
+        if not self._fork_server_wanted():  # (or forking turned out unsafe just now)
+            # The next one starts once this trainer has made its first step (or after a
+            # minute): importing a framework meanwhile would slow the restart it waits for.
+            self._prepare(rank, self._prepare_standby(rank, env))
+        return proc
+
+    def stepped(self, rank: int) -> None:
+        self.slots[rank].first_step.set()
+
+    async def close(self) -> None:
+        """Stop every waiting trainer and the zygote (not the running trainers)."""
+        for rank in range(len(self.slots)):
+            await self._discard_standby(rank)
+        await self._discard_zygote()
+
+    # --- the fork server --------------------------------------------------------------------------
+
+    def _fork_server_wanted(self) -> bool:
+        return (
+            self.fork_server
+            and self._zygote_failures < ZYGOTE_RETRIES
+            and hasattr(os, "pidfd_open")
+        )
+
+    async def _fork(
+        self, rank: int, env: dict[str, str], first: bool, base_env: dict[str, str]
+    ) -> TrainerProcess:
+        """The trainer forked by the zygote (started first if there is none): the one forked
+        ahead of time, else a fresh fork. If neither can be had, the trainer starts cold (or
+        from a standby, where forking is unsafe) and a new zygote starts once it has stepped."""
+        slot = self.slots[rank]
+        if self.zygote is None and first and rank == 0:
+            # The first trainers wait for the zygote's import, as they would wait for their
+            # own; every later start, the first fault's included, is a fork.
+            self.zygote = await self._start_zygote(base_env)
+        try:
+            proc = await self._take_forked(rank)
+            await proc.activate({**env, "MARDUK_WARM_START": "zygote"})
+        except (ZygoteError, OSError) as e:  # OSError: no pidfd (Linux < 5.3), no descriptors
+            self._zygote_failures += 1
+            await self._discard_zygote()
+            if isinstance(e, ZygoteUnsafe):
+                log.error("cannot fork trainers: %s; using a standby process instead", e)
+                self._zygote_failures = ZYGOTE_RETRIES
+                return await self._activate_standby(rank, env)
+            log.warning("fork server: %s; starting the trainer cold", e)
+            self.stats["fork_server.failures"] += 1
+            slot.started_by = ""
+            cold = await exec_trainer(self.cmd, env, stdin=False)
+            if self._fork_server_wanted() and self._zygote_task is None:
+                self._zygote_task = asyncio.create_task(self._prepare_zygote(rank, base_env))
+            return cold
+        self._zygote_failures = 0
+        slot.started_by = "zygote"
+        # The next one is forked once this one has stepped (or after PREFORK_AFTER_S): forking
+        # meanwhile would slow a restart (8 workers on 2 cores: 130 -> 280 ms). A fault before
+        # that forks one directly. At the job's start, now: that start waits for imports
+        # anyway, and a job's first step is when a bad device or a bug often shows.
+        slot.prefork_task = asyncio.create_task(self._prefork_later(rank, 0.0 if first else None))
+        return proc
+
+    async def _prefork_later(self, rank: int, after: float | None) -> None:
+        slot = self.slots[rank]
+        if after is None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(slot.first_step.wait(), PREFORK_AFTER_S)
+        slot.forking = asyncio.create_task(self._prefork(rank))
+
+    async def _take_forked(self, rank: int) -> ForkedProcess:
+        slot = self.slots[rank]
+        if slot.prefork_task is not None:
+            slot.prefork_task.cancel()
+        if slot.forking is not None:  # one being forked: wait for it rather than fork two
+            with contextlib.suppress(Exception):
+                await asyncio.shield(slot.forking)
+        proc, slot.forked = slot.forked, None
+        if proc is not None and proc.waiting:
+            return proc
+        if proc is not None:
+            await proc.discard()
+        zygote = self.zygote
+        if zygote is None or not zygote.alive:
+            raise ZygoteError("the fork server is not running")
+        await zygote.wait_ready(self.fork_server_timeout_s)
+        return await zygote.fork()
+
+    async def _prefork(self, rank: int) -> None:
+        slot = self.slots[rank]
+        zygote = self.zygote
+        if zygote is None or not zygote.alive or slot.forked is not None:
+            return
+        try:
+            forked = await zygote.fork()
+        except (ZygoteError, OSError) as e:  # the next start finds out again, and falls back
+            log.warning("fork server: %s", e)
+            return
+        if slot.forked is None:
+            slot.forked = forked
+        else:
+            await forked.discard()
+
+    async def _start_zygote(self, env: dict[str, str]) -> Zygote | None:
+        python, *target = self.cmd
+        try:
+            zygote = await Zygote.start(python, target, self.preload, env)
+        except OSError as e:
+            log.warning("cannot start the fork server: %s", e)
+            return None
+        log.info(
+            "fork server started: pid %d, preloading %s",
+            zygote.proc.pid,
+            ",".join(self.preload) or "nothing",
+        )
+        return zygote
+
+    async def _prepare_zygote(self, rank: int, env: dict[str, str]) -> None:
+        """A new zygote, once the trainer started cold has stepped (or after a minute)."""
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.slots[rank].first_step.wait(), 60.0)
+            # Shielded: a restart that cancels this task mid-exec must not orphan the process.
+            await asyncio.shield(self._install_zygote(env))
+        finally:
+            self._zygote_task = None
+
+    async def _install_zygote(self, env: dict[str, str]) -> None:
+        zygote = await self._start_zygote(env)
+        if self.zygote is None:
+            self.zygote = zygote
+        elif zygote is not None:  # a start raced this one
+            await zygote.close()
+
+    async def _discard_zygote(self) -> None:
+        """Stop the zygote and the trainers it forked ahead of time (not the running ones)."""
+        for slot in self.slots:
+            if slot.prefork_task is not None:
+                slot.prefork_task.cancel()
+            if slot.forking is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(slot.forking)
+        zygote, self.zygote = self.zygote, None
+        for slot in self.slots:
+            forked, slot.forked = slot.forked, None
+            if forked is not None:
+                await forked.discard()
+        if zygote is not None:
+            await zygote.close()
+
+    # --- standby processes ------------------------------------------------------------------------
+
+    def _prepare(self, rank: int, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` (the rank's next standby's start) instead of any pending one."""
+        slot = self.slots[rank]
+        if slot.standby_task is not None:
+            slot.standby_task.cancel()
+        slot.standby_task = asyncio.create_task(coro)
+
+    async def _activate_standby(self, rank: int, env: dict[str, str]) -> TrainerProcess:
+        assert self.standby_cmd is not None
+        slot = self.slots[rank]
+        if slot.standby_task is not None:
+            slot.standby_task.cancel()
+        proc, slot.standby = slot.standby, None
+        if proc is None or proc.returncode is not None:
+            proc = await exec_trainer(self.standby_cmd, env, stdin=True)
+        # The whole environment: the rank's variables may differ from the ones it started
+        # with (a new epoch, restart count, master port).
+        order = {"env": {**env, "MARDUK_WARM_START": "standby"}}
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(order).encode() + b"\n")
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            log.warning("the pre-spawned trainer died; starting one directly")
+            slot.started_by = ""
+            return await exec_trainer(self.cmd, env, stdin=False)
+        slot.started_by = "standby"
+        return proc
+
+    async def _prepare_standby(self, rank: int, env: dict[str, str]) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.slots[rank].first_step.wait(), 60.0)
+        # Shielded: a restart that cancels this task mid-exec must not orphan the process.
+        await asyncio.shield(self._start_standby(rank, env))
+
+    async def _start_standby(self, rank: int, env: dict[str, str]) -> None:
+        assert self.standby_cmd is not None
+        slot = self.slots[rank]
+        proc = await exec_trainer(self.standby_cmd, env, stdin=True)
+        if slot.standby is None:
+            slot.standby = proc
+        else:  # a restart started its own meanwhile
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+    async def _discard_standby(self, rank: int) -> None:
+        slot = self.slots[rank]
+        if slot.standby_task is not None:
+            slot.standby_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await slot.standby_task
+        proc, slot.standby = slot.standby, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()

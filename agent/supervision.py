@@ -1,0 +1,262 @@
+"""The agent's supervision core: what happened in, what to do out. Pure, like marduk/policy.py.
+
+``marduk agent run`` (agent/supervisor.py) runs processes and talks to the controller; every
+decision about them is made here, from facts the shell observes, with ``now`` as an argument
+(monotonic seconds) and no I/O:
+
+* a local rank exits: 0 -> that rank is done (``Finish`` once every rank is); otherwise a local
+  failure -> ``Restart`` (every local rank restarts together) or ``GiveUp`` past the budget;
+* ``tick(now)``: a rank with no first step within ``startup_timeout_s``, no step or heartbeat
+  for ``hang_timeout_s``, or a section open past its own timeout is hung: a local failure too;
+* a controller command: fenced by epoch (``Ignore`` when not newer); ``restart`` -> ``Restart``
+  at its epoch (not counted against the budget), ``fail`` -> ``GiveUp`` 71, ``stop`` ->
+  ``GiveUp`` 72, ``checkpoint`` -> ``Forward`` (the ranks save and keep training);
+* SIGTERM to the agent (preemption, eviction) -> ``GiveUp`` 143 after the grace period;
+* joining a controller late (standalone until then) -> ``GiveUp`` 71 when it says our devices
+  are out of service, else nothing: its epochs apply from the next restart on.
+
+Budget (DESIGN.md decision 6): at most ``max_restarts`` local failures within
+``restart_window_s``; the next one gives up (exit 70) so the scheduler replaces the pod. Standalone
+(no controller) the rules are the same: a local failure restarts at the current epoch, since only
+a controller issues epochs; with one, at the epoch its reply names (``restart_epoch``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ExitCode(enum.IntEnum):
+    OK = 0  # every local rank finished (exit 0)
+    SETUP = 1  # could not start (a rejected registration, a trainer that cannot be executed)
+    GAVE_UP = 70  # restarted max_restarts times within the window: replace the pod
+    DEVICE_FAILED = 71  # the controller sent `fail`: a device of this pod is bad
+    # The controller sent `stop`. Never 0: a scheduler must not record a job stopped from
+    # outside as finished (no controller path issues `stop` today; reserved for operators).
+    STOPPED = 72
+    PREEMPTED = 143  # SIGTERM/SIGINT (128 + 15): the trainers got the grace period
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The rules' numbers (``marduk agent run`` options)."""
+
+    max_restarts: int = 3
+    restart_window_s: float = 3600.0
+    hang_timeout_s: float = 600.0
+    startup_timeout_s: float = 1800.0
+
+
+CommandKind = Literal["restart", "fail", "stop", "checkpoint"]
+FailureKind = Literal["crashed", "hung"]
+
+
+# --- decisions ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Restart:
+    """End every local rank (SIGTERM, grace, SIGKILL) and start them all again.
+
+    ``failure``: a local failure of ``rank`` (counted against the budget; the shell reports it
+    and restarts at ``restart_epoch`` of the controller's answer); None: a restart command at
+    ``epoch``."""
+
+    why: str
+    epoch: int
+    failure: FailureKind | None = None
+    rank: int | None = None
+    returncode: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GiveUp:
+    """End every local rank and exit with ``code``."""
+
+    code: ExitCode
+    why: str
+    failure: FailureKind | None = None  # set when the last local failure exhausted the budget
+    rank: int | None = None
+    returncode: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """Every local rank exited 0: exit 0."""
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Pass the command to the ranks' libraries; nothing stops (``checkpoint``)."""
+
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ignore:
+    """A command not newer than the epoch the ranks run at (stale or duplicate)."""
+
+    why: str
+
+
+Decision = Restart | GiveUp | Finish | Forward | Ignore
+
+
+# --- state ---------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RankState:
+    """What the shell has observed of one local rank's current incarnation."""
+
+    started_at: float = 0.0
+    progress_at: float = 0.0  # the last step, heartbeat or section change; 0: none yet
+    step: int | None = None
+    step_at: float = 0.0
+    finished: bool = False  # exited 0
+    sections: dict[str, tuple[float, float | None]] = field(default_factory=dict)
+
+
+class Supervision:
+    """The decisions of one agent over its ``nproc`` local ranks."""
+
+    def __init__(self, limits: Limits, nproc: int = 1, epoch: int = 0) -> None:
+        if nproc < 1:
+            raise ValueError(f"nproc must be at least 1, not {nproc}")
+        self.limits = limits
+        self.nproc = nproc
+        self.epoch = epoch
+        self.incarnation = -1  # the ranks' current one; the first is 0
+        self.failures: deque[float] = deque()  # local failures within the window, oldest first
+        self.ranks = [RankState() for _ in range(nproc)]
+
+    # --- the shell's observations ---------------------------------------------------------------
+
+    def started(self, now: float) -> int:
+        """Every local rank was started again: a new incarnation (returned)."""
+        self.incarnation += 1
+        self.ranks = [RankState(started_at=now) for _ in range(self.nproc)]
+        return self.incarnation
+
+    def progress(self, rank: int, step: int | None, now: float) -> bool:
+        """A step (or, with None, a heartbeat). True: the rank's first sign of life."""
+        r = self.ranks[rank]
+        first = not r.progress_at
+        if step is not None:
+            r.step, r.step_at = step, now
+        r.progress_at = now
+        return first
+
+    def section(self, rank: int, name: str, open_: bool, timeout: float | None, now: float) -> bool:
+        """A section opened (with its own hang timeout) or closed; progress as well."""
+        sections = self.ranks[rank].sections
+        if open_:
+            sections[name] = (now, timeout if timeout and timeout > 0 else None)
+        else:
+            sections.pop(name, None)
+        return self.progress(rank, None, now)
+
+    def exited(self, rank: int, returncode: int, now: float) -> Decision | None:
+        """A local rank's process ended (``returncode`` as asyncio gives it: -N for signal N)."""
+        r = self.ranks[rank]
+        if returncode == 0:
+            r.finished = True
+            return Finish() if all(x.finished for x in self.ranks) else None
+        why = self._of(rank, f"exit {describe(returncode)}")
+        return self._failure("crashed", rank, why, now, returncode)
+
+    def tick(self, now: float) -> Decision | None:
+        """Hang and startup checks of every running rank (the shell calls it periodically)."""
+        lim = self.limits
+        for i, r in enumerate(self.ranks):
+            if r.finished:
+                continue
+            for name, (opened, timeout) in r.sections.items():
+                if timeout is not None and now - opened > timeout:
+                    why = f"section {name!r} open for more than {timeout:g}s"
+                    return self._failure("hung", i, self._of(i, why), now)
+            if not r.progress_at:
+                if now - r.started_at > lim.startup_timeout_s:
+                    why = f"no first step within {lim.startup_timeout_s:g}s"
+                    return self._failure("hung", i, self._of(i, why), now)
+            elif now - r.progress_at > lim.hang_timeout_s:
+                last = f"after {r.step} " if r.step is not None else ""
+                why = f"no step {last}for {lim.hang_timeout_s:g}s"
+                return self._failure("hung", i, self._of(i, why), now)
+        return None
+
+    def command(self, kind: CommandKind, epoch: int, reason: str) -> Decision:
+        """A command from the controller (already verified and fenced by the client)."""
+        if kind == "checkpoint":
+            return Forward(f"checkpoint requested (epoch {epoch}): {reason}")
+        if kind == "restart" and epoch <= self.epoch:
+            return Ignore(f"restart at epoch {epoch}: the ranks run at epoch {self.epoch}")
+        if kind == "fail":
+            return GiveUp(ExitCode.DEVICE_FAILED, f"fail command (epoch {epoch}): {reason}")
+        if kind == "stop":
+            return GiveUp(ExitCode.STOPPED, f"stop command (epoch {epoch}): {reason}")
+        return Restart(f"restart command epoch {epoch}: {reason}", epoch)
+
+    def preempted(self) -> GiveUp:
+        """SIGTERM or SIGINT to the agent: the ranks get the grace period, then the agent exits."""
+        return GiveUp(ExitCode.PREEMPTED, "SIGTERM to the agent (preemption or eviction)")
+
+    def joined(self, controller_epoch: int, unusable_devices: list[str]) -> GiveUp | None:
+        """The controller answered a registration made while running standalone: its epochs
+        apply from now on (a restart command must be newer than what it already issued)."""
+        self.epoch = max(self.epoch, controller_epoch)
+        if unusable_devices:
+            return GiveUp(
+                ExitCode.DEVICE_FAILED,
+                f"device(s) {', '.join(unusable_devices)} out of service (quarantined or drained)",
+            )
+        return None
+
+    def restart_epoch(self, answered: int | None) -> int:
+        """The epoch a restart after a local failure runs at: the controller's answer, never
+        below the current one; standalone (no answer), the current one."""
+        self.epoch = max(self.epoch, answered if answered is not None else self.epoch)
+        return self.epoch
+
+    def restarting_at(self, epoch: int) -> None:
+        """A restart command's epoch is applied (the ranks start again at it)."""
+        self.epoch = max(self.epoch, epoch)
+
+    # --- rules -----------------------------------------------------------------------------------
+
+    def _of(self, rank: int, why: str) -> str:
+        return f"local rank {rank}: {why}" if self.nproc > 1 else why
+
+    def _failure(
+        self, kind: FailureKind, rank: int, why: str, now: float, returncode: int | None = None
+    ) -> Restart | GiveUp:
+        lim = self.limits
+        while self.failures and now - self.failures[0] > lim.restart_window_s:
+            self.failures.popleft()
+        if len(self.failures) >= lim.max_restarts:
+            n = lim.max_restarts
+            return GiveUp(
+                ExitCode.GAVE_UP,
+                f"{why}; restarted {n} time{'' if n == 1 else 's'} within "
+                f"{lim.restart_window_s:g}s; giving up",
+                kind,
+                rank,
+                returncode,
+            )
+        self.failures.append(now)
+        return Restart(why, self.epoch, kind, rank, returncode)
+
+
+def describe(returncode: int) -> str:
+    """``3`` or ``SIGKILL``: an asyncio returncode (negative: killed by that signal)."""
+    import signal
+
+    if returncode < 0:
+        try:
+            return signal.Signals(-returncode).name
+        except ValueError:
+            return f"signal {-returncode}"
+    return str(returncode)
