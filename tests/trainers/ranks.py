@@ -19,12 +19,28 @@ p.add_argument("--ignore-sigterm", action="store_true")
 p.add_argument("--setsid-child", action="store_true", help="leave a setsid'd grandchild behind")
 args = p.parse_args()
 
-NAMES = (
-    "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE ROLE_RANK "
-    "ROLE_WORLD_SIZE ROLE_NAME MASTER_ADDR MASTER_PORT TORCHELASTIC_RESTART_COUNT "
-    "TORCHELASTIC_RUN_ID MARDUK_LOCAL_RANK MARDUK_EPOCH MARDUK_RESTART_COUNT MARDUK_DEVICES "
-    "CUDA_VISIBLE_DEVICES MARDUK_AGENT_SOCKET MARDUK_WARM_START"
-).split()
+NAMES = [
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID",
+    "MARDUK_LOCAL_RANK",
+    "MARDUK_EPOCH",
+    "MARDUK_RESTART_COUNT",
+    "MARDUK_DEVICES",
+    "CUDA_VISIBLE_DEVICES",
+    "MARDUK_AGENT_SOCKET",
+    "MARDUK_WARM_START",
+]
 env = {k: os.environ.get(k) for k in NAMES}
 rank = int(os.environ.get("RANK", "0"))
 inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("MARDUK_RESTART_COUNT", "0")))
