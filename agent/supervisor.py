@@ -41,7 +41,9 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from agent import handoff
 from agent.client import AsyncClient, Command, Options
+from agent.handoff import Handoff
 from agent.reclaim import wait_for_release
 from agent.signatures import Diagnosis, diagnose
 from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
@@ -390,7 +392,7 @@ class Supervisor:
     async def _spawn(self) -> None:
         self.incarnation += 1
         env = self._trainer_env()
-        env.pop("MARDUK_WARM_START", None)  # set by the zygote or standby that starts it
+        env.pop(handoff.WARM_START, None)  # set by the zygote or standby that starts it
         if self.standby_cmd is None:
             self.proc, self.started_by = await self._exec(self.config.cmd, env, stdin=False), ""
         else:
@@ -439,7 +441,7 @@ class Supervisor:
             self.zygote = await self._start_zygote(env)
         try:
             proc = await self._take_forked()
-            await proc.activate({**env, "MARDUK_WARM_START": "zygote"})
+            await proc.activate({**env, handoff.WARM_START: "zygote"})
         except (ZygoteError, OSError) as e:  # OSError: no pidfd (Linux < 5.3), no descriptors
             self._zygote_failures += 1
             await self._discard_zygote()
@@ -556,12 +558,7 @@ class Supervisor:
         proc, self.standby = self.standby, None
         if proc is None or proc.returncode is not None:
             proc = await self._exec(self.standby_cmd, env, stdin=True)
-        order = {
-            "env": {
-                **{k: env[k] for k in ("MARDUK_EPOCH", "MARDUK_RESTART_COUNT")},
-                "MARDUK_WARM_START": "standby",
-            }
-        }
+        order = {"env": handoff.warm_start_env(env, "standby")}
         assert proc.stdin is not None
         try:
             proc.stdin.write(json.dumps(order).encode() + b"\n")
@@ -618,20 +615,19 @@ class Supervisor:
 
     def _trainer_env(self) -> dict[str, str]:
         o = self.opts
-        return {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "MARDUK_JOB": o.job,
-            "MARDUK_REPLICA_ID": o.replica,
-            "MARDUK_WORKER": str(o.worker),
-            "MARDUK_EPOCH": str(self.epoch),
-            "MARDUK_RESTART_COUNT": str(self.incarnation),
-            "MARDUK_DEVICES": ",".join(o.devices),
-            "MARDUK_SCOPE": o.scope,
-            "MARDUK_ADDR": o.addr,
-            "MARDUK_SUPERVISOR_PID": str(os.getpid()),
-            "MARDUK_AGENT_SOCKET": self.socket_path,
-        }
+        given = Handoff(
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            epoch=self.epoch,
+            restart_count=self.incarnation,
+            devices=tuple(o.devices),
+            scope=o.scope,
+            addr=o.addr,
+            supervisor_pid=os.getpid(),
+            agent_socket=self.socket_path,
+        )
+        return {**os.environ, "PYTHONUNBUFFERED": "1", **given.to_env()}
 
     async def _watch(self) -> Exit:
         assert self.proc is not None
