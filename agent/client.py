@@ -36,6 +36,8 @@ from typing import Any, Literal
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from agent import handoff
+from agent.handoff import Handoff, HandoffError
 from marduk import bus
 from marduk import protocol as wire
 from marduk.auth import SIG_HEADER, verify
@@ -120,6 +122,8 @@ class Options:
     credentials: Credentials = field(default_factory=Credentials)
     # Public keys commands must be signed with; None: signatures are not checked (no auth).
     controller_keys: list[str] | None = None
+    # Under ``marduk agent run``: its unix socket (the library talks to it, see agent/local.py).
+    agent_socket: str | None = None
 
 
 # A command more than this many epochs above the last one received is not believed until the
@@ -157,20 +161,20 @@ def resolve_options(
     credentials: Credentials | None = None,
     controller_key: str | None = None,
 ) -> Options:
-    env = os.environ
-    replica = replica_id or env.get("MARDUK_REPLICA_ID")
+    try:
+        given = Handoff.from_env()
+    except HandoffError as e:
+        raise AgentError(str(e)) from None
+    replica = replica_id or given.replica
     if not replica:
-        raise AgentError("replica_id is required (or set MARDUK_REPLICA_ID)")
-    job = job or env.get("MARDUK_JOB") or "default"
-    scope = scope or env.get("MARDUK_SCOPE") or "replica"
+        raise AgentError(f"replica_id is required (or set {handoff.REPLICA})")
+    job = job or given.job or "default"
+    scope = scope or given.scope or "replica"
     if scope not in ("replica", "job"):
         raise AgentError(f"scope must be 'replica' or 'job', not {scope!r}")
     try:
         check_job(job)
         check_replica(replica)
-        worker = worker if worker is not None else int(env.get("MARDUK_WORKER", "0"))
-        incarnation = int(env.get("MARDUK_RESTART_COUNT", "0"))
-        epoch = int(env.get("MARDUK_EPOCH", "0"))
     except ValueError as e:
         raise AgentError(str(e)) from None
     if devices is None:
@@ -186,14 +190,15 @@ def resolve_options(
     return Options(
         job=job,
         replica=replica,
-        worker=worker,
+        worker=worker if worker is not None else (given.worker or 0),
         devices=list(devices),
         addr=addr or bus.default_addr(),
-        prefix=prefix or env.get("MARDUK_PREFIX") or "marduk",
+        prefix=prefix or given.prefix or "marduk",
         scope=scope,  # type: ignore[arg-type]
         timeout=timeout,
-        incarnation=incarnation,
-        epoch=epoch,
+        incarnation=given.restart_count,
+        epoch=given.epoch,
+        agent_socket=given.agent_socket if role == "library" else None,
         role=role,
         credentials=creds,
         controller_keys=keys,
@@ -687,12 +692,11 @@ def _credentials(
 def _make_async(
     opts: Options, on_command: OnCommand | None, deliver: Callable[[Command], None] | None
 ) -> AsyncClient:
-    """Under ``marduk agent run`` (MARDUK_AGENT_SOCKET set), talk to it; else to the controller."""
-    socket_path = os.environ.get("MARDUK_AGENT_SOCKET")
-    if socket_path:
+    """Under ``marduk agent run`` (``opts.agent_socket``), talk to it; else to the controller."""
+    if opts.agent_socket:
         from agent.local import LocalAsyncClient
 
-        return LocalAsyncClient(opts, socket_path, on_command, deliver=deliver)  # type: ignore[return-value]
+        return LocalAsyncClient(opts, opts.agent_socket, on_command, deliver=deliver)  # type: ignore[return-value]
     return AsyncClient(opts, on_command, deliver=deliver)
 
 

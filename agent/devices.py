@@ -24,14 +24,14 @@ import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from agent.handoff import DEVICES, parse_devices
+
 log = logging.getLogger("agent.devices")
 
 
 def devices_from_env() -> list[str] | None:
-    raw = os.environ.get("MARDUK_DEVICES")
-    if raw is None or not raw.strip():
-        return None
-    return [d.strip() for d in raw.split(",") if d.strip()]
+    given = parse_devices(os.environ.get(DEVICES))
+    return None if given is None else list(given)
 
 
 def local_device_uuids(backend: str | None = None) -> list[str]:

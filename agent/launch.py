@@ -9,7 +9,7 @@ An existing ``torchrun`` command line works by changing the launcher::
 Each local rank gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``,
 ``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
-``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``) and ``MARDUK_LOCAL_RANK``. The
+``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``). The
 rendezvous is static: every agent knows its node rank (``--node-rank``), as with torchrun's
 ``static`` backend; ``--rdzv-endpoint host:port`` names the master. Pure: no I/O but
 ``free_port``.
@@ -23,6 +23,8 @@ import socket
 import string
 from dataclasses import dataclass, field
 from typing import Literal
+
+from agent import handoff
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's, for multi-node jobs that do not name one
 
@@ -107,11 +109,10 @@ class LaunchSpec:
             "TORCHELASTIC_RESTART_COUNT": str(restart_count),
             "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
             "TORCHELASTIC_RUN_ID": self.run_id,
-            "MARDUK_LOCAL_RANK": str(local_rank),
         }
         if self.rank_devices == "split":
             mine = self.rank_devices_of(devices, local_rank)
-            out["MARDUK_DEVICES"] = ",".join(mine)
+            out[handoff.DEVICES] = ",".join(mine)
             out["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_ids(devices, mine))
         return out
 

@@ -22,6 +22,7 @@ from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from agent import handoff
 from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
 from marduk.children import die_with_parent
 
@@ -114,7 +115,7 @@ class Starter:
         """Rank ``rank``'s trainer, running with ``env``. ``first``: the job's first start;
         ``base_env``: the environment the fork server imports in (no rank's variables)."""
         slot = self.slots[rank]
-        env = {k: v for k, v in env.items() if k != "MARDUK_WARM_START"}  # set by what starts it
+        env = {k: v for k, v in env.items() if k != handoff.WARM_START}  # set by what starts it
         if self.standby_cmd is None:
             slot.started_by = ""
             return await exec_trainer(self.cmd, env, stdin=False)
@@ -160,7 +161,7 @@ class Starter:
             self.zygote = await self._start_zygote(base_env)
         try:
             proc = await self._take_forked(rank)
-            await proc.activate({**env, "MARDUK_WARM_START": "zygote"})
+            await proc.activate({**env, handoff.WARM_START: "zygote"})
         except (ZygoteError, OSError) as e:  # OSError: no pidfd (Linux < 5.3), no descriptors
             self._zygote_failures += 1
             await self._discard_zygote()
@@ -288,9 +289,9 @@ class Starter:
         proc, slot.standby = slot.standby, None
         if proc is None or proc.returncode is not None:
             proc = await exec_trainer(self.standby_cmd, env, stdin=True)
-        # The whole environment: the rank's variables may differ from the ones it started
-        # with (a new epoch, restart count, master port).
-        order = {"env": {**env, "MARDUK_WARM_START": "standby"}}
+        # The whole environment, not only handoff.warm_start_env's per-incarnation variables:
+        # torchrun's (TORCHELASTIC_RESTART_COUNT, a new MASTER_PORT) change too.
+        order = {"env": {**env, handoff.WARM_START: "standby"}}
         assert proc.stdin is not None
         try:
             proc.stdin.write(json.dumps(order).encode() + b"\n")

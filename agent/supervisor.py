@@ -50,7 +50,9 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
+from agent import handoff
 from agent.client import AsyncClient, Command, Options
+from agent.handoff import Handoff
 from agent.launch import LaunchSpec, LogSpec, Std
 from agent.proctree import become_subreaper, end_leftovers, leftovers
 from agent.reclaim import wait_for_release
@@ -529,22 +531,21 @@ class Supervisor:
     def _trainer_env(self) -> dict[str, str]:
         """What every rank's trainer gets (and the fork server imports with)."""
         o = self.opts
-        return {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "MARDUK_JOB": o.job,
-            "MARDUK_REPLICA_ID": o.replica,
-            "MARDUK_WORKER": str(o.worker),
-            "MARDUK_EPOCH": str(self.epoch),
-            "MARDUK_RESTART_COUNT": str(max(self.incarnation, 0)),
-            "MARDUK_DEVICES": ",".join(o.devices),
-            "MARDUK_SCOPE": o.scope,
-            "MARDUK_ADDR": o.addr,
-            "MARDUK_SUPERVISOR_PID": str(os.getpid()),
-        }
+        given = Handoff(
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            epoch=self.epoch,
+            restart_count=max(self.incarnation, 0),
+            devices=tuple(o.devices),
+            scope=o.scope,
+            addr=o.addr,
+            supervisor_pid=os.getpid(),
+        )
+        return {**os.environ, "PYTHONUNBUFFERED": "1", **given.to_env()}
 
     def _rank_env(self, rank: Rank, base: dict[str, str]) -> dict[str, str]:
-        env = {**base, "MARDUK_AGENT_SOCKET": rank.socket_path}
+        env = {**base, handoff.AGENT_SOCKET: rank.socket_path}
         if self.launch is not None:
             env.update(
                 self.launch.env(rank.index, self.opts.devices, self.incarnation, self.master_port)

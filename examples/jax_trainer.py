@@ -29,6 +29,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from agent.handoff import Handoff
+
 
 def init_params(key: jax.Array, sizes: list[int]) -> list[tuple[jax.Array, jax.Array]]:
     params = []
@@ -87,14 +89,8 @@ def main() -> int:
         help="JAX's persistent compilation cache (default: CKPT_DIR/jax-cache; 'none': off)",
     )
     args = p.parse_args()
-    who = "-".join(
-        os.environ.get(k, d)
-        for k, d in (
-            ("MARDUK_JOB", "default"),
-            ("MARDUK_REPLICA_ID", "solo"),
-            ("MARDUK_WORKER", "0"),
-        )
-    )
+    given = Handoff.from_env()  # what `marduk agent run` tells its trainer (MARDUK_*)
+    who = f"{given.job or 'default'}-{given.replica or 'solo'}-{given.worker or 0}"
     ckpt_root = Path(args.ckpt_dir or os.environ.get("MARDUK_CKPT_DIR", ".marduk/ckpt"))
     ckpt_dir = ckpt_root / who
     cache = args.compile_cache_dir or str(ckpt_root / "jax-cache")
@@ -124,7 +120,7 @@ def main() -> int:
     restore_ms = (time.perf_counter() - t_restore) * 1000
     print(
         f"{who}: {len(devices)} device(s) {devices[0].platform}, "
-        f"epoch {os.environ.get('MARDUK_EPOCH', '-')}, resuming at step {start}",
+        f"epoch {given.epoch}, resuming at step {start}",
         flush=True,
     )
 
@@ -139,7 +135,7 @@ def main() -> int:
     # Under `marduk agent run`, the library talks to the agent: a preemption notice arrives as
     # a checkpoint request, saved at the next step while training goes on.
     client = None
-    if os.environ.get("MARDUK_AGENT_SOCKET"):
+    if given.supervised:
         import agent
 
         client = agent.connect()

@@ -1,0 +1,150 @@
+"""The ``MARDUK_*`` hand-off: what a trainer learns from its environment, as one typed object.
+
+``marduk agent run`` writes it (``Handoff.to_env()``) into every trainer it starts; the fork
+server and the standby pass it on; the library reads it back (``Handoff.from_env()``). A trainer
+started without a supervisor may still be given some of these variables by hand (a Kubernetes
+manifest setting ``MARDUK_REPLICA_ID``): every field is optional, and a variable that is set
+but unreadable is an error that names it.
+
+The variable names are defined here and nowhere else in the code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Final, Literal
+
+JOB: Final = "MARDUK_JOB"
+REPLICA: Final = "MARDUK_REPLICA_ID"
+WORKER: Final = "MARDUK_WORKER"
+DEVICES: Final = "MARDUK_DEVICES"
+SCOPE: Final = "MARDUK_SCOPE"
+ADDR: Final = "MARDUK_ADDR"
+PREFIX: Final = "MARDUK_PREFIX"
+EPOCH: Final = "MARDUK_EPOCH"
+RESTART_COUNT: Final = "MARDUK_RESTART_COUNT"
+SUPERVISOR_PID: Final = "MARDUK_SUPERVISOR_PID"
+AGENT_SOCKET: Final = "MARDUK_AGENT_SOCKET"
+WARM_START: Final = "MARDUK_WARM_START"
+
+# What differs from one incarnation of a trainer to the next: a process started ahead of time
+# (a standby, a fork) is told these when it becomes the trainer.
+PER_INCARNATION: Final = (EPOCH, RESTART_COUNT)
+
+WarmStart = Literal["zygote", "standby"]
+
+
+class HandoffError(ValueError):
+    """A ``MARDUK_*`` variable is set to something that cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """The ``MARDUK_*`` variables of a trainer's environment. None: not set."""
+
+    job: str | None = None
+    replica: str | None = None
+    worker: int | None = None
+    devices: tuple[str, ...] | None = None
+    scope: str | None = None
+    addr: str | None = None
+    prefix: str | None = None
+    # The epoch the trainer was started for and how many trainers the supervisor started before
+    # it; 0 for a process started by hand.
+    epoch: int = 0
+    restart_count: int = 0
+    supervisor_pid: int | None = None
+    # The supervisor's unix socket (agent/local.py): set means "talk to it, don't register".
+    agent_socket: str | None = None
+    # How a warm trainer was started (the fork server or a standby); None: a cold start.
+    warm_start: WarmStart | None = None
+
+    @property
+    def supervised(self) -> bool:
+        """Started by ``marduk agent run``: the library talks to it over ``agent_socket``."""
+        return bool(self.agent_socket)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables of the fields that are set (epoch and restart count always)."""
+        env: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            env[_VAR[f.name]] = ",".join(value) if f.name == "devices" else str(value)
+        return env
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Handoff:
+        """Read the variables of ``env`` (default ``os.environ``); raise HandoffError naming
+        the variable that is set but unreadable. An empty variable counts as not set."""
+        env = os.environ if env is None else env
+
+        def text(var: str) -> str | None:
+            value = env.get(var, "").strip()
+            return value or None
+
+        warm = text(WARM_START)
+        if warm is not None and warm not in ("zygote", "standby"):
+            raise HandoffError(f"{WARM_START} must be 'zygote' or 'standby', not {warm!r}")
+        scope = text(SCOPE)
+        if scope is not None and scope not in ("replica", "job"):
+            raise HandoffError(f"{SCOPE} must be 'replica' or 'job', not {scope!r}")
+        return cls(
+            job=text(JOB),
+            replica=text(REPLICA),
+            worker=_count(env, WORKER),
+            devices=parse_devices(env.get(DEVICES)),
+            scope=scope,
+            addr=text(ADDR),
+            prefix=text(PREFIX),
+            epoch=_count(env, EPOCH) or 0,
+            restart_count=_count(env, RESTART_COUNT) or 0,
+            supervisor_pid=_count(env, SUPERVISOR_PID),
+            agent_socket=text(AGENT_SOCKET),
+            warm_start=warm,  # type: ignore[arg-type]  # checked above
+        )
+
+
+_VAR: Final = {
+    "job": JOB,
+    "replica": REPLICA,
+    "worker": WORKER,
+    "devices": DEVICES,
+    "scope": SCOPE,
+    "addr": ADDR,
+    "prefix": PREFIX,
+    "epoch": EPOCH,
+    "restart_count": RESTART_COUNT,
+    "supervisor_pid": SUPERVISOR_PID,
+    "agent_socket": AGENT_SOCKET,
+    "warm_start": WARM_START,
+}
+
+
+def parse_devices(raw: str | None) -> tuple[str, ...] | None:
+    """``MARDUK_DEVICES``: comma-separated ids; None when unset or empty."""
+    if raw is None or not raw.strip():
+        return None
+    return tuple(d.strip() for d in raw.split(",") if d.strip())
+
+
+def warm_start_env(env: Mapping[str, str], how: WarmStart) -> dict[str, str]:
+    """What a process started ahead of time is told when it becomes the trainer: the
+    per-incarnation variables of ``env`` and how it was started."""
+    return {**{var: env[var] for var in PER_INCARNATION}, WARM_START: how}
+
+
+def _count(env: Mapping[str, str], var: str) -> int | None:
+    raw = env.get(var, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise HandoffError(f"{var} must be a whole number, not {raw!r}") from None
+    if value < 0:
+        raise HandoffError(f"{var} must not be negative, not {value}")
+    return value
