@@ -50,7 +50,7 @@ if args.setsid_child:
     import subprocess
 
     child = subprocess.Popen(
-        [sys.executable, "-c", "import os, time; os.setsid(); time.sleep(3600)"],
+        [sys.executable, "-c", "import time; time.sleep(3600)"],
         start_new_session=True,
     )
     print(f"GRANDCHILD {child.pid}", flush=True)

@@ -1,0 +1,115 @@
+"""torchrun's contract (agent/launch.py): each rank's variables, options, log routing. Pure."""
+
+from __future__ import annotations
+
+import pytest
+
+from agent.cli import node_name, trainer_command
+from agent.launch import (
+    LaunchError,
+    LaunchSpec,
+    LogSpec,
+    Std,
+    parse_endpoint,
+    parse_nnodes,
+    parse_std,
+)
+
+
+def test_rank_variables_match_torchrun() -> None:
+    spec = LaunchSpec(nproc_per_node=4, nnodes=2, node_rank=1, master_addr="h0", run_id="j")
+    env = spec.env(2, ["a", "b"], restart_count=3, master_port=1234)
+    assert env == {
+        "RANK": "6",
+        "LOCAL_RANK": "2",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "ROLE_RANK": "6",
+        "ROLE_WORLD_SIZE": "8",
+        "ROLE_NAME": "default",
+        "MASTER_ADDR": "h0",
+        "MASTER_PORT": "1234",
+        "TORCHELASTIC_RESTART_COUNT": "3",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": "j",
+    }
+
+
+def test_split_devices_give_each_rank_its_share_and_cuda_visible_devices() -> None:
+    spec = LaunchSpec(nproc_per_node=2, rank_devices="split")
+    gpus = ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
+    env = spec.env(1, gpus, 0, 1)
+    assert env["MARDUK_DEVICES"] == "GPU-c,GPU-d"
+    assert env["CUDA_VISIBLE_DEVICES"] == "GPU-c,GPU-d"  # NVIDIA UUIDs as they are
+    other = spec.env(1, ["n:gpu:0", "n:gpu:1", "n:gpu:2", "n:gpu:3"], 0, 1)
+    assert other["CUDA_VISIBLE_DEVICES"] == "2,3"  # else their ordinals
+    assert "CUDA_VISIBLE_DEVICES" not in LaunchSpec(nproc_per_node=2).env(1, gpus, 0, 1)
+
+
+def test_split_needs_a_multiple_of_the_ranks() -> None:
+    with pytest.raises(LaunchError, match="multiple of 4"):
+        LaunchSpec(nproc_per_node=4, rank_devices="split").check_devices(["a", "b"])
+
+
+def test_bad_node_rank_and_elastic_nnodes_are_clear_errors() -> None:
+    with pytest.raises(LaunchError, match="not in"):
+        LaunchSpec(nnodes=2, node_rank=2)
+    assert parse_nnodes("3") == parse_nnodes("3:3") == 3
+    with pytest.raises(LaunchError, match="elastic"):
+        parse_nnodes("1:4")
+
+
+def test_master_port_fixed_free_or_torchruns_default() -> None:
+    assert LaunchSpec(master_port=4000).port_for_incarnation() == 4000
+    assert LaunchSpec(nnodes=2, node_rank=0).port_for_incarnation() == 29500
+    assert 0 < LaunchSpec().port_for_incarnation() < 65536
+
+
+def test_rdzv_endpoint() -> None:
+    assert parse_endpoint("h0:29400") == ("h0", 29400)
+    assert parse_endpoint("h0") == ("h0", None)
+    assert parse_endpoint("[::1]:5") == ("::1", 5)
+    with pytest.raises(LaunchError):
+        parse_endpoint("h0:port")
+
+
+def test_redirects_and_tee_specs() -> None:
+    assert parse_std("3", 2, "--tee") == {0: Std.ALL, 1: Std.ALL}
+    assert parse_std("0:1,1:2", 3, "-r") == {0: Std.OUT, 1: Std.ERR, 2: Std.NONE}
+    with pytest.raises(LaunchError, match="--tee"):
+        parse_std("x", 2, "--tee")
+
+
+def test_log_routing() -> None:
+    logs = LogSpec(
+        redirects={0: Std.OUT, 1: Std.NONE},
+        tee={0: Std.NONE, 1: Std.ERR},
+        local_ranks_filter=frozenset({0}),
+        prefix_template="[rank${rank}]:",
+    )
+    assert not logs.to_console(0, Std.OUT) and logs.to_file(0, Std.OUT)
+    assert logs.to_console(0, Std.ERR) and not logs.to_file(0, Std.ERR)
+    assert not logs.to_console(1, Std.ERR) and logs.to_file(1, Std.ERR)  # filtered out
+    assert logs.prefix(LaunchSpec(nproc_per_node=2, nnodes=2, node_rank=1), 1) == b"[rank3]:"
+    assert logs.path("/l/run", 2, 1, Std.ERR) == "/l/run/attempt_2/1/stderr.log"
+
+
+def test_scripts_run_as_torchrun_runs_them() -> None:
+    import sys
+
+    assert trainer_command(["t.py", "--x"], module=False, no_python=False) == [
+        sys.executable,
+        "t.py",
+        "--x",
+    ]
+    assert trainer_command(["pkg.t"], module=True, no_python=False)[1:] == ["-m", "pkg.t"]
+    assert trainer_command(["t.py"], module=False, no_python=True) == ["t.py"]
+    assert trainer_command(["python", "t.py"], module=False, no_python=False) == ["python", "t.py"]
+
+
+def test_node_name_is_a_valid_replica_id() -> None:
+    from marduk.subjects import check_replica
+
+    check_replica(node_name())

@@ -1,0 +1,201 @@
+"""``marduk agent run --nproc-per-node N`` with real processes: torchrun's contract, one restart
+of every rank when one fails, log files and prefixes, standalone (no NATS), joining a controller
+started later, and nothing left behind (grace honoured, SIGTERM ignored, setsid'd grandchildren).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agent.supervisor import ExitCode
+from tests.conftest import NatsServer
+from tests.processes import Proc, agent_run, controller, inject
+
+pytestmark = pytest.mark.e2e
+RANKS = [sys.executable, "tests/trainers/ranks.py"]
+
+
+def launch(env: dict[str, str], *options: str, trainer: list[str], nproc: int = 4) -> Proc:
+    return agent_run(
+        env,
+        *("--replica", "r1", "--nproc-per-node", str(nproc), "--preload", "none"),
+        *options,
+        cmd=trainer,
+    )
+
+
+def envs(p: Proc) -> list[dict[str, str]]:
+    """The ENV lines the ranks printed, in order, with the console prefix they came with."""
+    out = []
+    for line in p.all:
+        if "ENV {" in line:
+            prefix, _, payload = line.partition("ENV ")
+            out.append({**json.loads(payload), "prefix": prefix})
+    return out
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_four_ranks_get_torchruns_variables_and_one_crash_restarts_all_four_once(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    # No NATS at env's address: standalone needs none.
+    a = launch(
+        env,
+        *("--standalone", "--devices", "a,b,c,d", "--rank-devices", "split"),
+        *("--log-dir", str(tmp_path / "logs"), "--tee", "3"),
+        trainer=[*RANKS, "--steps", "8", "--crash-rank", "2"],
+    )
+    assert a.proc.wait(60) == ExitCode.OK, "".join(a.all)
+    seen = envs(a)
+    assert len(seen) == 8, "".join(a.all)  # four ranks, started twice
+    for attempt in (0, 1):
+        ranks = [e for e in seen if e["TORCHELASTIC_RESTART_COUNT"] == str(attempt)]
+        assert sorted(int(e["RANK"]) for e in ranks) == [0, 1, 2, 3]
+        assert len({e["MASTER_PORT"] for e in ranks}) == 1  # one master per incarnation
+        for e in ranks:
+            local = int(e["LOCAL_RANK"])
+            assert e["RANK"] == str(local)
+            assert e["prefix"] == f"[rank{local}]:"
+            assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"]) == ("4", "4", "0")
+            assert e["MASTER_ADDR"] == "127.0.0.1"
+            assert e["MARDUK_DEVICES"] == "abcd"[local]
+            assert e["CUDA_VISIBLE_DEVICES"] == str(local)
+            assert e["MARDUK_RESTART_COUNT"] == str(attempt)
+            assert e["MARDUK_AGENT_SOCKET"].endswith(f"agent-{local}.sock")
+    assert any("local rank 2 crashed (exit code 3)" in line for line in a.all)
+    # torchrun's layout: attempt_N/LOCAL_RANK/{stdout,stderr}.log, without the console prefix.
+    run = tmp_path / "logs" / "default_r1_0"
+    assert "ValueError: rank crash" in (run / "attempt_0" / "2" / "stderr.log").read_text()
+    out = (run / "attempt_1" / "3" / "stdout.log").read_text()
+    assert out.startswith("ENV {") and "DONE rank 3" in out and "[rank" not in out
+
+
+def test_redirected_streams_go_to_files_only_and_the_filter_hides_ranks(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    a = launch(
+        env,
+        *("--standalone", "--log-dir", str(tmp_path), "--redirects", "0:1"),
+        *("--local-ranks-filter", "0,1"),
+        trainer=[*RANKS, "--steps", "2"],
+        nproc=3,
+    )
+    assert a.proc.wait(60) == ExitCode.OK, "".join(a.all)
+    console = "".join(a.all)
+    assert "[rank0]:ENV" not in console and "[rank0]:to stderr" in console  # stdout redirected
+    assert "[rank1]:ENV" in console and "[rank2]:" not in console  # rank 2 filtered out
+    assert (
+        "DONE rank 0" in (tmp_path / "default_r1_0" / "attempt_0" / "0" / "stdout.log").read_text()
+    )
+
+
+def test_torch_gloo_four_ranks_restart_together_after_one_crashes(env: dict[str, str]) -> None:
+    pytest.importorskip("torch", reason="torch (CPU) is not installed: pip install torch")
+    a = launch(
+        env,
+        *("--standalone", "--preload", "torch"),
+        trainer=[sys.executable, "tests/trainers/gloo.py", "--steps", "6", "--crash-rank", "1"],
+    )
+    assert a.proc.wait(120) == ExitCode.OK, "".join(a.all)
+    ranks = [line for line in a.all if "RANKS rank=" in line]
+    assert sorted(line.split("]:")[1].strip() for line in ranks) == sorted(
+        f"RANKS rank={r} world=4 inc={i}" for r in range(4) for i in range(2)
+    )
+    assert sum("DONE rank" in line for line in a.all) == 4
+    assert sum("sum=4" in line for line in a.all) >= 4 * 6  # all_reduce over four ranks
+
+
+def test_with_no_controller_answering_the_agent_runs_standalone(tmp_path: Path) -> None:
+    server = NatsServer(tmp_path / "js").start()  # NATS, but no controller
+    try:
+        a = agent_run(
+            {"MARDUK_ADDR": server.url},
+            *("--replica", "r1", "--devices", "d1", "--connect-timeout", "1"),
+            *("--preload", "none"),
+            cmd=[*RANKS, "--steps", "3"],
+        )
+        assert a.proc.wait(30) == ExitCode.OK, "".join(a.all)
+        assert any("running standalone" in line for line in a.all)
+        assert not any("Traceback" in line for line in a.all)
+    finally:
+        server.stop()
+
+
+def test_a_standalone_agent_joins_a_controller_started_later_and_follows_it(
+    env: dict[str, str],
+) -> None:
+    a = launch(env, "--standalone", "--devices", "a,b", trainer=RANKS, nproc=2)
+    try:
+        a.expect("step 3")
+        controller(env)  # its embedded NATS comes up at env's address
+        a.expect("joined the controller", timeout=30)
+        inject(env, "b")
+        a.expect("restart command epoch 1")
+        a.expect('"TORCHELASTIC_RESTART_COUNT": "1"')
+        assert all(e["MARDUK_EPOCH"] == "1" for e in envs(a)[2:])
+    finally:
+        a.stop()
+
+
+def test_the_grace_period_is_honoured_for_a_rank_that_checkpoints(env: dict[str, str]) -> None:
+    a = launch(
+        env,
+        *("--standalone", "--grace", "10"),
+        trainer=[*RANKS, "--crash-rank", "1", "--checkpoint-seconds", "1", "--steps", "40"],
+        nproc=2,
+    )
+    a.expect("SIGTERM rank 0: checkpointing")
+    a.expect("SAVED rank 0")  # a second later: not SIGKILLed meanwhile
+    assert a.proc.wait(60) == ExitCode.OK, "".join(a.all)
+    assert not any("SIGKILL" in line for line in a.all)
+
+
+def test_a_rank_ignoring_sigterm_is_killed_after_the_grace(env: dict[str, str]) -> None:
+    a = launch(
+        env,
+        *("--standalone", "--grace", "1"),
+        trainer=[*RANKS, "--crash-rank", "1", "--ignore-sigterm", "--steps", "40"],
+        nproc=2,
+    )
+    a.expect("IGNORING SIGTERM rank 0")
+    a.expect("ignored SIGTERM for 1s; SIGKILL")
+    a.expect('"TORCHELASTIC_RESTART_COUNT": "1"')
+    first = next(e["pid"] for e in envs(a) if e["RANK"] == "0")
+    assert gone(int(first))
+    a.stop()
+
+
+def test_grandchildren_that_setsid_away_end_with_their_rank_and_with_the_agent(
+    env: dict[str, str],
+) -> None:
+    a = launch(
+        env,
+        "--standalone",
+        trainer=[*RANKS, "--crash-rank", "1", "--setsid-child"],
+        nproc=2,
+    )
+    a.expect('"TORCHELASTIC_RESTART_COUNT": "1"')
+    a.expect("step 2")
+    grandchildren = [int(line.split("GRANDCHILD ")[1]) for line in a.all if "GRANDCHILD" in line]
+    assert len(grandchildren) >= 3  # two of the first incarnation, one or two of the second
+    first = grandchildren[:2]
+    assert all(gone(pid) for pid in first), [psutil.Process(p).status() for p in first]
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(30) == ExitCode.PREEMPTED
+    time.sleep(0.2)
+    now = [int(line.split("GRANDCHILD ")[1]) for line in a.all if "GRANDCHILD" in line]
+    left = [pid for pid in now if not gone(pid)]
+    assert not left, f"still running: {left}"
