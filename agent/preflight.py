@@ -13,6 +13,10 @@ device is missing or fails; the lines on stdout say which (``PREFLIGHT FAIL <id>
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import os
+import signal
 import sys
 import time
 
@@ -35,6 +39,32 @@ def check(expect: int | None) -> list[str]:
         except Exception as e:
             failures.append(f"{d.platform}:{d.id}: {type(e).__name__}: {e}"[:300])
     return failures
+
+
+async def run_check(
+    env: dict[str, str], expect: int | None, timeout_s: float
+) -> tuple[bool, list[str]]:
+    """In the supervisor: run this module in a fresh process (its own session) under a
+    timeout; (passed, its output lines)."""
+    cmd = [sys.executable, "-m", "agent.preflight"]
+    if expect:
+        cmd += ["--expect", str(expect)]
+    proc = await asyncio.create_subprocess_exec(
+        *cmd,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        await proc.wait()
+        return False, [f"PREFLIGHT FAIL no answer within {timeout_s:g}s"]
+    return proc.returncode == 0, out.decode(errors="replace").splitlines()
 
 
 def main() -> int:

@@ -9,7 +9,9 @@ tolerance or the timeout passes; then go on (best effort: the timeout is logged,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -60,3 +62,32 @@ async def wait_for_release(
             )
             return busy
         await asyncio.sleep(poll_s)
+
+
+async def between_incarnations(
+    stale_files: list[str],
+    cleanup_cmd: str,
+    devices: list[str],
+    *,
+    reclaim_timeout_s: float,
+    reclaim_tolerance_mib: float,
+) -> None:
+    """Remove stale lockfiles, run the user's cleanup command, wait for the GPUs' memory to be
+    released (``marduk agent run`` does this before every restart)."""
+    for path in stale_files:
+        with contextlib.suppress(FileNotFoundError, PermissionError):
+            await asyncio.to_thread(os.unlink, path)
+            log.info("removed stale %s", path)
+    if cleanup_cmd:
+        proc = await asyncio.create_subprocess_shell(cleanup_cmd)
+        try:
+            code = await asyncio.wait_for(proc.wait(), 60)
+        except TimeoutError:
+            proc.kill()
+            code = -9
+        if code != 0:
+            log.warning("cleanup command exited %s", code)
+    if reclaim_timeout_s > 0:
+        await wait_for_release(
+            devices, tolerance_mib=reclaim_tolerance_mib, timeout_s=reclaim_timeout_s
+        )

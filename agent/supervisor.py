@@ -41,10 +41,9 @@ import signal
 import sys
 import tempfile
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import IO
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -54,8 +53,18 @@ from agent import handoff
 from agent.client import AsyncClient, Command, Options
 from agent.handoff import Handoff
 from agent.launch import LaunchSpec, LogSpec, Std
+from agent.preflight import run_check
 from agent.proctree import become_subreaper, end_leftovers, leftovers
-from agent.reclaim import wait_for_release
+from agent.ranks import (
+    CommandArrived,
+    Fact,
+    Joined,
+    Preempted,
+    Rank,
+    RankExited,
+    Tick,
+)
+from agent.reclaim import between_incarnations
 from agent.signatures import Diagnosis, diagnose
 from agent.starter import Starter, standby_command
 from agent.supervision import (
@@ -146,57 +155,6 @@ def describe_returncode(code: int) -> tuple[int | None, str]:
             name = f"signal {-code}"
         return None, name
     return code, ""
-
-
-# --- what the shell observes (facts for the core) ------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class RankExited:
-    incarnation: int
-    rank: int
-    returncode: int
-
-
-@dataclass(frozen=True, slots=True)
-class Tick:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class Preempted:
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class CommandArrived:
-    command: Command
-
-
-@dataclass(frozen=True, slots=True)
-class Joined:
-    epoch: int
-    unusable_devices: list[str]
-
-
-Fact = RankExited | Tick | Preempted | CommandArrived | Joined
-
-
-class Rank:
-    """One local rank: its current process, its output, its library's connections."""
-
-    def __init__(self, index: int, socket_path: str, tail_lines: int) -> None:
-        self.index = index
-        self.socket_path = socket_path
-        self.proc: TrainerProcess | None = None
-        self.tail: deque[str] = deque(maxlen=tail_lines)
-        self.trainers: set[asyncio.StreamWriter] = set()  # its library's connections
-        self.tasks: list[asyncio.Task[None]] = []  # output pumps and the exit waiter
-        self.files: list[IO[bytes]] = []  # --log-dir files of the current attempt
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
 
 
 class Supervisor:
@@ -559,7 +517,7 @@ class Supervisor:
         base = self._trainer_env()
         for rank in self.ranks:
             rank.tail.clear()
-            rank.files = self._open_logs(rank.index, incarnation)
+            self._open_logs(rank, incarnation)
             try:
                 rank.proc = await self.starter.start(
                     rank.index,
@@ -659,10 +617,7 @@ class Supervisor:
                 if task.done() or task is asyncio.current_task():
                     continue
                 task.cancel()
-            for f in r.files:
-                with contextlib.suppress(OSError):
-                    f.close()
-            r.files = []
+            r.close_logs()
 
     async def _wait_group_gone(self, rank: Rank, timeout: float = 10.0) -> None:
         """Until no process of the rank's group is left (children it forked included)."""
@@ -681,25 +636,14 @@ class Supervisor:
 
     # --- output -----------------------------------------------------------------------------------
 
-    def _open_logs(self, local_rank: int, attempt: int) -> list[IO[bytes]]:
-        """The --log-dir files of this attempt (--tee, --redirects), [stdout, stderr] or []."""
+    def _open_logs(self, rank: Rank, attempt: int) -> None:
         logs = self.config.logs
-        if not logs.wants_files:
-            return []
-        if not self.run_dir:
+        if logs.wants_files and not self.run_dir:
             base = logs.log_dir or tempfile.mkdtemp(prefix="marduk_logs_")
             o = self.opts
             self.run_dir = os.path.join(base, f"{o.job}_{o.replica}_{o.worker}")
             log.info("rank logs under %s", self.run_dir)
-        files: list[IO[bytes]] = []
-        for stream in (Std.OUT, Std.ERR):
-            path = logs.path(self.run_dir, attempt, local_rank, stream)
-            if logs.to_file(local_rank, stream):
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                files.append(open(path, "wb"))  # noqa: SIM115 - closed when the attempt ends
-            else:
-                files.append(open(os.devnull, "wb"))  # noqa: SIM115 - as above
-        return files
+        rank.open_logs(logs, self.run_dir, attempt)
 
     async def _pump(self, rank: Rank, stream: asyncio.StreamReader | None, which: Std) -> None:
         """Pass a rank's output through line by line (prefixed, teed, redirected); keep the
@@ -810,29 +754,10 @@ class Supervisor:
         """
         if not self.config.preflight:
             return True
-        cmd = [sys.executable, "-m", "agent.preflight"]
-        if self.config.preflight_expect:
-            cmd += ["--expect", str(self.config.preflight_expect)]
         t0 = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=self._trainer_env(),
-            start_new_session=True,
+        ok, lines = await run_check(
+            self._trainer_env(), self.config.preflight_expect, self.config.preflight_timeout_s
         )
-        try:
-            out, _ = await asyncio.wait_for(proc.communicate(), self.config.preflight_timeout_s)
-            ok, lines = proc.returncode == 0, out.decode(errors="replace").splitlines()
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
-            ok, lines = (
-                False,
-                [f"PREFLIGHT FAIL no answer within {self.config.preflight_timeout_s:g}s"],
-            )
         took = time.monotonic() - t0
         self.stats["preflight.ok" if ok else "preflight.failed"] += 1
         if ok:
@@ -852,25 +777,14 @@ class Supervisor:
     async def _cleanup(self) -> None:
         """Between incarnations: remove stale lockfiles, run the user's cleanup command, wait
         for the GPUs' memory to be released."""
-        for path in self.config.stale_files:
-            with contextlib.suppress(FileNotFoundError, PermissionError):
-                await asyncio.to_thread(os.unlink, path)
-                log.info("removed stale %s", path)
-        if self.config.cleanup_cmd:
-            proc = await asyncio.create_subprocess_shell(self.config.cleanup_cmd)
-            try:
-                code = await asyncio.wait_for(proc.wait(), 60)
-            except TimeoutError:
-                proc.kill()
-                code = -9
-            if code != 0:
-                log.warning("cleanup command exited %s", code)
-        if self.config.reclaim_timeout_s > 0:
-            await wait_for_release(
-                self.opts.devices,
-                tolerance_mib=self.config.reclaim_tolerance_mib,
-                timeout_s=self.config.reclaim_timeout_s,
-            )
+        c = self.config
+        await between_incarnations(
+            c.stale_files,
+            c.cleanup_cmd,
+            self.opts.devices,
+            reclaim_timeout_s=c.reclaim_timeout_s,
+            reclaim_tolerance_mib=c.reclaim_tolerance_mib,
+        )
 
     # --- reports ----------------------------------------------------------------------------------
 

@@ -68,8 +68,15 @@ def start(name: str, bench_dir: Path, env: dict[str, str]) -> Procs:
         torchrun = str(Path(sys.executable).parent / "torchrun")
         return [
             subprocess.Popen(
-                [torchrun, "--standalone", "--nproc-per-node", str(NPROC)]
-                + ["--max-restarts", "100000", WORKER],
+                [
+                    torchrun,
+                    "--standalone",
+                    "--nproc-per-node",
+                    str(NPROC),
+                    "--max-restarts",
+                    "100000",
+                    WORKER,
+                ],
                 env={**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
                 cwd=ROOT,
                 stdout=subprocess.DEVNULL,

@@ -1,0 +1,84 @@
+"""What ``marduk agent run`` keeps of each local rank, and the facts its shell feeds to the
+supervision core (agent/supervision.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import IO
+
+from agent.client import Command
+from agent.launch import LogSpec, Std
+from agent.zygote import TrainerProcess
+
+# --- what the shell observes (facts for the core) ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankExited:
+    incarnation: int
+    rank: int
+    returncode: int
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Preempted:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class CommandArrived:
+    command: Command
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    epoch: int
+    unusable_devices: list[str]
+
+
+Fact = RankExited | Tick | Preempted | CommandArrived | Joined
+
+
+class Rank:
+    """One local rank: its current process, its output, its library's connections."""
+
+    def __init__(self, index: int, socket_path: str, tail_lines: int) -> None:
+        self.index = index
+        self.socket_path = socket_path
+        self.proc: TrainerProcess | None = None
+        self.tail: deque[str] = deque(maxlen=tail_lines)
+        self.trainers: set[asyncio.StreamWriter] = set()  # its library's connections
+        self.tasks: list[asyncio.Task[None]] = []  # output pumps and the exit waiter
+        self.files: list[IO[bytes]] = []  # --log-dir files of the current attempt
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    def open_logs(self, logs: LogSpec, run_dir: str, attempt: int) -> None:
+        """This attempt's --log-dir files (--tee, --redirects): [stdout, stderr], or none."""
+        self.close_logs()
+        if not logs.wants_files:
+            return
+        for stream in (Std.OUT, Std.ERR):
+            path = logs.path(run_dir, attempt, self.index, stream)
+            if logs.to_file(self.index, stream):
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self.files.append(open(path, "wb"))  # noqa: SIM115 - closed by close_logs
+            else:
+                self.files.append(open(os.devnull, "wb"))  # noqa: SIM115 - as above
+
+    def close_logs(self) -> None:
+        for f in self.files:
+            with contextlib.suppress(OSError):
+                f.close()
+        self.files = []
