@@ -65,7 +65,7 @@ class LocalAsyncClient(CommandInbox):
             raise AgentError(
                 f"cannot reach the local agent at {self.socket_path}: {e or type(e).__name__}"
             ) from None
-        self._received_epoch = max(self._received_epoch, int(welcome.get("epoch", 0)))
+        self.fence = self.fence.adopt(int(welcome.get("epoch", 0)))
         self.state = "registered"
         self._reader_task = asyncio.create_task(self._read(reader))
 

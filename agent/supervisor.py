@@ -43,6 +43,7 @@ from prometheus_client.core import Metric
 
 from agent import handoff
 from agent.client import AsyncClient, Command, Options
+from agent.fencing import supersedes
 from agent.handoff import Handoff
 from agent.reclaim import wait_for_release
 from agent.signatures import Diagnosis, diagnose
@@ -647,7 +648,7 @@ class Supervisor:
                 )
                 if next_cmd in done:
                     cmd = next_cmd.result()
-                    if cmd.kind == "restart" and cmd.epoch <= self.epoch:
+                    if cmd.kind == "restart" and not supersedes(cmd.epoch, self.epoch):
                         continue  # this incarnation already runs at (or after) that epoch
                     if cmd.kind == "checkpoint":
                         # Save now, keep training: the trainer's library sees it; nothing stops.
