@@ -37,14 +37,14 @@ from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from agent import handoff
+from agent import handoff, local
 from agent.client import AsyncClient, Command, Options
 from agent.fencing import supersedes
 from agent.handoff import Handoff
+from agent.local import TrainerChannel
 from agent.reclaim import wait_for_release
 from agent.signatures import Diagnosis, diagnose
 from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
@@ -177,7 +177,7 @@ class Supervisor:
             prefix="marduk-agent-", dir=os.environ.get("XDG_RUNTIME_DIR") or None
         )
         self.socket_path = os.path.join(self.socket_dir, "agent.sock")
-        self._trainers: set[asyncio.StreamWriter] = set()
+        self.channel: TrainerChannel | None = None  # the trainer's library (agent/local.py)
         self.standby_cmd = standby_command(config.cmd, config.preload) if config.prespawn else None
         self.stats: Counter[str] = Counter()
         self.registry = CollectorRegistry()
@@ -230,16 +230,16 @@ class Supervisor:
                 log.error("%s", e)
                 await self.client.close(deregister=False)
                 return ExitCode.SETUP
-        server = await asyncio.start_unix_server(self._serve_trainer, self.socket_path)
-        os.chmod(self.socket_path, 0o600)
+        self.channel = TrainerChannel(
+            self.socket_path, self._on_trainer, epoch=lambda: self.epoch, stats=self.stats
+        )
+        await self.channel.start()
         status = asyncio.create_task(self._status_loop())
         try:
             return await self._loop()
         finally:
             status.cancel()
-            server.close()
-            with contextlib.suppress(OSError):
-                os.unlink(self.socket_path)
+            self.channel.close()
             with contextlib.suppress(OSError):
                 os.rmdir(self.socket_dir)
             await self._discard_standby()
@@ -678,57 +678,26 @@ class Supervisor:
 
     # --- the trainer's library (agent/local.py) ---------------------------------------------------
 
-    async def _serve_trainer(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        self._trainers.add(writer)
-        try:
-            while line := await reader.readline():
-                try:
-                    msg = json.loads(line)
-                    op = msg.get("op")
-                    if op == "hello":
-                        writer.write(
-                            json.dumps({"op": "welcome", "epoch": self.epoch}).encode() + b"\n"
-                        )
-                        await writer.drain()
-                    elif op == "step":
-                        self._progress(int(msg["step"]))
-                    elif op == "heartbeat":
-                        self._progress(None)
-                    elif op == "checkpointed":
-                        step = int(msg["step"])
-                        log.info("trainer saved the checkpoint asked for at step %d", step)
-                        await self._report(
-                            "checkpointed", summary=f"checkpoint saved at step {step}"
-                        )
-                    elif op == "section":
-                        name = str(msg["name"])
-                        if msg.get("open"):
-                            timeout = msg.get("timeout")
-                            self.sections[name] = (
-                                time.monotonic(),
-                                float(timeout) if timeout else None,
-                            )
-                        else:
-                            self.sections.pop(name, None)
-                        self._progress(None)
-                except (ValueError, KeyError, TypeError) as e:
-                    log.warning("bad message from the trainer's library: %s", e)
-        except (OSError, ValueError):
-            pass
-        finally:
-            self._trainers.discard(writer)
-            writer.close()
+    async def _on_trainer(self, msg: local.ToAgent) -> None:
+        match msg:
+            case local.Step(step=step):
+                self._progress(step)
+            case local.Heartbeat():
+                self._progress(None)
+            case local.Checkpointed(step=step):
+                log.info("trainer saved the checkpoint asked for at step %d", step)
+                await self._report("checkpointed", summary=f"checkpoint saved at step {step}")
+            case local.Section(name=name, open=open_, timeout=timeout):
+                if open_:
+                    self.sections[name] = (time.monotonic(), timeout or None)
+                else:
+                    self.sections.pop(name, None)
+                self._progress(None)
 
     async def _forward(self, cmd: Command) -> None:
         """Tell the trainer's library (if it connected) why it is about to be stopped."""
-        wire_cmd = msgspec.to_builtins(cmd.to_wire())
-        line = json.dumps({"op": "command", "command": wire_cmd}).encode() + b"\n"
-        for writer in list(self._trainers):
-            with contextlib.suppress(OSError, RuntimeError):
-                writer.write(line)
-                await asyncio.wait_for(writer.drain(), 1.0)
+        if self.channel is not None:
+            await self.channel.forward(cmd.to_wire())
 
     async def _status_loop(self) -> None:
         """Report progress (last step and when) while the trainer runs."""
