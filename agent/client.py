@@ -37,6 +37,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from agent import handoff
+from agent.fencing import Fence, Verdict
 from agent.handoff import Handoff, HandoffError
 from marduk import bus
 from marduk import protocol as wire
@@ -124,12 +125,6 @@ class Options:
     controller_keys: list[str] | None = None
     # Under ``marduk agent run``: its unix socket (the library talks to it, see agent/local.py).
     agent_socket: str | None = None
-
-
-# A command more than this many epochs above the last one received is not believed until the
-# controller confirms it (a re-registration): real jumps (a restarted controller issuing above
-# its reserved block) are far smaller, and a forged huge epoch would fence out every real one.
-MAX_EPOCH_JUMP = 10_000
 
 
 def resolve_controller_keys(
@@ -229,19 +224,12 @@ class CommandInbox:
         self._on_command = on_command
         self._deliver = deliver
         self._queue: asyncio.Queue[Command] = asyncio.Queue()
-        self._received_epoch = opts.epoch
-        self._received_devices: set[str] = set()  # of the command at _received_epoch
-        self._acked_epoch = opts.epoch  # the last epoch acknowledged (acted on)
+        self.fence = Fence.started_at(opts.epoch)  # which commands are news (agent/fencing.py)
         self._checkpoint: Command | None = None  # a checkpoint asked for, not yet saved
         self._pending_failure: Command | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.last_step: int | None = None
         self.last_progress = 0.0
-
-    def is_update(self, c: wire.Command) -> bool:
-        """Same epoch as the last one received, naming devices not seen for it: another device
-        failed and joined the restart in flight (deliver it; do not restart twice)."""
-        return c.epoch == self._received_epoch and not set(c.devices) <= self._received_devices
 
     def _verify_by_asking(self) -> None:
         """Ask the controller what is current (AsyncClient re-registers; under a supervisor the
@@ -258,37 +246,24 @@ class CommandInbox:
 
     def _accept(self, c: wire.Command, *, confirmed: bool = False) -> None:
         """Fence and deliver a command. ``confirmed``: it came in the controller's reply."""
-        if not confirmed and c.epoch > self._received_epoch + MAX_EPOCH_JUMP:
+        last = self.fence.received
+        verdict, self.fence = self.fence.admit(c.epoch, c.devices, confirmed=confirmed)
+        if verdict is Verdict.IMPLAUSIBLE:
             self.stats["dropped_implausible"] += 1
             self._record(
-                f"dropped a command with epoch {c.epoch} (last {self._received_epoch}): "
+                f"dropped a command with epoch {c.epoch} (last {last}): "
                 "beyond what the controller could have issued; asking it"
             )
             self._verify_by_asking()
             return
-        if c.epoch == self._received_epoch and not self._received_devices:
-            # We hold this epoch without knowing its devices (started at it, or adopted it from
-            # a registration reply): its command is the one we already act on, not news.
-            self._received_devices = set(c.devices)
+        if not verdict.delivers:
             self.stats["dropped_stale"] += 1
             return
-        update = self.is_update(c)
-        if c.epoch < self._received_epoch or (c.epoch == self._received_epoch and not update):
-            self.stats["dropped_stale"] += 1
-            return
-        if update and c.epoch <= self._acked_epoch:
-            # The trainer already acted on this epoch (acked it): more failed devices of the
-            # same restart change nothing for it; the controller starts a new epoch for a
-            # worker on a failed device that has already restarted.
-            self._received_devices |= set(c.devices)
-            self.stats["dropped_stale"] += 1
-            return
-        if update:
-            self._received_devices |= set(c.devices)
-            self.stats["updates"] += 1
-        else:
-            self._received_epoch, self._received_devices = c.epoch, set(c.devices)
-            self.stats[f"commands.{c.kind}"] += 1
+        self._deliver_command(c, update=verdict is Verdict.UPDATE)
+
+    def _deliver_command(self, c: wire.Command, *, update: bool) -> None:
+        """Hand a command the fence let through to the trainer (queue, ``on_command``)."""
+        self.stats["updates" if update else f"commands.{c.kind}"] += 1
         command = Command.from_wire(c, time.time())
         if command.kind == "checkpoint" and not update:
             self._checkpoint = command
@@ -316,7 +291,7 @@ class CommandInbox:
     def _clear_failure(self, command: Command | None) -> Command | None:
         command = command or self._pending_failure
         if command is not None:
-            self._acked_epoch = max(self._acked_epoch, command.epoch)
+            self.fence = self.fence.ack(command.epoch)
         pending = self._pending_failure
         if command is not None and pending is not None and command.epoch >= pending.epoch:
             self._pending_failure = None
@@ -347,7 +322,7 @@ class CommandInbox:
     @property
     def epoch(self) -> int:
         """The last epoch received."""
-        return self._received_epoch
+        return self.fence.received
 
 
 class AsyncClient(CommandInbox):
@@ -433,8 +408,8 @@ class AsyncClient(CommandInbox):
             scope=o.scope,
             pid=os.getpid(),
             incarnation=o.incarnation,
-            epoch=self._acked_epoch,
-            seen_epoch=self._received_epoch,
+            epoch=self.fence.acked,
+            seen_epoch=self.fence.received,
             role=o.role,
         )
         deadline = time.monotonic() + timeout
@@ -488,20 +463,16 @@ class AsyncClient(CommandInbox):
         self._registered_once = True
         if self.state != "closed":
             self.state = "registered"
-        if first and o.epoch == 0:
-            # A fresh process starts after every restart commanded so far.
-            self._received_epoch = self._acked_epoch = max(self._acked_epoch, reply.epoch)
-            if reply.command is not None and reply.command.epoch == self._received_epoch:
-                # Resends of that command (to workers yet to confirm) are not news to us.
-                self._received_devices = set(reply.command.devices)
-        elif reply.command is not None and (
-            reply.command.epoch > self._received_epoch
-            or (bool(self._received_devices) and self.is_update(reply.command))
-        ):
+        # A fresh process (not started at an epoch) starts after every restart commanded so far;
+        # any other adopts the epoch, or receives the command it missed (level-triggered).
+        fresh = first and o.epoch == 0
+        verdict, self.fence = self.fence.registered(reply.epoch, reply.command, fresh=fresh)
+        if verdict.delivers:
+            assert reply.command is not None
             self.stats["converged"] += 1
-            self._accept(reply.command, confirmed=True)
-        else:
-            self._received_epoch = max(self._received_epoch, reply.epoch)
+            self._deliver_command(reply.command, update=verdict is Verdict.UPDATE)
+        elif verdict is Verdict.STALE:
+            self.stats["dropped_stale"] += 1
 
     async def reregister(self) -> None:
         try:
@@ -588,7 +559,7 @@ class AsyncClient(CommandInbox):
             replica=o.replica,
             worker=o.worker,
             status="checkpointed",
-            epoch=self._acked_epoch,
+            epoch=self.fence.acked,
             incarnation=o.incarnation,
             step=step,
             summary=f"checkpoint saved at step {step}"
@@ -608,7 +579,6 @@ class AsyncClient(CommandInbox):
         command = self._clear_failure(command)
         if command is None:
             return True
-        self._acked_epoch = max(self._acked_epoch, command.epoch)
         o = self.opts
         ack = wire.Ack(
             job=o.job,

@@ -56,7 +56,6 @@ class Rank:
         self.socket_path = socket_path
         self.proc: TrainerProcess | None = None
         self.tail: deque[str] = deque(maxlen=tail_lines)
-        self.trainers: set[asyncio.StreamWriter] = set()  # its library's connections
         self.tasks: list[asyncio.Task[None]] = []  # output pumps and the exit waiter
         self.files: list[IO[bytes]] = []  # --log-dir files of the current attempt
 

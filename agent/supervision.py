@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from agent.fencing import supersedes
+
 
 class ExitCode(enum.IntEnum):
     OK = 0  # every local rank finished (exit 0)
@@ -192,7 +194,7 @@ class Supervision:
         """A command from the controller (already verified and fenced by the client)."""
         if kind == "checkpoint":
             return Forward(f"checkpoint requested (epoch {epoch}): {reason}")
-        if kind == "restart" and epoch <= self.epoch:
+        if kind == "restart" and not supersedes(epoch, self.epoch):
             return Ignore(f"restart at epoch {epoch}: the ranks run at epoch {self.epoch}")
         if kind == "fail":
             return GiveUp(ExitCode.DEVICE_FAILED, f"fail command (epoch {epoch}): {reason}")

@@ -32,7 +32,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import os
 import re
@@ -45,14 +44,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from agent import handoff
+from agent import handoff, local
 from agent.client import AsyncClient, Command, Options
 from agent.handoff import Handoff
 from agent.launch import LaunchSpec, LogSpec, Std
+from agent.local import TrainerChannel
 from agent.preflight import run_check
 from agent.proctree import become_subreaper, end_leftovers, leftovers
 from agent.ranks import (
@@ -197,6 +196,7 @@ class Supervisor:
             Rank(i, os.path.join(self.socket_dir, name), config.tail_lines)
             for i, name in enumerate(names)
         ]
+        self.channels: list[TrainerChannel] = []  # each rank's library (agent/local.py)
         self.master_port = 0
         self.run_dir = ""  # --log-dir/<job>_<replica>_<worker>, made at the first start
         self.registry = CollectorRegistry()
@@ -286,11 +286,15 @@ class Supervisor:
                 log.error("%s", e)
                 await self._close_client(deregister=False)
                 return ExitCode.SETUP
-        servers = []
         for rank in self.ranks:
-            serve = functools.partial(self._serve_trainer, rank)
-            servers.append(await asyncio.start_unix_server(serve, rank.socket_path))
-            os.chmod(rank.socket_path, 0o600)
+            channel = TrainerChannel(
+                rank.socket_path,
+                functools.partial(self._on_trainer, rank.index),
+                epoch=lambda: self.epoch,
+                stats=self.stats,
+            )
+            await channel.start()
+            self.channels.append(channel)
         background = [
             asyncio.create_task(self._status_loop(), name="marduk-agent-status"),
             asyncio.create_task(self._ticker(), name="marduk-agent-ticker"),
@@ -303,11 +307,8 @@ class Supervisor:
             if self._join_task is not None:
                 self._join_task.cancel()
             await self._stop_all("the agent is exiting")
-            for server in servers:
-                server.close()
-            for rank in self.ranks:
-                with contextlib.suppress(OSError):
-                    os.unlink(rank.socket_path)
+            for channel in self.channels:
+                channel.close()
             with contextlib.suppress(OSError):
                 os.rmdir(self.socket_dir)
             await self.starter.close()
@@ -682,58 +683,24 @@ class Supervisor:
 
     # --- the trainers' library (agent/local.py) ---------------------------------------------------
 
-    async def _serve_trainer(
-        self, rank: Rank, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        rank.trainers.add(writer)
-        try:
-            while line := await reader.readline():
-                try:
-                    msg = json.loads(line)
-                    op = msg.get("op")
-                    if op == "hello":
-                        writer.write(
-                            json.dumps({"op": "welcome", "epoch": self.epoch}).encode() + b"\n"
-                        )
-                        await writer.drain()
-                    elif op == "step":
-                        self._progress(rank.index, int(msg["step"]))
-                    elif op == "heartbeat":
-                        self._progress(rank.index, None)
-                    elif op == "checkpointed":
-                        step = int(msg["step"])
-                        log.info("trainer saved the checkpoint asked for at step %d", step)
-                        await self._report(
-                            "checkpointed", summary=f"checkpoint saved at step {step}"
-                        )
-                    elif op == "section":
-                        timeout = msg.get("timeout")
-                        first = self.core.section(
-                            rank.index,
-                            str(msg["name"]),
-                            bool(msg.get("open")),
-                            float(timeout) if timeout else None,
-                            time.monotonic(),
-                        )
-                        if first:
-                            self._stepped(rank.index)
-                except (ValueError, KeyError, TypeError) as e:
-                    log.warning("bad message from the trainer's library: %s", e)
-        except (OSError, ValueError):
-            pass
-        finally:
-            rank.trainers.discard(writer)
-            writer.close()
+    async def _on_trainer(self, rank: int, msg: local.ToAgent) -> None:
+        now = time.monotonic()
+        match msg:
+            case local.Step(step=step):
+                self._progress(rank, step)
+            case local.Heartbeat():
+                self._progress(rank, None)
+            case local.Checkpointed(step=step):
+                log.info("trainer saved the checkpoint asked for at step %d", step)
+                await self._report("checkpointed", summary=f"checkpoint saved at step {step}")
+            case local.Section(name=name, open=open_, timeout=timeout):
+                if self.core.section(rank, name, open_, timeout, now):
+                    self._stepped(rank)
 
     async def _forward(self, cmd: Command) -> None:
         """Tell the trainers' libraries (those connected) why they are about to be stopped."""
-        wire_cmd = msgspec.to_builtins(cmd.to_wire())
-        line = json.dumps({"op": "command", "command": wire_cmd}).encode() + b"\n"
-        for rank in self.ranks:
-            for writer in list(rank.trainers):
-                with contextlib.suppress(OSError, RuntimeError, TimeoutError):
-                    writer.write(line)
-                    await asyncio.wait_for(writer.drain(), 1.0)
+        for channel in self.channels:
+            await channel.forward(cmd.to_wire())
 
     async def _status_loop(self) -> None:
         """Report progress (last step and when) while the trainers run."""
