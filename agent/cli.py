@@ -38,12 +38,19 @@ def run(
         _opt(
             "MARDUK_REPLICA_ID",
             "Replica id of this worker.",
-            show_default="the host name, with --nproc-per-node or --standalone",
+            show_default="with torchrun's options or --standalone: --rdzv-id if given, else "
+            "the host name on one node, 'main' across nodes",
         ),
     ] = "",
     worker: Annotated[
-        int, _opt("MARDUK_WORKER", "Index of this worker in its replica.", min=0)
-    ] = 0,
+        int | None,
+        _opt(
+            "MARDUK_WORKER",
+            "Index of this worker in its replica.",
+            min=0,
+            show_default="--node-rank, else 0",
+        ),
+    ] = None,
     devices: Annotated[
         str,
         _opt("MARDUK_DEVICES", "Comma-separated device UUIDs (default: discovered through jax)."),
@@ -371,7 +378,10 @@ def run(
         x is not None for x in (nproc_per_node, nnodes, node_rank, master_addr, master_port)
     ) or bool(rdzv_endpoint)
     if not replica and (torchrun_style or standalone):
-        replica = node_name()
+        across = nnodes is not None and nnodes.partition(":")[0] not in ("", "1")
+        replica = rdzv_id if rdzv_id != "none" else ("main" if across else node_name())
+    if worker is None:
+        worker = node_rank or 0  # one worker of the replica per node
     try:
         re.compile(step_regex)
         opts = resolve_options(

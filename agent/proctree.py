@@ -52,9 +52,12 @@ def leftovers(spare: set[int]) -> list[psutil.Process]:
     return [p for p in everyone if p.pid not in spared]
 
 
-async def end_leftovers(spare: set[int], grace_s: float) -> int:
-    """SIGTERM every leftover descendant, wait up to ``grace_s``, SIGKILL the rest; reap the
-    ones that are our children. Returns how many there were."""
+async def end_leftovers(
+    spare: set[int], grace_s: float, termed: frozenset[int] | set[int] = frozenset()
+) -> int:
+    """SIGTERM every leftover descendant (but those in ``termed``: they had theirs), wait up
+    to ``grace_s``, SIGKILL the rest; reap the ones that are our children. Returns how many
+    there were."""
     procs = await asyncio.to_thread(leftovers, spare)
     if not procs:
         return 0
@@ -64,8 +67,9 @@ async def end_leftovers(spare: set[int], grace_s: float) -> int:
         ", ".join(f"{p.pid}" for p in procs[:10]),
     )
     for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(signal.SIGTERM)
+        if p.pid not in termed:
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     alive = procs
     while alive and time.monotonic() < deadline:
@@ -82,6 +86,7 @@ async def end_leftovers(spare: set[int], grace_s: float) -> int:
         alive = [p for p in alive if _running(p)]
         if alive:
             await asyncio.sleep(0.01)
+    _reap(procs)  # zombies re-parented to us meanwhile
     return len(procs)
 
 

@@ -588,6 +588,7 @@ class Supervisor:
         running = [r for r in self.ranks if r.running]
         spare = self.starter.infrastructure_pids()
         deadline = time.monotonic() + self.config.grace_s
+        termed: set[int] = set()  # processes sent SIGTERM already: one each, not a second
         if running:
             pids = ", ".join(str(r.proc.pid) for r in running if r.proc is not None)
             who = "the trainer" if self.nproc == 1 else f"{len(running)} local rank(s)"
@@ -597,9 +598,12 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(r.proc.pid, signal.SIGTERM)
             # Their whole trees: helpers that left the group (setsid) get the same grace.
+            groups = {r.proc.pid for r in running if r.proc is not None}
             for p in await asyncio.to_thread(leftovers, spare):
                 with contextlib.suppress(Exception):
-                    p.send_signal(signal.SIGTERM)
+                    if os.getpgid(p.pid) not in groups:  # (killpg signalled those)
+                        p.send_signal(signal.SIGTERM)
+                    termed.add(p.pid)
             waits = [r.proc.wait() for r in running if r.proc is not None]
             try:
                 await asyncio.wait_for(asyncio.gather(*waits), self.config.grace_s)
@@ -612,7 +616,7 @@ class Supervisor:
                 await asyncio.gather(*(r.proc.wait() for r in running if r.proc is not None))
         for r in self.ranks:
             await self._wait_group_gone(r)
-        await end_leftovers(spare, max(0.0, deadline - time.monotonic()))
+        await end_leftovers(spare, max(0.0, deadline - time.monotonic()), termed)
         for r in self.ranks:
             for task in r.tasks:
                 if task.done() or task is asyncio.current_task():
