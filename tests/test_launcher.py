@@ -199,3 +199,30 @@ def test_grandchildren_that_setsid_away_end_with_their_rank_and_with_the_agent(
     now = [int(line.split("GRANDCHILD ")[1]) for line in a.all if "GRANDCHILD" in line]
     left = [pid for pid in now if not gone(pid)]
     assert not left, f"still running: {left}"
+
+
+def test_two_nodes_of_two_ranks_restart_together_through_the_controller(
+    controller_env: dict[str, str],
+) -> None:
+    """--nnodes 2: two agents of one replica (scope job), four gloo ranks; one crash restarts
+    both nodes once, at the controller's epoch."""
+    pytest.importorskip("torch", reason="torch (CPU) is not installed: pip install torch")
+    from tests.conftest import free_port
+
+    port = str(free_port())
+    nodes = [
+        agent_run(
+            controller_env,
+            *("--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "2"),
+            *("--master-port", port, "--devices", f"n{n}a,n{n}b", "--scope", "job"),
+            *("--preload", "torch", "--grace", "3"),
+            cmd=[sys.executable, "tests/trainers/gloo.py", "--steps", "8", "--crash-rank", "3"],
+        )
+        for n in range(2)
+    ]
+    for n, a in enumerate(nodes):
+        assert a.proc.wait(120) == ExitCode.OK, "".join(a.all)
+        ranks = sorted(line.split("]:")[1].strip() for line in a.all if "RANKS rank=" in line)
+        assert ranks == sorted(
+            f"RANKS rank={r} world=4 inc={i}" for r in (2 * n, 2 * n + 1) for i in range(2)
+        ), "".join(a.all)
