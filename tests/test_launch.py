@@ -113,3 +113,21 @@ def test_node_name_is_a_valid_replica_id() -> None:
     from marduk.subjects import check_replica
 
     check_replica(node_name())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--nnodes", "2"], "--nnodes 2 needs --node-rank"),
+        (["--nnodes", "1:4"], "elastic node counts are not supported"),
+        (["--nproc-per-node", "3", "--devices", "a,b", "--rank-devices", "split"], "multiple of 3"),
+        (["--nproc-per-node", "2", "--tee", "x"], "--tee 'x'"),
+        (["--rdzv-endpoint", "h0:port"], "the port must be a number"),
+    ],
+)
+def test_launch_mistakes_are_one_line_and_exit_2(options: list[str], message: str) -> None:
+    from tests.conftest import marduk_cli
+
+    r = marduk_cli("agent", "run", "--standalone", *options, "--", "true")
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr

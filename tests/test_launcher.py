@@ -226,3 +226,23 @@ def test_two_nodes_of_two_ranks_restart_together_through_the_controller(
         assert ranks == sorted(
             f"RANKS rank={r} world=4 inc={i}" for r in (2 * n, 2 * n + 1) for i in range(2)
         ), "".join(a.all)
+
+
+def test_without_the_fork_server_each_rank_starts_from_its_own_standby(
+    env: dict[str, str],
+) -> None:
+    a = launch(
+        env,
+        *("--standalone", "--no-fork-server"),
+        trainer=[*RANKS, "--crash-rank", "1", "--steps", "30"],
+        nproc=2,
+    )
+    assert a.proc.wait(60) == ExitCode.OK, "".join(a.all)
+    seen = envs(a)
+    assert sorted((e["RANK"], e["TORCHELASTIC_RESTART_COUNT"]) for e in seen) == [
+        ("0", "0"),
+        ("0", "1"),
+        ("1", "0"),
+        ("1", "1"),
+    ]
+    assert {e["MARDUK_WARM_START"] for e in seen} == {"standby"}
