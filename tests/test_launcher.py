@@ -246,3 +246,36 @@ def test_without_the_fork_server_each_rank_starts_from_its_own_standby(
         ("1", "1"),
     ]
     assert {e["MARDUK_WARM_START"] for e in seen} == {"standby"}
+
+
+def test_the_jax_example_one_process_per_host_standalone_resumes_after_a_kill(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """JAX's way: one process per host seeing every device (--rank-devices all), no NATS."""
+    pytest.importorskip("jax", reason="jax is not installed")
+    import os
+
+    jax_env = {
+        **env,
+        "MARDUK_CKPT_DIR": str(tmp_path / "ckpt"),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
+    a = agent_run(
+        jax_env,
+        *("--standalone", "--nproc-per-node", "1", "--replica", "r1", "--devices", "d1,d2"),
+        *("--grace", "10", "--startup-timeout", "180", "--preload", "none"),
+        cmd=[
+            sys.executable,
+            "examples/jax_trainer.py",
+            *("--ckpt-every", "5", "--step-seconds", "0.02"),
+        ],
+    )
+    started = a.expect("trainer started: pid", timeout=60)
+    a.expect("step 12 loss", timeout=120)
+    os.kill(int(started.split("pid ")[1].split(",")[0]), signal.SIGKILL)
+    a.expect("trainer crashed (SIGKILL)")
+    resumed = a.expect("resuming at step", timeout=120)
+    assert int(resumed.split()[-1]) >= 10
+    a.expect(f"step {int(resumed.split()[-1]) + 2} loss", timeout=120)
+    a.stop()
