@@ -171,23 +171,32 @@ class Supervision:
         return self._failure("crashed", rank, why, now, returncode)
 
     def tick(self, now: float) -> Decision | None:
-        """Hang and startup checks of every running rank (the shell calls it periodically)."""
+        """Hang, startup and section checks (the shell calls it periodically).
+
+        Progress is the node's: a step of any local rank counts for all (torch scripts often
+        print from rank 0 only, and a rank stuck in a collective stops every rank's steps);
+        sections are each rank's own."""
         lim = self.limits
-        for i, r in enumerate(self.ranks):
-            if r.finished:
-                continue
-            for name, (opened, timeout) in r.sections.items():
+        running = [i for i, r in enumerate(self.ranks) if not r.finished]
+        if not running:
+            return None
+        for i in running:
+            for name, (opened, timeout) in self.ranks[i].sections.items():
                 if timeout is not None and now - opened > timeout:
                     why = f"section {name!r} open for more than {timeout:g}s"
                     return self._failure("hung", i, self._of(i, why), now)
-            if not r.progress_at:
-                if now - r.started_at > lim.startup_timeout_s:
-                    why = f"no first step within {lim.startup_timeout_s:g}s"
-                    return self._failure("hung", i, self._of(i, why), now)
-            elif now - r.progress_at > lim.hang_timeout_s:
-                last = f"after {r.step} " if r.step is not None else ""
-                why = f"no step {last}for {lim.hang_timeout_s:g}s"
-                return self._failure("hung", i, self._of(i, why), now)
+        latest = max(r.progress_at for r in self.ranks)
+        if not latest:
+            if now - self.ranks[running[0]].started_at > lim.startup_timeout_s:
+                any_rank = " on any local rank" if self.nproc > 1 else ""
+                why = f"no first step{any_rank} within {lim.startup_timeout_s:g}s"
+                return self._failure("hung", running[0], why, now)
+        elif now - latest > lim.hang_timeout_s:
+            steps = [r.step for r in self.ranks if r.step is not None]
+            last = f"after {max(steps)} " if steps else ""
+            where = "on any local rank " if self.nproc > 1 else ""
+            why = f"no step {last}{where}for {lim.hang_timeout_s:g}s"
+            return self._failure("hung", running[0], why, now)
         return None
 
     def command(self, kind: CommandKind, epoch: int, reason: str) -> Decision:

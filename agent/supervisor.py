@@ -88,7 +88,7 @@ __all__ = ["ExitCode", "Supervisor", "SupervisorConfig", "default_preload", "sta
 log = logging.getLogger("agent.supervisor")
 
 DEFAULT_STEP_REGEX = r"\bstep[\s:=#]+(\d+)"
-PUMP_DRAIN_S = 2.0  # after a rank exits: its output still in the pipe (a leftover may hold it)
+PUMP_DRAIN_S = 0.5  # after a rank exits: its output still in the pipe (a leftover may hold it)
 
 
 @dataclass(slots=True)

@@ -163,6 +163,26 @@ def test_a_section_past_its_own_timeout_is_a_hang_though_steps_continue() -> Non
     assert d.why == "local rank 1: section 'checkpoint' open for more than 3s"
 
 
+def test_a_silent_rank_is_not_hung_while_another_steps() -> None:
+    s = started(nproc=4)
+    s.progress(0, 1, now=1.0)  # only rank 0 prints its steps
+    for t in range(2, 100):
+        s.progress(0, t, now=float(t))
+        assert s.tick(t + 0.5) is None  # past the startup and hang timeouts of ranks 1-3
+
+
+def test_several_ranks_hang_when_none_steps() -> None:
+    s = started(nproc=2)
+    assert s.tick(59.0) is None
+    d = s.tick(61.0)
+    assert isinstance(d, Restart) and d.why == "no first step on any local rank within 60s"
+    s.started(70.0)
+    s.progress(1, 4, now=71.0)
+    s.progress(0, 3, now=72.0)
+    d = s.tick(82.5)
+    assert isinstance(d, Restart) and d.why == "no step after 4 on any local rank for 10s"
+
+
 def test_a_closed_section_or_one_without_timeout_never_hangs() -> None:
     s = started()
     s.section(0, "save", True, 3.0, now=1.0)
