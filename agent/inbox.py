@@ -51,10 +51,19 @@ class CommandInbox:
         """Ask the controller what is current (AsyncClient re-registers; under a supervisor the
         local channel forwards only what the supervisor vetted, so nothing to do)."""
 
-    def _spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
+    def _spawn(self, coro: Any, name: str) -> None:
+        """Run ``coro`` in the background, named; if it fails, that is recorded, not lost."""
+        task = asyncio.create_task(coro, name=f"marduk-agent-{name}")
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        self.stats["errors.task"] += 1
+        self._record(f"background task {task.get_name()} failed: {type(e).__name__}: {e}")
 
     def _record(self, message: str) -> None:
         self.errors.append(f"{time.strftime('%H:%M:%S')} {message}")
@@ -94,7 +103,7 @@ class CommandInbox:
             try:
                 result = self._on_command(command)
                 if asyncio.iscoroutine(result):
-                    self._spawn(self._guard(result))
+                    self._spawn(self._guard(result), "on-command")
             except Exception as e:  # a callback's bug must not kill the client
                 self._record(f"on_command callback raised {type(e).__name__}: {e}")
 

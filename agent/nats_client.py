@@ -81,7 +81,7 @@ class AsyncClient(CommandInbox):
         except MardukError as e:
             await self.close(deregister=False)
             raise AgentError(str(e)) from None
-        self._spawn(self._resync_loop())
+        self._spawn(self._resync_loop(), "renew")
 
     async def close(self, *, deregister: bool = True, reason: str = "closed") -> None:
         """Deregister (best effort) and disconnect. Safe to call twice."""
@@ -199,7 +199,7 @@ class AsyncClient(CommandInbox):
 
     async def _on_reconnected(self) -> None:
         if self.state != "closed":
-            self._spawn(self.reregister())
+            self._spawn(self.reregister(), "register")
 
     async def _on_hello(self, msg: Msg) -> None:
         # At most one re-registration a second: a flood of hellos (forged, or many controllers
@@ -209,11 +209,11 @@ class AsyncClient(CommandInbox):
             self.stats["hello_ignored"] += 1
             return
         self._last_hello = now
-        self._spawn(self.reregister())
+        self._spawn(self.reregister(), "register")
 
     def _verify_by_asking(self) -> None:
         if self.state != "closed" and self._registered_once:
-            self._spawn(self.reregister())
+            self._spawn(self.reregister(), "register")
 
     async def _resync_loop(self) -> None:
         # Renewals keep this worker live in the controller's eyes (and converge it).
