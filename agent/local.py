@@ -279,7 +279,9 @@ class LocalAsyncClient(CommandInbox):
             )
             await self._send(Hello(pid=os.getpid()))
             line = await asyncio.wait_for(read_line(reader), self.opts.timeout)
-            welcome = decode_to_trainer(line or b"")
+            if line is None:
+                raise ChannelError("it closed the connection before its welcome")
+            welcome = decode_to_trainer(line)
             if not isinstance(welcome, Welcome):
                 raise ChannelError(f"expected a welcome, got {welcome!r}")
         except (OSError, TimeoutError, ChannelError) as e:
