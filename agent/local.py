@@ -35,7 +35,10 @@ from typing import Any, Final, TypeVar
 
 import msgspec
 
-from agent.client import Command, CommandInbox, OnCommand, Options
+from agent.command import Command, OnCommand
+from agent.errors import AgentError
+from agent.inbox import CommandInbox
+from agent.options import Options
 from marduk import protocol as wire
 
 log = logging.getLogger("agent.local")
@@ -270,15 +273,15 @@ class LocalAsyncClient(CommandInbox):
         self._reader_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        from agent.client import AgentError
-
         try:
             reader, self._writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(self.socket_path, limit=MAX_LINE), self.opts.timeout
             )
             await self._send(Hello(pid=os.getpid()))
             line = await asyncio.wait_for(read_line(reader), self.opts.timeout)
-            welcome = decode_to_trainer(line or b"")
+            if line is None:
+                raise ChannelError("it closed the connection before its welcome")
+            welcome = decode_to_trainer(line)
             if not isinstance(welcome, Welcome):
                 raise ChannelError(f"expected a welcome, got {welcome!r}")
         except (OSError, TimeoutError, ChannelError) as e:

@@ -181,17 +181,28 @@ async def test_the_library_end_counts_a_bad_message_and_stays_connected() -> Non
             server.close()
 
 
-async def test_a_supervisor_that_answers_nonsense_is_a_clear_connect_error() -> None:
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        (b'{"op":"step","step":1}\n', "invalid message"),
+        (b'{"op":"command","command":{}}\n', "invalid message"),
+        (b"", "closed the connection before its welcome"),
+    ],
+)
+async def test_a_supervisor_that_answers_nonsense_is_a_clear_connect_error(
+    answer: bytes, says: str
+) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readline()
-        writer.write(b'{"op":"step","step":1}\n')
+        writer.write(answer)
         await writer.drain()
+        writer.close()
 
     with tempfile.TemporaryDirectory(prefix="marduk-test-") as d:
         path = os.path.join(d, "agent.sock")
         server = await asyncio.start_unix_server(serve, path)
         try:
-            with pytest.raises(AgentError, match=r"cannot reach the local agent at .*invalid"):
+            with pytest.raises(AgentError, match=f"cannot reach the local agent at .*{says}"):
                 await LocalAsyncClient(options(), path).start()
         finally:
             server.close()

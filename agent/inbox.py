@@ -1,0 +1,150 @@
+"""Epoch fencing and delivery of commands to the trainer: what both async clients share."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from typing import Any, Literal
+
+from agent.command import Command, OnCommand
+from agent.fencing import Fence, Verdict
+from agent.options import Options
+from marduk import protocol as wire
+
+log = logging.getLogger("agent")
+
+State = Literal["connecting", "registered", "disconnected", "closed"]
+
+
+class CommandInbox:
+    """Epoch fencing and delivery of commands to the trainer, shared by both clients.
+
+    A command whose epoch is not above the last one received is dropped; a ``restart`` or
+    ``fail`` sets ``failed`` until acknowledged; commands go to ``deliver`` (the sync client's
+    queue) or to ``wait()``; ``on_command`` runs on the client's loop, guarded.
+    """
+
+    def __init__(
+        self,
+        opts: Options,
+        on_command: OnCommand | None,
+        deliver: Callable[[Command], None] | None,
+    ) -> None:
+        self.opts = opts
+        self.state: State = "connecting"
+        self.stats: Counter[str] = Counter()
+        self.errors: deque[str] = deque(maxlen=50)
+        self._on_command = on_command
+        self._deliver = deliver
+        self._queue: asyncio.Queue[Command] = asyncio.Queue()
+        self.fence = Fence.started_at(opts.epoch)  # which commands are news (agent/fencing.py)
+        self._checkpoint: Command | None = None  # a checkpoint asked for, not yet saved
+        self._pending_failure: Command | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.last_step: int | None = None
+        self.last_progress = 0.0
+
+    def _verify_by_asking(self) -> None:
+        """Ask the controller what is current (AsyncClient re-registers; under a supervisor the
+        local channel forwards only what the supervisor vetted, so nothing to do)."""
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        """Run ``coro`` in the background, named; if it fails, that is recorded, not lost."""
+        task = asyncio.create_task(coro, name=f"marduk-agent-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        self.stats["errors.task"] += 1
+        self._record(f"background task {task.get_name()} failed: {type(e).__name__}: {e}")
+
+    def _record(self, message: str) -> None:
+        self.errors.append(f"{time.strftime('%H:%M:%S')} {message}")
+        log.warning("%s", message)
+
+    def _accept(self, c: wire.Command, *, confirmed: bool = False) -> None:
+        """Fence and deliver a command. ``confirmed``: it came in the controller's reply."""
+        last = self.fence.received
+        verdict, self.fence = self.fence.admit(c.epoch, c.devices, confirmed=confirmed)
+        if verdict is Verdict.IMPLAUSIBLE:
+            self.stats["dropped_implausible"] += 1
+            self._record(
+                f"dropped a command with epoch {c.epoch} (last {last}): "
+                "beyond what the controller could have issued; asking it"
+            )
+            self._verify_by_asking()
+            return
+        if not verdict.delivers:
+            self.stats["dropped_stale"] += 1
+            return
+        self._deliver_command(c, update=verdict is Verdict.UPDATE)
+
+    def _deliver_command(self, c: wire.Command, *, update: bool) -> None:
+        """Hand a command the fence let through to the trainer (queue, ``on_command``)."""
+        self.stats["updates" if update else f"commands.{c.kind}"] += 1
+        command = Command.from_wire(c, time.time())
+        if command.kind == "checkpoint" and not update:
+            self._checkpoint = command
+        pending = self._pending_failure
+        if command.is_failure and (not update or pending is None or pending.epoch == c.epoch):
+            self._pending_failure = command
+        if self._deliver is not None:
+            self._deliver(command)
+        else:
+            self._queue.put_nowait(command)
+        if self._on_command is not None:
+            try:
+                result = self._on_command(command)
+                if asyncio.iscoroutine(result):
+                    self._spawn(self._guard(result), "on-command")
+            except Exception as e:  # a callback's bug must not kill the client
+                self._record(f"on_command callback raised {type(e).__name__}: {e}")
+
+    async def _guard(self, coro: Any) -> None:
+        try:
+            await coro
+        except Exception as e:
+            self._record(f"on_command callback raised {type(e).__name__}: {e}")
+
+    def _clear_failure(self, command: Command | None) -> Command | None:
+        command = command or self._pending_failure
+        if command is not None:
+            self.fence = self.fence.ack(command.epoch)
+        pending = self._pending_failure
+        if command is not None and pending is not None and command.epoch >= pending.epoch:
+            self._pending_failure = None
+        return command
+
+    async def wait(self, timeout: float | None = None) -> Command | None:
+        """The next command for this replica, or None after ``timeout`` seconds."""
+        try:
+            return await asyncio.wait_for(self._queue.get(), timeout)
+        except TimeoutError:
+            return None
+
+    @property
+    def checkpoint_requested(self) -> bool:
+        """The controller asked to checkpoint now (the host is about to go away): save at the
+        next safe point, then call ``checkpoint_saved(step)``; keep training."""
+        return self._checkpoint is not None
+
+    @property
+    def failed(self) -> bool:
+        """A restart or fail command has arrived and has not been acknowledged."""
+        return self._pending_failure is not None
+
+    @property
+    def last_failure(self) -> Command | None:
+        return self._pending_failure
+
+    @property
+    def epoch(self) -> int:
+        """The last epoch received."""
+        return self.fence.received

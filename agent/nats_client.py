@@ -1,0 +1,319 @@
+"""``AsyncClient``: the library registered with the controller over NATS.
+
+Nothing here raises into the training loop after ``start`` has returned: a lost connection is
+retried in the background (visible as ``state``), bad messages are counted and recorded in
+``errors``, and every wait has a timeout.
+
+After a reconnect, whenever a controller announces it took over, and every renewal interval
+(the controller says how often), the client registers again; the reply carries the current
+epoch and the command that set it, so a command missed while disconnected is delivered then
+(level-triggered). Which commands are news is ``agent/fencing.py``'s rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from agent.command import Command, OnCommand
+from agent.errors import AgentError
+from agent.fencing import Verdict
+from agent.inbox import CommandInbox
+from agent.options import Options
+from marduk import bus
+from marduk import protocol as wire
+from marduk.auth import SIG_HEADER, verify
+from marduk.credentials import redact
+from marduk.errors import MardukError, RequestRejected
+from marduk.subjects import Subjects
+
+log = logging.getLogger("agent")
+
+
+class AsyncClient(CommandInbox):
+    """Registered membership of one worker in a replica, on the current asyncio loop."""
+
+    def __init__(
+        self,
+        opts: Options,
+        on_command: OnCommand | None = None,
+        *,
+        deliver: Callable[[Command], None] | None = None,
+    ) -> None:
+        super().__init__(opts, on_command, deliver)
+        self.subjects = Subjects(opts.prefix)
+        self._nc: NATS | None = None
+        self._register_lock = asyncio.Lock()
+        self._registered_once = False
+        self.renew_interval = opts.resync_interval
+        self._last_hello = 0.0
+        # Devices of ours the controller has taken out of service (RegisterReply).
+        self.unusable_devices: list[str] = []
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect and register; raise AgentError when that fails within ``opts.timeout``."""
+        o = self.opts
+        deadline = time.monotonic() + o.timeout
+        try:
+            self._nc = await bus.connect(
+                o.addr,
+                name=f"marduk-agent {o.job}/{o.replica}/{o.worker}",
+                timeout=o.timeout,
+                reconnect=True,
+                on_disconnected=self._on_disconnected,
+                on_reconnected=self._on_reconnected,
+                credentials=o.credentials,
+            )
+            nc = self._nc
+            await nc.subscribe(self.subjects.replica_commands(o.job, o.replica), cb=self._on_msg)
+            await nc.subscribe(self.subjects.job_commands(o.job), cb=self._on_msg)
+            await nc.subscribe(self.subjects.hello, cb=self._on_hello)
+            await self._register(timeout=max(0.5, deadline - time.monotonic()), retry=True)
+        except MardukError as e:
+            await self.close(deregister=False)
+            raise AgentError(str(e)) from None
+        self._spawn(self._resync_loop(), "renew")
+
+    async def close(self, *, deregister: bool = True, reason: str = "closed") -> None:
+        """Deregister (best effort) and disconnect. Safe to call twice."""
+        if self.state == "closed":
+            return
+        was_registered = self._registered_once
+        self.state = "closed"
+        for task in list(self._tasks):
+            task.cancel()
+        if self._nc is not None:
+            if deregister and was_registered and self._nc.is_connected:
+                o = self.opts
+                with contextlib.suppress(Exception):
+                    await bus.request(
+                        self._nc,
+                        self.subjects.deregister(o.job),
+                        wire.Deregistration(
+                            job=o.job, replica=o.replica, worker=o.worker, reason=reason
+                        ),
+                        wire.DeregisterReply,
+                        timeout=2.0,
+                    )
+            await bus.close(self._nc)
+
+    # --- registration ----------------------------------------------------------------------------
+
+    async def _register(self, *, timeout: float, retry: bool = False) -> None:
+        """Register (again). With ``retry``, keep trying until ``timeout`` runs out."""
+        o = self.opts
+        reg = wire.Registration(
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            host=o.host,
+            devices=o.devices,
+            scope=o.scope,
+            pid=os.getpid(),
+            incarnation=o.incarnation,
+            epoch=self.fence.acked,
+            seen_epoch=self.fence.received,
+            role=o.role,
+        )
+        deadline = time.monotonic() + timeout
+        waiting_said = time.monotonic()
+        if retry:
+            log.info(
+                "registering with the controller at %s (up to %.0f s)", redact(o.addr), timeout
+            )
+        async with self._register_lock:
+            while True:
+                assert self._nc is not None
+                left = deadline - time.monotonic()
+                try:
+                    reply = await bus.request(
+                        self._nc,
+                        self.subjects.register(o.job),
+                        reg,
+                        wire.RegisterReply,
+                        timeout=max(0.2, min(left, 5.0)),
+                        addr=o.addr,
+                    )
+                    break
+                except MardukError as e:
+                    # A controller restarting or failing over answers nothing for a moment, and
+                    # an identity held by a dead process frees itself after the worker TTL:
+                    # retry both till the end. Other refusals are final.
+                    out_of_time = time.monotonic() + 0.2 >= deadline
+                    final = isinstance(e, RequestRejected) and e.code != "duplicate_worker"
+                    if not retry or out_of_time or final:
+                        raise
+                    if time.monotonic() - waiting_said >= 5.0:
+                        waiting_said = time.monotonic()
+                        log.info(
+                            "waiting for the controller at %s (%s), %.0f s left",
+                            redact(o.addr),
+                            _short(e),
+                            deadline - time.monotonic(),
+                        )
+                    await asyncio.sleep(0.2 if not isinstance(e, RequestRejected) else 1.0)
+        self.stats["registrations"] += 1
+        if reply.unusable_devices != self.unusable_devices:
+            self.unusable_devices = list(reply.unusable_devices)
+            if self.unusable_devices:
+                self._record(
+                    "the controller says these devices are out of service (quarantined or "
+                    f"drained): {', '.join(self.unusable_devices)}; this replica cannot run here"
+                )
+        if reply.renew_interval > 0:
+            self.renew_interval = reply.renew_interval
+        first = not self._registered_once
+        self._registered_once = True
+        if self.state != "closed":
+            self.state = "registered"
+        # A fresh process (not started at an epoch) starts after every restart commanded so far;
+        # any other adopts the epoch, or receives the command it missed (level-triggered).
+        fresh = first and o.epoch == 0
+        verdict, self.fence = self.fence.registered(reply.epoch, reply.command, fresh=fresh)
+        if verdict.delivers:
+            assert reply.command is not None
+            self.stats["converged"] += 1
+            self._deliver_command(reply.command, update=verdict is Verdict.UPDATE)
+        elif verdict is Verdict.STALE:
+            self.stats["dropped_stale"] += 1
+
+    async def reregister(self) -> None:
+        try:
+            await self._register(timeout=5.0)
+        except MardukError as e:
+            self._record(f"re-registration failed: {e}")
+
+    async def _on_disconnected(self) -> None:
+        if self.state != "closed":
+            self.state = "disconnected"
+            self.stats["disconnects"] += 1
+
+    async def _on_reconnected(self) -> None:
+        if self.state != "closed":
+            self._spawn(self.reregister(), "register")
+
+    async def _on_hello(self, msg: Msg) -> None:
+        # At most one re-registration a second: a flood of hellos (forged, or many controllers
+        # starting) must not become a flood of registrations.
+        now = time.monotonic()
+        if self.state == "closed" or not self._registered_once or now - self._last_hello < 1.0:
+            self.stats["hello_ignored"] += 1
+            return
+        self._last_hello = now
+        self._spawn(self.reregister(), "register")
+
+    def _verify_by_asking(self) -> None:
+        if self.state != "closed" and self._registered_once:
+            self._spawn(self.reregister(), "register")
+
+    async def _resync_loop(self) -> None:
+        # Renewals keep this worker live in the controller's eyes (and converge it).
+        while True:
+            await asyncio.sleep(self.renew_interval)
+            if self._nc is not None and self._nc.is_connected:
+                await self.reregister()
+
+    # --- commands --------------------------------------------------------------------------------
+
+    async def _on_msg(self, msg: Msg) -> None:
+        keys = self.opts.controller_keys
+        if keys is not None and not verify(keys, msg.data, (msg.headers or {}).get(SIG_HEADER)):
+            self.stats["dropped_forged"] += 1
+            self._record(f"dropped a command on {msg.subject} not signed by the controller")
+            return
+        try:
+            command = wire.decode(msg.data, wire.Command)
+        except ValueError as e:
+            self.stats["bad_commands"] += 1
+            self._record(f"dropped an undecodable command on {msg.subject}: {e}")
+            return
+        self._accept(command)
+
+    async def report(self, report: wire.Report) -> wire.ReportReply:
+        """Send a supervisor's report (marduk agent run); raises MardukError if unanswered."""
+        assert self._nc is not None
+        return await bus.request(
+            self._nc,
+            self.subjects.report(self.opts.job),
+            report,
+            wire.ReportReply,
+            timeout=5.0,
+            addr=self.opts.addr,
+        )
+
+    # Progress. Under ``marduk agent run`` these feed its hang detection (agent/local.py);
+    # a standalone client only records them (``last_step``): nothing watches for hangs then.
+    async def step(self, step: int) -> None:
+        self.last_step, self.last_progress = step, time.time()
+
+    async def heartbeat(self) -> None:
+        self.last_progress = time.time()
+
+    async def section(self, name: str, open_: bool, timeout: float | None = None) -> None:
+        self.last_progress = time.time()
+
+    async def checkpoint_saved(self, step: int) -> bool:
+        """Tell the controller the checkpoint it asked for is saved at ``step`` (recorded in
+        status: the job can be resumed from it). Clears ``checkpoint_requested``."""
+        asked, self._checkpoint = self._checkpoint, None
+        o = self.opts
+        report = wire.Report(
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            status="checkpointed",
+            epoch=self.fence.acked,
+            incarnation=o.incarnation,
+            step=step,
+            summary=f"checkpoint saved at step {step}"
+            + (f" (asked at epoch {asked.epoch})" if asked else ""),
+        )
+        try:
+            await self.report(report)
+        except MardukError as e:
+            self._record(f"checkpoint report not confirmed: {e}")
+            return False
+        return True
+
+    async def ack(self, command: Command | None = None) -> bool:
+        """Acknowledge ``command`` (default: the pending failure): clears ``failed`` and tells
+        the controller this worker applied the epoch. Returns True once the controller
+        confirmed (5 s at most); False is recorded in ``errors``, never raised."""
+        command = self._clear_failure(command)
+        if command is None:
+            return True
+        o = self.opts
+        ack = wire.Ack(
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            epoch=command.epoch,
+            command_id=command.command_id,
+        )
+        try:
+            assert self._nc is not None
+            await bus.request(
+                self._nc, self.subjects.ack(o.job), ack, wire.AckReply, timeout=5.0, addr=o.addr
+            )
+        except MardukError as e:
+            self._record(f"ack not confirmed ({e}); the next registration reports the epoch")
+            return False
+        return True
+
+
+def _short(e: Exception) -> str:
+    """The gist of why a registration attempt failed: "no responders", "duplicate_worker"."""
+    if isinstance(e, RequestRejected):
+        return e.code
+    text = str(e)
+    inner = text[text.rfind("(") + 1 : text.rfind(")")] if "(" in text else text
+    return inner or type(e).__name__

@@ -1,0 +1,178 @@
+"""``Client``: the synchronous facade a plain training loop uses."""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+from agent.command import Command, OnCommand
+from agent.errors import AgentError
+from agent.inbox import State
+from agent.options import Options
+from agent.transport import AgentClient, open_client
+
+log = logging.getLogger("agent")
+
+
+class Client:
+    """Synchronous facade: one background thread runs an async client on its own loop.
+
+    ``on_command`` callbacks run on that thread (``marduk-agent``), never on the training thread;
+    keep them short and thread-safe, or use ``wait()``/``failed`` from the training loop.
+    """
+
+    def __init__(self, opts: Options, on_command: OnCommand | None = None) -> None:
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="marduk-agent")
+        self._thread.daemon = True
+        self._thread.start()
+        self._closed = False
+
+        async def make() -> AgentClient:
+            client = open_client(opts, on_command, self._commands.put_nowait)
+            await client.start()
+            return client
+
+        try:
+            self._async: AgentClient = self._call(make(), timeout=opts.timeout + 5.0)
+        except BaseException:
+            self._stop_loop()
+            raise
+        # A script that ends without close() still deregisters (a crash does not, by design).
+        atexit.register(self.close, "exited")
+
+    def _call(self, coro: Any, timeout: float) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise AgentError(f"no answer from the agent thread within {timeout:g}s") from None
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    @property
+    def opts(self) -> Options:
+        return self._async.opts
+
+    @property
+    def state(self) -> State:
+        return self._async.state
+
+    @property
+    def stats(self) -> Counter[str]:
+        return self._async.stats
+
+    @property
+    def errors(self) -> list[str]:
+        return list(self._async.errors)
+
+    @property
+    def failed(self) -> bool:
+        return self._async.failed
+
+    @property
+    def last_failure(self) -> Command | None:
+        return self._async.last_failure
+
+    @property
+    def epoch(self) -> int:
+        return self._async.epoch
+
+    def wait(self, timeout: float | None = None) -> Command | None:
+        """The next command for this replica, or None after ``timeout`` seconds."""
+        try:
+            return self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def poll(self) -> Command | None:
+        """The next command if one is waiting, else None; never blocks."""
+        try:
+            return self._commands.get_nowait()
+        except queue.Empty:
+            return None
+
+    def step(self, step: int) -> None:
+        """Report training progress (feeds ``marduk agent run``'s hang detection). Never blocks."""
+        self._fire(self._async.step(step))
+
+    def heartbeat(self) -> None:
+        """Report liveness without a step number. Never blocks."""
+        self._fire(self._async.heartbeat())
+
+    @contextlib.contextmanager
+    def section(self, name: str, timeout: float | None = None) -> Iterator[None]:
+        """A named part of the loop; open longer than ``timeout`` s, the trainer counts as hung.
+
+        with client.section("checkpoint", timeout=120):
+            save()
+        """
+        self._fire(self._async.section(name, True, timeout))
+        try:
+            yield
+        finally:
+            self._fire(self._async.section(name, False))
+
+    def _fire(self, coro: Any) -> None:
+        if self._closed:
+            coro.close()
+            return
+        asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    @property
+    def checkpoint_requested(self) -> bool:
+        """The controller asked to checkpoint now (the host is about to go away): save at the
+        next safe point, then call ``checkpoint_saved(step)``; keep training."""
+        return self._async.checkpoint_requested
+
+    def checkpoint_saved(self, step: int) -> bool:
+        """Report the checkpoint saved at ``step``; clears ``checkpoint_requested``."""
+        return self._call_recorded(self._async.checkpoint_saved(step))
+
+    def ack(self, command: Command | None = None) -> bool:
+        """Acknowledge ``command`` (default: the pending failure): clears ``failed`` and tells
+        the controller this worker applied the epoch. False (not confirmed within 5 s) is
+        recorded in ``errors``, never raised."""
+        return self._call_recorded(self._async.ack(command))
+
+    def _call_recorded(self, coro: Any) -> bool:
+        """Run ``coro`` on the client's loop; a failure is recorded in ``errors``, never raised."""
+        if self._closed:
+            coro.close()
+            return False
+        try:
+            return bool(self._call(coro, timeout=7.0))
+        except AgentError as e:
+            self._async._record(str(e))
+            return False
+
+    def close(self, reason: str = "closed") -> None:
+        """Deregister and disconnect. Safe to call twice; never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        try:
+            self._call(self._async.close(reason=reason), timeout=6.0)
+        except Exception as e:
+            log.debug("close: %s", e)
+        self._stop_loop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
