@@ -41,8 +41,9 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
@@ -250,7 +251,7 @@ class Supervisor:
                 "standalone: restarts are local; joining the controller at %s when it answers",
                 redact(self.opts.addr),
             )
-            self._join_task = asyncio.create_task(self._join(), name="marduk-agent-join")
+            self._join_task = self._spawn(self._join(), "join")
         else:
             try:
                 self.client = await self._connect(self.opts)
@@ -263,7 +264,7 @@ class Supervisor:
                     "restarts only) and joining it when it answers",
                     e,
                 )
-                self._join_task = asyncio.create_task(self._join(), name="marduk-agent-join")
+                self._join_task = self._spawn(self._join(), "join")
         if self.client is not None:
             self.core.joined(self.client.epoch, [])
             if self.client.unusable_devices:
@@ -296,8 +297,8 @@ class Supervisor:
             await channel.start()
             self.channels.append(channel)
         background = [
-            asyncio.create_task(self._status_loop(), name="marduk-agent-status"),
-            asyncio.create_task(self._ticker(), name="marduk-agent-ticker"),
+            self._spawn(self._status_loop(), "status"),
+            self._spawn(self._ticker(), "ticker"),
         ]
         try:
             return await self._loop()
@@ -316,6 +317,19 @@ class Supervisor:
             await self._close_client(deregister=False)
             if metrics is not None:
                 await metrics.stop()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """A named background task whose failure is logged and counted, not lost."""
+        task = asyncio.create_task(coro, name=f"marduk-agent-{name}")
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        e = task.exception()
+        self.stats["errors.task"] += 1
+        log.error("background task %s failed: %s: %s", task.get_name(), type(e).__name__, e)
 
     async def _connect(self, opts: Options) -> AsyncClient:
         client = AsyncClient(opts, on_command=self._on_command, deliver=lambda _c: None)
@@ -556,10 +570,12 @@ class Supervisor:
         proc = rank.proc
         assert proc is not None
         pumps = [
-            asyncio.create_task(self._pump(rank, proc.stdout, Std.OUT)),
-            asyncio.create_task(self._pump(rank, proc.stderr, Std.ERR)),
+            self._spawn(self._pump(rank, proc.stdout, Std.OUT), f"rank{rank.index}-stdout"),
+            self._spawn(self._pump(rank, proc.stderr, Std.ERR), f"rank{rank.index}-stderr"),
         ]
-        waiter = asyncio.create_task(self._wait_exit(rank, proc, incarnation, pumps))
+        waiter = self._spawn(
+            self._wait_exit(rank, proc, incarnation, pumps), f"rank{rank.index}-wait"
+        )
         rank.tasks = [*pumps, waiter]
 
     async def _wait_exit(
