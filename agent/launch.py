@@ -12,7 +12,7 @@ Each local rank gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZ
 ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``). The
 rendezvous is static: every agent knows its node rank (``--node-rank``), as with torchrun's
 ``static`` backend; ``--rdzv-endpoint host:port`` names the master. Pure: no I/O but
-``free_port``.
+``free_port`` and ``listening``.
 """
 
 from __future__ import annotations
@@ -136,6 +136,22 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host if host not in ("localhost", "") else "127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def listening(port: int) -> bool:
+    """Some process of this network namespace listens on TCP ``port`` (/proc/net/tcp{,6})."""
+    suffix = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)  # the header
+                for line in f:
+                    fields = line.split(None, 4)
+                    if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(suffix):
+                        return True
+        except OSError:
+            continue
+    return False
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int | None]:

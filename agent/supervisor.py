@@ -51,7 +51,7 @@ from prometheus_client.core import Metric
 from agent import handoff, local
 from agent.client import AsyncClient, Command, Options
 from agent.handoff import Handoff
-from agent.launch import LaunchSpec, LogSpec, Std
+from agent.launch import LaunchSpec, LogSpec, Std, listening
 from agent.local import TrainerChannel
 from agent.preflight import run_check
 from agent.proctree import become_subreaper, end_leftovers, leftovers
@@ -89,6 +89,7 @@ __all__ = ["ExitCode", "Supervisor", "SupervisorConfig", "default_preload", "sta
 log = logging.getLogger("agent.supervisor")
 
 DEFAULT_STEP_REGEX = r"\bstep[\s:=#]+(\d+)"
+MASTER_WAIT_S = 2.0  # at most, for rank 0 to listen on MASTER_PORT before the others start
 PUMP_DRAIN_S = 0.5  # after a rank exits: its output still in the pipe (a leftover may hold it)
 
 
@@ -199,6 +200,7 @@ class Supervisor:
         ]
         self.channels: list[TrainerChannel] = []  # each rank's library (agent/local.py)
         self.master_port = 0
+        self._master_first = False  # start rank 0 first, the others once it listens
         self.run_dir = ""  # --log-dir/<job>_<replica>_<worker>, made at the first start
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(self.stats, self._gauges))
@@ -544,6 +546,8 @@ class Supervisor:
                 await self._stop_all("a local rank could not start")
                 raise
             self._watch(rank, incarnation)
+            if rank.index == 0 and self._master_first:
+                await self._wait_for_master()
         started = time.monotonic()
         self.stats["trainer_starts"] += self.nproc
         for rank in self.ranks:
@@ -700,6 +704,20 @@ class Supervisor:
     def _stepped(self, rank: int) -> None:
         self._first_step_seconds.observe(time.monotonic() - self.core.ranks[rank].started_at)
         self.starter.stepped(rank)
+        if rank == 0 and self.launch is not None and self.nproc > 1 and self.launch.nnodes == 1:
+            # Rank 0 hosts the rendezvous store at MASTER_PORT (torch's env://): from the next
+            # restart on, the other ranks start once it listens, instead of trying it too early
+            # and backing off for up to a second.
+            self._master_first = listening(self.master_port)
+
+    async def _wait_for_master(self) -> None:
+        deadline = time.monotonic() + MASTER_WAIT_S
+        while not listening(self.master_port):
+            if time.monotonic() > deadline:
+                log.info("rank 0 did not listen on MASTER_PORT within %gs", MASTER_WAIT_S)
+                self._master_first = False
+                return
+            await asyncio.sleep(0.002)
 
     # --- the trainers' library (agent/local.py) ---------------------------------------------------
 

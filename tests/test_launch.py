@@ -131,3 +131,16 @@ def test_launch_mistakes_are_one_line_and_exit_2(options: list[str], message: st
     r = marduk_cli("agent", "run", "--standalone", *options, "--", "true")
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_listening_sees_a_listening_socket_only() -> None:
+    import socket
+
+    from agent.launch import listening
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert not listening(port)  # bound, not listening
+        s.listen()
+        assert listening(port)
