@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agent import local
 from agent.client import AgentError, Options
@@ -34,6 +36,22 @@ from marduk import protocol as wire
 from tests.conftest import eventually
 
 pytestmark = pytest.mark.timeout(30)
+
+# JSON values shaped like the channel's messages, and not.
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(
+            st.sampled_from(["op", "step", "name", "open", "epoch", "command"]), inner
+        )
+        | st.fixed_dictionaries(
+            {"op": st.sampled_from(["hello", "step", "section", "welcome", "command", "x"])},
+            optional={"step": inner, "name": inner, "open": inner, "command": inner, "pid": inner},
+        )
+    ),
+    max_leaves=12,
+)
 
 COMMAND = wire.Command(command_id="c1", job="j", replica="r1", kind="restart", epoch=4)
 
@@ -213,3 +231,12 @@ def options() -> Options:
         job="j", replica="r1", worker=0, devices=["a"], addr="", prefix="marduk",
         scope="replica", timeout=5, incarnation=0, epoch=0,
     )  # fmt: skip
+
+
+@given(st.binary(max_size=512) | st.builds(lambda v: msgspec.json.encode(v), json_values))
+def test_any_bytes_decode_to_a_message_or_a_channel_error(line: bytes) -> None:
+    for decode in (decode_to_agent, decode_to_trainer):
+        try:
+            decode(line)
+        except ChannelError:
+            pass
