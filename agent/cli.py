@@ -31,7 +31,12 @@ def _opt(envvar: str, help: str, **kw: object) -> typer.models.OptionInfo:
 @app.command(context_settings={"allow_interspersed_args": False})
 @options.connection_options
 def run(
-    cmd: Annotated[list[str], typer.Argument(help="The trainer command, after --.")],
+    cmd: Annotated[
+        list[str],
+        typer.Argument(
+            help="The trainer command, after --; or SCRIPT.py ARGS, as torchrun takes it."
+        ),
+    ],
     job: Annotated[str, _opt("MARDUK_JOB", "Job name.")] = "default",
     replica: Annotated[
         str,
