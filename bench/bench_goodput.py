@@ -435,7 +435,7 @@ def summary(r: Result) -> dict[str, object]:
         # Per trainer start in the window: what one restart of one worker cost, on average.
         "per_start_ms": {
             k: round(1000 * r.total.seconds[k] / max(1, r.total.restarts), 1)
-            for k in CATEGORIES[2:]
+            for k in CATEGORIES[3:]
         },
         "steps_kept": r.total.steps_kept,
         "steps_lost": r.total.steps_lost,
@@ -444,30 +444,54 @@ def summary(r: Result) -> dict[str, object]:
     }
 
 
-def plot(results: list[Result], failures: list[Failure], path: str) -> None:
+def plot(results: list[Result], path: str) -> None:
+    """Top: the job's progress (mean step of its workers) over the window, both contenders.
+    Bottom: how far each is behind its own failure-free pace (seconds of steps)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
-    fig, axes = plt.subplots(len(results), 1, figsize=(10, 3.2 * len(results)), sharex=True)
-    for ax, r in zip(axes, results, strict=True):
-        for who, pts in sorted(r.progress.items()):
-            ax.plot([t for t, _ in pts], [s for _, s in pts], lw=1, label=who.split("-", 1)[1])
-        for t, kind, replica, w in r.failures:
-            color = "tab:red" if kind == "crash" else "tab:orange"
-            ax.axvline(t - r.window[0], color=color, lw=0.8, ls="--")
-            ax.annotate(
-                f"{kind} {replica}/{w}", (t - r.window[0], 0), rotation=90, fontsize=7,
-                color=color, xytext=(2, 4), textcoords="offset points",
-            )  # fmt: skip
-        ax.set_xlim(0, r.window[1] - r.window[0])
-        ax.set_ylabel("step")
-        ax.set_title(f"{r.contender}: ETTR {100 * ettr(r.total):.1f} %", fontsize=10)
-        ax.legend(fontsize=7, loc="upper left")
-    axes[-1].set_xlabel(
-        "seconds since every worker stepped (dashed: failures; red: crash, orange: device)"
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.4), sharex=True)
+    span = results[0].window[1] - results[0].window[0]
+    grid = np.arange(0.0, span, 0.05)
+    for r, color in zip(results, ("tab:blue", "tab:gray"), strict=False):
+        mean = np.zeros_like(grid)
+        paces = []
+        for pts in r.progress.values():
+            t = np.array([p[0] for p in pts])
+            step = np.array([p[1] for p in pts], dtype=float)
+            at = np.searchsorted(t, grid, side="right") - 1  # the last step done by then
+            mean += np.where(at >= 0, step[np.maximum(at, 0)], step[0])
+            steady = np.diff(t)[np.diff(step) == 1]
+            paces.append(float(np.median(steady)))
+        mean /= len(r.progress)
+        label = f"{r.contender}: ETTR {100 * ettr(r.total):.1f} %"
+        top.plot(grid, mean, color=color, lw=1.2, label=label)
+        pace = float(np.median(paces))  # seconds per step when nothing fails
+        behind = grid - (mean - mean[0]) * pace
+        bottom.plot(grid, behind, color=color, lw=1.2, label=r.contender)
+    for t, kind, replica, w in results[0].failures:
+        at = t - results[0].window[0]
+        color = "tab:red" if kind == "crash" else "tab:orange"
+        for ax in (top, bottom):
+            ax.axvline(at, color=color, lw=0.7, ls="--")
+        bottom.annotate(
+            f"{kind} {replica}/{w}", (at, 0), rotation=90, fontsize=7, color=color,
+            xytext=(2, 4), textcoords="offset points", va="bottom",
+        )  # fmt: skip
+    top.set_ylabel("step (mean of 4 workers)")
+    top.legend(fontsize=8, loc="upper left")
+    top.set_title(
+        "JAX example job, 2 replicas x 2 workers, under the same failures "
+        "(dashed: red crash, orange device event)",
+        fontsize=9,
     )
+    bottom.set_ylabel("seconds behind the\nfailure-free pace")
+    bottom.set_xlabel("seconds since every worker stepped")
+    bottom.set_xlim(0, span)
+    bottom.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -527,7 +551,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(report + "\n")
     if args.plot:
-        plot(results, failures, args.plot)
+        plot(results, args.plot)
         log(f"plot: {args.plot}")
 
 
