@@ -7,6 +7,7 @@ SIGTERM. Two contenders run it, one after the other, under the same failure sche
 * ``marduk``: a controller on its own nats-server and 4 ``marduk agent run`` (the fork server,
   the default; ``--scope replica``): a device event restarts the replica that uses the device;
   a trainer crash restarts its replica (the crashed worker, and its peer on command).
+  ``--scope job`` (one mesh over the whole job): every failure restarts all 4, warm.
 * ``restart-all``: bench/goodput_supervisor.py, the status quo without Marduk: on any failure
   it stops every worker (SIGTERM, the same grace) and starts them all cold, as a Kubernetes
   Job restarting its pods or torchrun's restart-all would.
@@ -189,6 +190,7 @@ class Contender:
 
 class Marduk(Contender):
     name = "marduk"
+    scope = "replica"
     STARTED = re.compile(r"trainer started: pid (\d+)")
 
     def start(self) -> None:
@@ -214,7 +216,7 @@ class Marduk(Contender):
             self.popen(
                 [
                     *(sys.executable, "-m", "marduk", "agent", "run", "--job", JOB),
-                    *("--replica", replica, "--worker", str(w), "--scope", "replica"),
+                    *("--replica", replica, "--worker", str(w), "--scope", self.scope),
                     *("--devices", self.device(replica, w), "--grace", "10"),
                     *("--max-restarts", "1000000", "--json-logs", "--log-level", "info"),
                     *("--", *self.trainer),
@@ -513,6 +515,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--step-seconds", type=float, default=0.1)
     p.add_argument("--ckpt-every", type=int, default=20)
+    p.add_argument(
+        "--scope",
+        choices=("replica", "job"),
+        default="replica",
+        help="Marduk's restart scope (job: every failure restarts all 4 workers, warm)",
+    )
     p.add_argument("--plot", help="write the steps-over-time plot here (PNG; needs matplotlib)")
     p.add_argument("--out", help="also write the JSON report here")
     args = p.parse_args()
@@ -520,6 +528,9 @@ def main() -> None:
     if not set(kinds) <= {"device", "crash"} or not kinds:
         p.error("--kinds: device, crash or both")
     classes = {"marduk": Marduk, "restart-all": RestartAll}
+    Marduk.scope = args.scope
+    if args.scope == "job":
+        Marduk.name = "marduk-job"
     names = args.contenders.split(",")
     for n in names:
         if n not in classes:
