@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -426,6 +428,23 @@ def log(msg: str) -> None:
 # --- report --------------------------------------------------------------------------------------
 
 
+def step_times(r: Result) -> dict[str, float]:
+    """Step to next step within one trainer, in ms (a slower step is productive time too)."""
+    dts = sorted(
+        b[0] - a[0]
+        for pts in r.progress.values()
+        for a, b in itertools.pairwise(pts)
+        if b[1] == a[1] + 1 and a[0] >= 0
+    )
+    if not dts:
+        return {}
+    return {
+        "median": round(1000 * statistics.median(dts), 1),
+        "mean": round(1000 * statistics.fmean(dts), 1),
+        "p99": round(1000 * dts[min(len(dts) - 1, int(0.99 * len(dts)))], 1),
+    }
+
+
 def summary(r: Result) -> dict[str, object]:
     wall = sum(r.total.seconds.values())
     return {
@@ -440,6 +459,7 @@ def summary(r: Result) -> dict[str, object]:
             for k in CATEGORIES[3:]
         },
         "steps_kept": r.total.steps_kept,
+        "step_ms": step_times(r),
         "steps_lost": r.total.steps_lost,
         "trainer_starts": r.total.restarts,
         "failures": len(r.failures),
