@@ -142,6 +142,7 @@ class Contender:
     def __init__(self, run_dir: Path, env: dict[str, str], trainer: list[str]) -> None:
         self.dir, self.env, self.trainer = run_dir, env, trainer
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.infra = 0  # how many of procs (the first) are servers the others need
 
     def popen(self, args: list[str], name: str, **kw: object) -> subprocess.Popen[bytes]:
         """A child in a session of its own (killed with its whole group at the end)."""
@@ -159,21 +160,25 @@ class Contender:
                 raise RuntimeError(f"{p.args[:6]!r}... exited with {p.returncode} (see {self.dir})")
 
     def stop(self) -> None:
-        """SIGTERM every process this contender started, then SIGKILL its whole group."""
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for p in reversed(self.procs):
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            p.wait()
+        """SIGTERM the processes this contender started, then SIGKILL each one's whole group:
+        the supervisors first (agents report their end to a controller still up), then the
+        infrastructure (``self.infra``: the first ones started), in reverse order."""
+        infra = self.procs[: self.infra]
+        for group in (self.procs[self.infra :], infra[::-1]):
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 15
+            for p in group:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                p.wait()
 
     # What the accounting needs, per worker: trainer starts (time, pid) and the times its
     # supervisor saw a trainer die unannounced.
@@ -214,6 +219,7 @@ class Marduk(Contender):
             60,
             "the controller",
         )
+        self.infra = 2  # nats-server, controller
         for replica, w in WORKERS:
             self.popen(
                 [
@@ -562,11 +568,16 @@ def main() -> None:
     for f in failures:
         log(f"scheduled: +{f.at:6.1f} s {f.kind} {f.replica}/{f.worker}")
     # Ctrl-C and SIGTERM unwind through run_one's cleanup.
+    signal.signal(signal.SIGINT, interrupted)
     signal.signal(signal.SIGTERM, interrupted)
     results = []
-    for n in names:
-        results.append(run_one(classes[n], failures, args))
-        log(json.dumps(summary(results[-1])))
+    try:
+        for n in names:
+            results.append(run_one(classes[n], failures, args))
+            log(json.dumps(summary(results[-1])))
+    except KeyboardInterrupt:
+        log("interrupted: every process the benchmark started is stopped")
+        sys.exit(130)
     report = json.dumps(
         {
             "source": source_version(),
