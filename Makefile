@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest pytest-fast bench bench-restart clean
+.PHONY: run test lint typecheck pytest pytest-fast bench bench-restart bench-goodput clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ bench: $(STAMP)
 bench-restart: $(STAMP)
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) bench/bench_restart.py --trials 10
+
+## Goodput (ETTR) under injected failures, Marduk against restart-all (~9 min; installs matplotlib).
+bench-goodput: $(STAMP)
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	$(PY) bench/bench_goodput.py --plot docs/img/goodput.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -8,7 +8,9 @@ where N divides the batch of 256). It logs
 checkpoint at start, so a restarted trainer continues where it left off. It uses JAX's
 persistent compilation cache (``--compile-cache-dir``, default beside the checkpoints), so a
 restarted trainer loads its step function instead of compiling it again, and it logs what its
-restart cost it: ``restore X ms, first step Y ms``.
+restart cost it: ``restore X ms, first step Y ms``. With ``--events DIR`` it also appends one JSON
+line per moment of its life (entered main, restore, each step, each checkpoint, SIGTERM) with
+its wall time to ``DIR/JOB-REPLICA-WORKER.jsonl``: bench/bench_goodput.py measures from them.
 
     marduk agent run --replica r1 --devices d1 -- python examples/jax_trainer.py --steps 200
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import signal
 import sys
@@ -58,12 +61,37 @@ def train_step(params, x, y, lr):  # type: ignore[no-untyped-def]
     return params, loss
 
 
-def save(ckpt_dir: Path, step: int, params: list[tuple[jax.Array, jax.Array]]) -> None:
+class Timeline:
+    """``--events DIR``: ``timeline("step", step=5)`` appends ``{"ev": "step", "t": <wall time>,
+    "pid": ..., "step": 5}`` to DIR/WHO.jsonl, one line per call (off without --events)."""
+
+    def __init__(self, events_dir: str | None, who: str) -> None:
+        self.file = None
+        if events_dir:
+            Path(events_dir).mkdir(parents=True, exist_ok=True)
+            # Line-buffered and appending: every incarnation adds whole lines to one file.
+            self.file = open(Path(events_dir) / f"{who}.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def __call__(self, ev: str, **fields: object) -> None:
+        if self.file is not None:
+            line = {"ev": ev, "t": time.time(), "pid": os.getpid(), **fields}
+            self.file.write(json.dumps(line) + "\n")
+
+
+def save(
+    ckpt_dir: Path,
+    step: int,
+    params: list[tuple[jax.Array, jax.Array]],
+    timeline: Timeline | None = None,
+) -> None:
+    t0 = time.time()
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     flat = {f"p{i}": np.asarray(a) for i, a in enumerate(jax.tree_util.tree_leaves(params))}
     tmp = ckpt_dir / f".ckpt-{step}.npz"
     np.savez(tmp, step=step, **flat)
     tmp.rename(ckpt_dir / f"ckpt-{step:08d}.npz")  # atomic: a crash never leaves half a file
+    if timeline is not None:
+        timeline("saved", step=step, t0=t0)
 
 
 def restore(ckpt_dir: Path, params):  # type: ignore[no-untyped-def]
@@ -83,6 +111,7 @@ def main() -> int:
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (demos)")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--events", default=None, help="append timed JSON events to DIR/WHO.jsonl")
     p.add_argument(
         "--compile-cache-dir",
         default=None,
@@ -93,6 +122,8 @@ def main() -> int:
     who = f"{given.job or 'default'}-{given.replica or 'solo'}-{given.worker or 0}"
     ckpt_root = Path(args.ckpt_dir or os.environ.get("MARDUK_CKPT_DIR", ".marduk/ckpt"))
     ckpt_dir = ckpt_root / who
+    timeline = Timeline(args.events, who)
+    timeline("begin")  # imports done (a trainer forked from a fork server has them already)
     cache = args.compile_cache_dir or str(ckpt_root / "jax-cache")
     if cache != "none":
         # Cache every program, however small and fast to compile (the defaults skip programs
@@ -108,6 +139,7 @@ def main() -> int:
     y = jnp.sin(x @ jax.random.normal(kw, (8, 1)))
     params = init_params(kp, [8, 32, 1])
     t_restore = time.perf_counter()
+    timeline("restore")
     start, params = restore(ckpt_dir, params)
     # Data parallel over every local device: the batch is split along the mesh's "data" axis,
     # the parameters are replicated; jit inserts the gradient all-reduce.
@@ -118,6 +150,7 @@ def main() -> int:
     params = jax.device_put(params, NamedSharding(mesh, P()))
     jax.block_until_ready(params)
     restore_ms = (time.perf_counter() - t_restore) * 1000
+    timeline("restored", step=start)
     print(
         f"{who}: {len(devices)} device(s) {devices[0].platform}, "
         f"epoch {given.epoch}, resuming at step {start}",
@@ -127,9 +160,14 @@ def main() -> int:
     state = {"step": start, "params": params}
 
     def on_sigterm(*_: object) -> None:
-        save(ckpt_dir, state["step"], state["params"])
+        timeline("sigterm")
+        save(ckpt_dir, state["step"], state["params"], timeline)
         print(f"checkpointed step {state['step']} on SIGTERM", flush=True)
-        sys.exit(0)
+        timeline("exit")
+        # Not sys.exit: its SystemExit is raised wherever the main thread is, and a bare
+        # `except:` there (jax's compile path has some) swallows it: seen in a first step, the
+        # trainer then trained on through the whole grace period until SIGKILL.
+        os._exit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
     # Under `marduk agent run`, the library talks to the agent: a preemption notice arrives as
@@ -144,15 +182,16 @@ def main() -> int:
         params, loss = train_step(params, x, y, args.lr)
         state["step"], state["params"] = step, params
         print(f"step {step} loss {float(loss):.6f}", flush=True)
+        timeline("step", step=step)
         if step == start + 1:  # compiled, or loaded from the compilation cache
             first_ms = (time.perf_counter() - t_step) * 1000
             print(f"restore {restore_ms:.1f} ms, first step {first_ms:.1f} ms", flush=True)
         if step % args.ckpt_every == 0:
-            save(ckpt_dir, step, params)
+            save(ckpt_dir, step, params, timeline)
         if client is not None:
             client.step(step)
             if client.checkpoint_requested:
-                save(ckpt_dir, step, params)
+                save(ckpt_dir, step, params, timeline)
                 print(f"checkpoint saved at step {step} on request", flush=True)
                 client.checkpoint_saved(step)
         if args.step_seconds:
