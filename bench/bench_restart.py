@@ -17,8 +17,9 @@ Scenarios:
 * ``isolated``: a fault ``--settle`` seconds after the job is ready again;
 * ``back-to-back``: a fault ``--gap`` (0.3) s after the previous restart (every worker's new
   process running), or as soon after as rank 0 is stepping again, ``--trials`` times in a row;
-* ``first``: a fault ``--gap`` s after the job first started (as soon as rank 0 steps): a fresh
-  job per trial.
+* ``first``: a fault ``--gap`` s after every worker of a fresh job has started its first
+  trainer (a fresh job per trial). A worker whose agent has not started one yet cannot restart:
+  faulting earlier measured its first start, not a restart.
 
 Per trial: **restart** = fault -> every worker's new process running (its first statement);
 **ready** = fault -> every worker has done its first step again (imports, backend, rendezvous).
@@ -87,6 +88,30 @@ def incarnation_done(bench_dir: Path, inc: int) -> tuple[float, float, Counter[s
     starts = {e["rank"]: e for e in evs if e["ev"] == "start"}
     ready = {e["rank"]: e["t"] for e in evs if e["ev"] == "ready"}
     if len(ready) < WORLD or len(starts) < WORLD:
+        return None
+    by = Counter(str(e.get("by", "?")) for e in starts.values())
+    return max(e["t"] for e in starts.values()), max(ready.values()), by
+
+
+def back_after(bench_dir: Path, t_fault: float) -> tuple[float, float, Counter[str]] | None:
+    """(last start, last ready, how each started) once every rank has started a process after
+    ``t_fault`` and stepped in it: each rank's first start after the fault, whatever its
+    incarnation number (an agent that registered late starts straight at the new epoch)."""
+    evs = sorted(events(bench_dir), key=lambda e: e["t"])
+    starts: dict[int, dict] = {}  # type: ignore[type-arg]
+    ready: dict[int, float] = {}
+    for e in evs:
+        rank = e["rank"]
+        if e["ev"] == "start" and e["t"] > t_fault and rank not in starts:
+            starts[rank] = e
+        elif (
+            e["ev"] == "ready"
+            and rank in starts
+            and rank not in ready
+            and e["inc"] == starts[rank]["inc"]
+        ):
+            ready[rank] = e["t"]
+    if len(ready) < WORLD:
         return None
     by = Counter(str(e.get("by", "?")) for e in starts.values())
     return max(e["t"] for e in starts.values()), max(ready.values()), by
@@ -319,7 +344,7 @@ class Trials:
             (bench_dir / f"crash-{inc}").touch()
             t_fault = float(wait_for(lambda: crash_time(bench_dir, inc), 60, "crash"))  # type: ignore[arg-type]
         last_start, last_ready, by = wait_for(  # type: ignore[misc]
-            lambda: incarnation_done(bench_dir, inc + 1), 180, f"restart {inc + 1}"
+            lambda: back_after(bench_dir, t_fault), 180, f"restart {inc + 1}"
         )
         self.restart.append(last_start - t_fault)
         self.ready.append(last_ready - t_fault)
@@ -356,13 +381,20 @@ def job(name: str, framework: str) -> tuple[Path, dict[str, str], Procs]:
 
 
 def first_fault(trials: Trials, args: argparse.Namespace) -> None:
-    """A fresh job, faulted ``--gap`` s after its first worker started."""
+    """A fresh job, faulted ``--gap`` s after every worker started its first trainer."""
     bench_dir, _env, procs = job(trials.name, args.framework)
     try:
         starts = wait_for(
-            lambda: [e["t"] for e in events(bench_dir) if e["ev"] == "start"], 180, "start"
+            lambda: (
+                s
+                if len(s := {e["rank"]: e["t"] for e in events(bench_dir) if e["ev"] == "start"})
+                == WORLD
+                else None
+            ),
+            180,
+            "every worker's first start",
         )
-        trials.fault_and_measure(bench_dir, 0, min(starts) + args.gap)  # type: ignore[call-overload]
+        trials.fault_and_measure(bench_dir, 0, max(starts.values()) + args.gap)  # type: ignore[union-attr]
     finally:
         stop(trials.name, procs)
         if os.environ.get("BENCH_KEEP"):
