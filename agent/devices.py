@@ -11,6 +11,11 @@ Order of precedence:
 3. Everything else (TPU, CPU, GPUs without NVML): ``<host>:<platform>:<local_hardware_id>``,
    e.g. ``worker-3:tpu:0``. Stable across restarts of the process on the same host.
 
+``marduk agent run`` finds its node's devices without a framework (``node_device_uuids``): the
+same ``MARDUK_DEVICES``, then every GPU NVML shows (through ``CUDA_VISIBLE_DEVICES``), and only
+then jax's view, asked in a child process so the agent itself never initialises a backend (no
+device memory taken, no framework threads in a process that forks trainers).
+
 Note: CUDA orders devices fastest-first by default, NVML by PCI bus id. On nodes of identical
 GPUs (every training node we know of) the two agree; on mixed nodes set
 ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or pass ``devices=`` / ``MARDUK_DEVICES`` explicitly.
@@ -18,9 +23,12 @@ GPUs (every training node we know of) the two agree; on mixed nodes set
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,6 +51,74 @@ def local_device_uuids(backend: str | None = None) -> list[str]:
 
     devices = jax.local_devices(backend=backend)
     return device_ids(devices, host=socket.gethostname(), nvml_uuid=nvml_uuid_for_ordinal)
+
+
+def node_device_uuids(*, timeout: float = 120.0) -> list[str]:
+    """The accelerators of this node, for the supervisor: found without importing a framework
+    into the calling process. ``MARDUK_DEVICES``; else the GPUs NVML shows (those
+    ``CUDA_VISIBLE_DEVICES`` names, when set); else ``local_device_uuids()`` in a child process
+    (TPU, CPU; the ids the library would register); else ``<host>:cpu:0`` with a warning."""
+    env = devices_from_env()
+    if env is not None:
+        return env
+    gpus = nvml_visible_uuids()
+    if gpus:
+        return gpus
+    found = _discover_in_child(timeout)
+    if found:
+        return found
+    host = socket.gethostname()
+    log.warning(
+        "no accelerator found (no GPU through NVML; jax could not list devices): registering "
+        "%s:cpu:0 — pass --devices (or MARDUK_DEVICES) with the ids your monitors publish",
+        host,
+    )
+    return [f"{host}:cpu:0"]
+
+
+def nvml_visible_uuids() -> list[str]:
+    """NVML UUIDs of the GPUs this process may use (``CUDA_VISIBLE_DEVICES`` when set, indices or
+    UUIDs; every GPU otherwise); empty without NVML or GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        return [u for i in range(len(entries)) if (u := nvml_uuid_for_ordinal(i)) is not None]
+    pynvml = _nvml()
+    if pynvml is None:
+        return []
+    try:
+        count = int(pynvml.nvmlDeviceGetCount())
+    except Exception as e:
+        log.debug("NVML device count failed: %s", e)
+        return []
+    return [u for i in range(count) if (u := nvml_uuid_for_ordinal(i)) is not None]
+
+
+_CHILD = "import json, agent.devices as d; print(json.dumps(d.local_device_uuids()))"
+
+
+def _discover_in_child(timeout: float) -> list[str]:
+    """``local_device_uuids()`` in a fresh interpreter; empty if it fails (no jax, no backend)."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CHILD],
+            capture_output=True,
+            timeout=timeout,
+            text=True,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.warning("device discovery through jax failed: %s", e)
+        return []
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        log.info("device discovery through jax failed: %s", last)
+        return []
+    try:
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return []
+    return [str(d) for d in found] if isinstance(found, list) else []
 
 
 def device_ids(

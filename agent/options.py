@@ -95,9 +95,11 @@ def resolve_options(
     except ValueError as e:
         raise AgentError(str(e)) from None
     if devices is None:
-        from agent.devices import local_device_uuids
+        from agent import devices as found
 
-        devices = local_device_uuids()
+        # The supervisor never imports a framework (it forks trainers, and jax would take the
+        # accelerators): it asks NVML, then a child process.
+        devices = found.local_device_uuids() if role == "library" else found.node_device_uuids()
     creds = credentials if credentials is not None else bus.default_credentials()
     try:
         creds.check()

@@ -168,3 +168,40 @@ def test_library_imports_without_jax_controller_or_cli() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout.strip()
     assert out == "[]"
+
+
+def node_uuids_in_subprocess(env: dict[str, str]) -> tuple[list[str], list[str]]:
+    """``node_device_uuids()`` in a fresh process: (the ids, which frameworks it imported)."""
+    code = (
+        "import sys, json, agent.devices as d; ids = d.node_device_uuids(); "
+        "print(json.dumps([ids, [m for m in ('jax', 'torch') if m in sys.modules]]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    ids, imported = json.loads(out.stdout.strip().splitlines()[-1])
+    return ids, imported
+
+
+def test_the_supervisor_finds_devices_without_importing_a_framework(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_PLATFORMS": "cpu",
+    }
+    env.pop("MARDUK_DEVICES", None)
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    host = socket.gethostname()
+    # jax's view (no NVML here), asked in a child: the calling process imports no framework.
+    assert node_uuids_in_subprocess(env) == ([f"{host}:cpu:0", f"{host}:cpu:1"], [])
+    # GPUs named by UUID in CUDA_VISIBLE_DEVICES are taken as they are, no child asked.
+    env["CUDA_VISIBLE_DEVICES"] = "GPU-aaa,GPU-bbb"
+    assert node_uuids_in_subprocess(env) == (["GPU-aaa", "GPU-bbb"], [])
+    del env["CUDA_VISIBLE_DEVICES"]
+    # Without jax at all: one warning and the host's CPU, never a traceback.
+    shadow = tmp_path / "nojax"
+    (shadow / "jax").mkdir(parents=True)
+    (shadow / "jax" / "__init__.py").write_text("raise ImportError('no jax here')\n")
+    env["PYTHONPATH"] = os.pathsep.join([str(shadow), env.get("PYTHONPATH", "")])
+    assert node_uuids_in_subprocess(env) == ([f"{host}:cpu:0"], [])
