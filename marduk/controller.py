@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from marduk import __version__, auth, bus
+from marduk.commit import CommitPipeline, NotServing, Steps
 from marduk.credentials import Credentials, redact
 from marduk.drmap import WorkerKey
 from marduk.embedded import EmbeddedServer, ServerKeeper, default_state_dir
@@ -76,6 +77,7 @@ from marduk.protocol import (
     decode,
     encode,
 )
+from marduk.records import EpochRecord
 from marduk.store import StateMirror, StateStore
 from marduk.subjects import REPLY_HEADER, Subjects
 
@@ -127,10 +129,6 @@ class StartupError(MardukError):
     pass
 
 
-class NotServing(MardukError):
-    """This controller lost the lease between deciding and committing: drop, do not answer."""
-
-
 class Controller:
     """Owns the policy, the NATS connection, the store, the lease and (maybe) the server."""
 
@@ -159,7 +157,19 @@ class Controller:
         )
         self._subs: list[Subscription] = []
         self._health: HealthConsumer | None = None
-        self._commit_lock = asyncio.Lock()
+        self._pipeline = CommitPipeline(
+            Steps(
+                leading=self._leading,
+                write_ahead=self._write_ahead,
+                publish=self._publish_outcome,
+                persist=self._persist,
+                announce=self._announce_all,
+                stop=self._stop_committing,
+            )
+        )
+        # Requests in flight at once: each endpoint's handler spawns one task per request, so
+        # a registration waiting for its records does not hold up the next one's decision.
+        self._in_flight = asyncio.Semaphore(_REQUESTS_IN_FLIGHT)
         self._tasks: list[asyncio.Task[None]] = []
         self._term_task: asyncio.Task[None] | None = None
         self._event_seq = 0
@@ -369,6 +379,7 @@ class Controller:
         self.stats["state.skipped_records"] += loaded.skipped
         # Handlers act from here on: a stored event the consumer delivers the moment it is
         # subscribed must be handled, not left for redelivery after ack_wait.
+        self._pipeline.reopen()
         self._accepting = True
         s = self.subjects
         # A NATS micro service: `nats micro ls|info|stats` and $SRV.PING find the leader, its
@@ -428,8 +439,11 @@ class Controller:
             await self.leadership.resign()
 
     def _spawn_step_down(self, why: str) -> None:
-        # Not from inside the commit: _stop_serving waits for the commit lock we hold.
-        task = asyncio.create_task(self._step_down(why), name="step-down")
+        # Not from inside the commit: _stop_serving waits for the commits in flight.
+        self._spawn_background(self._step_down(why), "step-down")
+
+    def _spawn_background(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -454,8 +468,9 @@ class Controller:
                 await sub.unsubscribe()
         if self._health is not None:
             await self._health.stop()
-        async with self._commit_lock:  # let a commit in flight finish (or find it is fenced)
-            pass
+        # Nothing queued goes out any more; let what is going out or being written finish.
+        self._pipeline.close()
+        await self._pipeline.drain()
 
     def _ready(self) -> tuple[bool, str]:
         if self._leading():
@@ -568,6 +583,14 @@ class Controller:
         limit = self.settings.max_message_bytes
 
         async def on_request(request: MicroRequest) -> None:
+            # One task per request (bounded): this endpoint's next request is decided while
+            # this one's records are written, so their commits go out together. Tasks start
+            # in the order they are created, so decisions keep the order requests arrived in.
+            await self._in_flight.acquire()
+            task = asyncio.create_task(handle(request), name=f"request-{kind}")
+            task.add_done_callback(lambda _t: self._in_flight.release())
+
+        async def handle(request: MicroRequest) -> None:
             self.stats[f"received.{kind}"] += 1
             if not self._leading():
                 # Our lease lapsed (a paused process) and we have not noticed yet: the new
@@ -703,6 +726,12 @@ class Controller:
         return DrainReply(devices=result.devices, actions=result.actions)
 
     async def _on_health_msg(self, msg: Msg) -> None:
+        # One task per event, started in delivery order (so decided in it): the next event is
+        # decided and its command published while this one's records are written. The
+        # consumer's max_ack_pending bounds how many are in flight.
+        self._spawn_background(self._handle_health_msg(msg), "health-event")
+
+    async def _handle_health_msg(self, msg: Msg) -> None:
         """One event from the durable consumer: decide, commit, answer, then acknowledge."""
         self.stats["received.devicehealth"] += 1
         if not self._leading():
@@ -761,9 +790,11 @@ class Controller:
                     self.stats["health.coalesced"] += 1
                 else:
                     self.stats[f"restarts.device/{action.kind}"] += 1
-        await self._commit(result.outcome)
+        commit = self._pipeline.submit(result.outcome)
+        await commit.published
         if result.outcome.commands:
             self._notice_latency.observe(time.perf_counter() - t0)
+        await commit.durable
         return reply
 
     def _count_source(self, source: str) -> None:
@@ -808,37 +839,25 @@ class Controller:
     # --- commit: persist, then publish -----------------------------------------------------------
 
     async def _commit(self, outcome: Outcome) -> None:
-        async with self._commit_lock:
-            if not self._leading():
-                # Fenced: another controller may lead by now. Nothing of this goes out, and the
-                # policy already holds this decision: step down, so whoever leads next
-                # (perhaps us, re-elected) rebuilds from the store.
-                self.stats["fenced"] += 1
-                self._spawn_step_down("a decision was fenced before it was committed")
-                raise NotServing("not the leader")
-            if outcome.write_ahead:
-                if not await self._persist(outcome, write_ahead=True):
-                    # The ceiling is not durable: publishing would let a restored controller
-                    # issue the same epoch again. Our in-memory state is now ahead of the
-                    # store, so step down: whoever leads next rebuilds it from the store, and
-                    # the event (not acknowledged) is redelivered to it.
-                    self.stats["store.write_ahead_failed"] += 1
-                    self._spawn_step_down("epoch ceilings could not be written")
-                    raise NotServing("write-ahead failed")
-                if not self._leading():  # the lease lapsed while we were writing
-                    self.stats["fenced"] += 1
-                    self._spawn_step_down("the lease lapsed during a write-ahead")
-                    raise NotServing("not the leader")
-            assert self.nc is not None
-            for command in outcome.commands:
-                await self._publish_command(command)
-                self.stats[f"commands.{command.kind}"] += 1
-            for command in outcome.resent:
-                await self._publish_command(command)
-                self.stats["commands.resent"] += 1
-            await self._persist(outcome)
-            for event in outcome.events:
-                await self._announce(event)
+        """Commit a decision (``marduk.commit``): back once its records are written; raises
+        ``NotServing`` if it was fenced, and then nothing of it went out."""
+        await self._pipeline.commit(outcome)
+
+    def _stop_committing(self, counter: str, why: str) -> None:
+        self.stats[counter] += 1
+        self._spawn_step_down(why)
+
+    async def _publish_outcome(self, outcome: Outcome) -> None:
+        for command in outcome.commands:
+            await self._publish_command(command)
+            self.stats[f"commands.{command.kind}"] += 1
+        for command in outcome.resent:
+            await self._publish_command(command)
+            self.stats["commands.resent"] += 1
+
+    async def _announce_all(self, outcome: Outcome) -> None:
+        for event in outcome.events:
+            await self._announce(event)
 
     async def _announce(self, event: ControllerEvent) -> None:
         self._log_event(event)
@@ -846,36 +865,45 @@ class Controller:
             with contextlib.suppress(Exception):
                 await self.nc.publish(self.subjects.events(event.job), encode(event))
 
-    async def _persist(self, outcome: Outcome, *, write_ahead: bool = False) -> bool:
-        """Write the outcome's records; False if they could not be written while we lead."""
-        if self.store is None or not (write_ahead or _has_writes(outcome)):
+    async def _write_ahead(self, ceilings: list[EpochRecord]) -> bool:
+        """Make the epoch ceilings durable; False if they could not be while we lead."""
+        if self.store is None:
             return True
+        store = self.store
+        if await self._retry(lambda: store.write_ahead(ceilings), attempts=6):
+            return True
+        log.error("epoch ceilings not persisted; the commands do not go out")
+        return False
+
+    async def _persist(self, outcomes: list[Outcome]) -> None:
+        """Write the outcomes' other records (after their commands went out)."""
+        if self.store is None or not any(_has_writes(o) for o in outcomes):
+            return
+        store = self.store
+        if not await self._retry(lambda: store.apply(outcomes), attempts=3):
+            # The commands went out already (their ceilings are durable). Agents report the
+            # epochs they applied when they re-register, which repairs the records.
+            log.error("state not persisted after publishing; agents' re-registration repairs it")
+
+    async def _retry(self, write: Callable[[], Awaitable[None]], *, attempts: int) -> bool:
+        """Try a write a few times while we lead; False if it never succeeded."""
         delay = 0.05
-        for attempt in range(1, 7):
+        for attempt in range(1, attempts + 1):
             try:
-                if write_ahead:
-                    await self.store.write_ahead(outcome)
-                else:
-                    await self.store.apply(outcome)
+                await write()
                 return True
             except Exception as e:
                 self.stats["store.errors"] += 1
                 self._log_limited("store", f"state write failed (attempt {attempt}): {e}")
-                # Bounded, since we hold the commit lock: ~1.25 s for a write-ahead (then we
-                # step down and the event is redelivered to whoever leads, which rebuilds from
-                # the store: a JetStream election is ridden out that way), 3 quick tries for
-                # records written after publishing.
-                if not self._leading() or attempt >= (6 if write_ahead else 3):
+                # Bounded, since later commits wait for this one: ~1.25 s for a write-ahead
+                # (then we step down and the event is redelivered to whoever leads, which
+                # rebuilds from the store: a JetStream election is ridden out that way), 3
+                # quick tries for records written after publishing.
+                if not self._leading() or attempt >= attempts:
                     break
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
         self.stats["store.given_up"] += 1
-        if write_ahead:
-            log.error("epoch ceilings not persisted; the commands do not go out")
-            return False
-        # The commands went out already (their ceilings are durable). Agents report the epochs
-        # they applied when they re-register, which repairs the records.
-        log.error("state not persisted after publishing; agents' re-registration repairs it")
         return False
 
     async def _publish_command(self, command: Command) -> None:
@@ -920,6 +948,7 @@ class Controller:
 # control-line limit (4 KiB).
 _REPLY_SUBJECT = re.compile(r"[^\s.*>]+(\.[^\s.*>]+)*")
 _REPLY_SUBJECT_MAX = 512
+_REQUESTS_IN_FLIGHT = 4096
 
 
 _WARN_EVENTS = frozenset(

@@ -46,6 +46,9 @@ from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 
 log = logging.getLogger("marduk.store")
 
+WRITES_IN_FLIGHT = 2048
+"""KV writes awaited together at most (each is one publish and one server acknowledgement)."""
+
 
 def bucket_name(prefix: str) -> str:
     return prefix.replace(".", "_") + "_state"
@@ -165,38 +168,60 @@ class StateStore:
                 await watcher.stop()  # type: ignore[no-untyped-call]
         return out
 
-    async def write_ahead(self, outcome: Outcome) -> None:
-        """Persist the epoch ceilings that must be durable before commands go out."""
-        for epoch in outcome.write_ahead:
-            await self.kv.put(
-                epoch_kv_key(EpochKey(epoch.job, epoch.replica)), self._enc.encode(epoch)
-            )
+    async def write_ahead(self, ceilings: list[EpochRecord]) -> None:
+        """Persist the epoch ceilings that must be durable before commands go out (all at
+        once: one batch of writes in flight)."""
+        enc = self._enc.encode
+        await self._write(
+            self.kv, {epoch_kv_key(EpochKey(e.job, e.replica)): enc(e) for e in ceilings}
+        )
 
-    async def apply(self, outcome: Outcome) -> None:
-        """Persist the other records an outcome changed."""
-        for rec in outcome.put_workers:
-            reg = rec.registration
-            await self.kv.put(
-                worker_kv_key(WorkerKey(reg.job, reg.replica, reg.worker)), self._enc.encode(rec)
-            )
-        for key in outcome.deleted_workers:
-            await self._delete(worker_kv_key(key))
-        for epoch in outcome.put_epochs:
-            await self.kv.put(
-                epoch_kv_key(EpochKey(epoch.job, epoch.replica)), self._enc.encode(epoch)
-            )
-        for ekey in outcome.deleted_epochs:
-            await self._delete(epoch_kv_key(ekey))
-        for device in outcome.put_devices:
-            await self.kv.put(device_kv_key(device.device), self._enc.encode(device))
-        for name in outcome.deleted_devices:
-            await self._delete(device_kv_key(name))
-        for reply in outcome.handled:
-            await self.events.put(handled_kv_key(reply.event_id), self._enc.encode(reply))
+    async def apply(self, outcomes: list[Outcome]) -> None:
+        """Persist the other records some outcomes changed, in decision order: where two
+        outcomes write one key, only the later write is made."""
+        state: dict[str, bytes | None] = {}  # None: delete
+        handled: dict[str, bytes | None] = {}
+        enc = self._enc.encode
+        for o in outcomes:
+            for rec in o.put_workers:
+                reg = rec.registration
+                state[worker_kv_key(WorkerKey(reg.job, reg.replica, reg.worker))] = enc(rec)
+            for key in o.deleted_workers:
+                state[worker_kv_key(key)] = None
+            for epoch in o.put_epochs:
+                state[epoch_kv_key(EpochKey(epoch.job, epoch.replica))] = enc(epoch)
+            for ekey in o.deleted_epochs:
+                state[epoch_kv_key(ekey)] = None
+            for device in o.put_devices:
+                state[device_kv_key(device.device)] = enc(device)
+            for name in o.deleted_devices:
+                state[device_kv_key(name)] = None
+            for reply in o.handled:
+                handled[handled_kv_key(reply.event_id)] = enc(reply)
+        await asyncio.gather(self._write(self.kv, state), self._write(self.events, handled))
 
-    async def _delete(self, key: str) -> None:
+    async def _write(self, kv: KeyValue, writes: dict[str, bytes | None]) -> None:
+        """Make ``writes`` (key -> value, None to delete) with many writes in flight at once
+        (each key once, so their order does not matter); raise the first error once all have
+        been tried."""
+        items = list(writes.items())
+        errors: list[BaseException] = []
+        for i in range(0, len(items), WRITES_IN_FLIGHT):
+            results = await asyncio.gather(
+                *(
+                    kv.put(key, value) if value is not None else self._delete(kv, key)
+                    for key, value in items[i : i + WRITES_IN_FLIGHT]
+                ),
+                return_exceptions=True,
+            )
+            errors += [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+
+    @staticmethod
+    async def _delete(kv: KeyValue, key: str) -> None:
         try:
-            await self.kv.delete(key)
+            await kv.delete(key)
         except KeyNotFoundError:
             pass
 
