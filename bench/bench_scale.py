@@ -130,11 +130,17 @@ def rss_mib(pid: int, field: str) -> float:
     return float("nan")
 
 
-def start_controller(url: str, log: Path, ttl: float) -> subprocess.Popen[bytes]:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds the process has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_controller(url: str, log: Path, ttl: float, worker_ttl: float) -> subprocess.Popen[bytes]:
     env = {**os.environ, "MARDUK_ADDR": url, "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(
         [sys.executable, "-m", "marduk", "controller", "--no-embedded", "--log-level", "info",
-         "--lease-ttl", str(ttl)],
+         "--lease-ttl", str(ttl), "--worker-ttl", str(worker_ttl)],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
     )  # fmt: skip
 
@@ -187,10 +193,10 @@ async def driver(args: argparse.Namespace) -> None:
     procs: list[subprocess.Popen[str]] = []
     try:
         nc = await nats.connect(url)
-        leader = start_controller(url, tmp / "leader.log", args.lease_ttl)
+        leader = start_controller(url, tmp / "leader.log", args.lease_ttl, args.worker_ttl)
         ctls.append(leader)
         first = await wait_leader(nc)
-        standby = start_controller(url, tmp / "standby.log", args.lease_ttl)
+        standby = start_controller(url, tmp / "standby.log", args.lease_ttl, args.worker_ttl)
         ctls.append(standby)
         await asyncio.sleep(1.0)  # the standby's mirror is watching
         per = args.replicas // args.procs
@@ -217,6 +223,17 @@ async def driver(args: argparse.Namespace) -> None:
         for p in procs:
             assert p.stdout is not None
             json.loads(p.stdout.readline())
+        spy = None
+        if args.py_spy:
+            spy = subprocess.Popen(
+                [args.py_spy, "record", "-p", str(leader.pid), "-f", "raw", "-r", "200",
+                 "-o", str(tmp / "leader-registration.txt")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            await asyncio.sleep(1.0)
+        roles = {"leader": [leader.pid], "standby": [standby.pid], "nats-server": [server.pid],
+                 "registrants": [p.pid for p in procs]}  # fmt: skip
+        cpu0 = {role: sum(cpu_s(pid) for pid in pids) for role, pids in roles.items()}
         go = time.monotonic_ns()
         await nc.publish("bench.go", b"")
         await nc.flush()
@@ -227,7 +244,14 @@ async def driver(args: argparse.Namespace) -> None:
             ends.append(r["end_ns"])
             n_errors += r["n_errors"]
         reg_s = (max(ends) - go) / 1e9
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
         report["registration_s"] = round(reg_s, 2)
+        report["registration_cpu_s"] = {
+            role: round(sum(cpu_s(pid) for pid in pids) - cpu0[role], 2)
+            for role, pids in roles.items()
+        }
         report["registrations_per_s"] = round(args.replicas / reg_s)
         report["registration_errors"] = n_errors
         report["load_1min_after_registration"] = os.getloadavg()[0]
@@ -276,7 +300,7 @@ async def driver(args: argparse.Namespace) -> None:
         standby.send_signal(signal.SIGKILL)
         standby.wait(30)
         t0 = time.monotonic()
-        cold = start_controller(url, tmp / "cold.log", args.lease_ttl)
+        cold = start_controller(url, tmp / "cold.log", args.lease_ttl, args.worker_ttl)
         ctls.append(cold)
         await wait_leader(nc, not_id=new.controller.controller_id)
         report["cold_restart"] = {
@@ -318,6 +342,13 @@ def main() -> None:
     p.add_argument("--gap", type=float, default=0.005, help="seconds between events")
     p.add_argument("--stop", choices=["term", "kill"], default="kill", help="how the leader stops")
     p.add_argument("--lease-ttl", type=float, default=2.0)
+    p.add_argument(
+        "--worker-ttl",
+        type=float,
+        default=600.0,
+        help="the controller's --worker-ttl: registrants do not renew, so none goes stale",
+    )
+    p.add_argument("--py-spy", default="", help="profile the leader's registration with py-spy")
     asyncio.run(driver(p.parse_args()))
 
 
