@@ -58,11 +58,17 @@ JOB = "bench"
 async def registrant(url: str, first: int, count: int, dpr: int, in_flight: int, rx: bool) -> None:
     nc = await nats.connect(url, pending_size=256 * 1024 * 1024)
     received: dict[str, int] = {}
+    acks: set[asyncio.Task[object]] = set()
 
     async def on_cmd(msg) -> None:  # type: ignore[no-untyped-def]
         t = time.monotonic_ns()
         cmd = wire.decode(msg.data, wire.Command)
         received.setdefault(cmd.event_id, t)
+        # Confirm it, as an agent does once restarted (else the leader resends it every second).
+        ack = wire.Ack(job=JOB, replica=cmd.replica or "", worker=0, epoch=cmd.epoch)
+        task = asyncio.create_task(nc.request(f"marduk.{JOB}.ack", wire.encode(ack), timeout=10))
+        acks.add(task)
+        task.add_done_callback(acks.discard)
 
     if rx:
         await nc.subscribe(f"marduk.{JOB}.cmd.>", cb=on_cmd, pending_msgs_limit=1_000_000)
@@ -257,6 +263,13 @@ async def driver(args: argparse.Namespace) -> None:
         report["load_1min_after_registration"] = os.getloadavg()[0]
         report["leader_rss_mib_after_registration"] = round(rss_mib(leader.pid, "VmRSS"), 1)
 
+        if args.py_spy:
+            spy = subprocess.Popen(
+                [args.py_spy, "record", "-p", str(leader.pid), "-f", "raw", "-r", "200",
+                 "-o", str(tmp / "leader-notice.txt")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+            await asyncio.sleep(1.0)
         sent: dict[str, int] = {}
         for i in range(args.trials):
             r = (i * 7919) % args.replicas  # spread over the replicas, each at most once
@@ -269,6 +282,9 @@ async def driver(args: argparse.Namespace) -> None:
             await nc.flush()
             await asyncio.sleep(args.gap)
         await asyncio.sleep(1.0)
+        if spy is not None:
+            spy.send_signal(signal.SIGINT)
+            spy.wait(30)
         await nc.publish("bench.done", b"")
         await nc.flush()
         received: dict[str, int] = {}
@@ -348,7 +364,9 @@ def main() -> None:
         default=600.0,
         help="the controller's --worker-ttl: registrants do not renew, so none goes stale",
     )
-    p.add_argument("--py-spy", default="", help="profile the leader's registration with py-spy")
+    p.add_argument(
+        "--py-spy", default="", help="py-spy binary: profile the leader's registration and notices"
+    )
     asyncio.run(driver(p.parse_args()))
 
 
