@@ -365,19 +365,35 @@ class Controller:
         assert self.nc is not None and self.store is not None and self.mirror is not None
         t0 = time.monotonic()
         js = self.nc.jetstream(timeout=5.0)
-        if await self.mirror.caught_up(js):
+        # The handled events are read while the mirror catches up (the events bucket is not
+        # mirrored: its keys expire without a delete a watch would see).
+        handled = asyncio.create_task(self.store.load_handled())
+        try:
+            up_to_date = await self.mirror.caught_up(js)
+        except BaseException:
+            handled.cancel()
+            raise
+        if up_to_date:
             loaded, source = self.mirror.snapshot(), "mirror"
-            loaded.handled = await self.store.load_handled()
+            loaded.handled = await handled
         else:
+            handled.cancel()
             loaded, source = await self.store.load(), "bucket"
-        self.policy = Policy.restore(
-            self.settings.policy,
-            loaded.workers,
-            loaded.epochs,
-            loaded.devices,
-            loaded.handled,
-            now=time.time(),
-        )
+        # 100k objects made at once would set off full collections over them again and again
+        # (2/3 of the time at 25k workers): collect none while building, then freeze them all.
+        gc.disable()
+        try:
+            self.policy = Policy.restore(
+                self.settings.policy,
+                loaded.workers,
+                loaded.epochs,
+                loaded.devices,
+                loaded.handled,
+                now=time.time(),
+            )
+        finally:
+            gc.enable()
+            gc.freeze()
         self.stats["state.skipped_records"] += loaded.skipped
         # Handlers act from here on: a stored event the consumer delivers the moment it is
         # subscribed must be handled, not left for redelivery after ack_wait.

@@ -234,17 +234,21 @@ async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
 
 
 class StateMirror:
-    """A hot standby's copy of both buckets, kept current by KV watches.
+    """A hot standby's copy of the state bucket, kept current by a KV watch.
 
-    ``snapshot()`` decodes what it holds; ``caught_up()`` says whether it has seen every
-    revision the buckets had when asked (so a new leader does not miss the old one's last
-    writes). If a watch breaks, the mirror is marked unusable and takeover falls back to
+    Records are decoded as they arrive (the standby has time; a new leader does not), so
+    ``snapshot()`` only lists them. ``caught_up()`` says whether it has seen every revision the
+    bucket had when asked (so a new leader does not miss the old one's last writes). If the
+    watch breaks, the mirror is marked unusable and takeover falls back to
     ``StateStore.load()``.
     """
 
     def __init__(self, store: StateStore) -> None:
         self.store = store
-        self.entries: dict[str, bytes] = {}
+        self._workers: dict[str, WorkerRecord] = {}
+        self._epochs: dict[str, EpochRecord] = {}
+        self._devices: dict[str, DeviceRecord] = {}
+        self._unreadable: set[str] = set()
         self.revision: dict[str, int] = {}  # bucket -> last revision seen
         self.healthy = False
         self._tasks: list[asyncio.Task[None]] = []
@@ -259,6 +263,24 @@ class StateMirror:
                 asyncio.create_task(self._follow(watcher, bucket), name=f"mirror-{bucket}")
             )
 
+    def _put(self, key: str, value: bytes) -> None:
+        self._drop(key)
+        try:
+            if key.startswith("w."):
+                self._workers[key] = _decode_worker(value)
+            elif key.startswith("e."):
+                self._epochs[key] = _decode_epoch(value)
+            elif key.startswith("d."):
+                self._devices[key] = _decode_device(value)
+        except msgspec.DecodeError as e:
+            self._unreadable.add(key)
+            log.warning("skipping unreadable state record %s: %s", key, e)
+
+    def _drop(self, key: str) -> None:
+        for records in (self._workers, self._epochs, self._devices):
+            records.pop(key, None)
+        self._unreadable.discard(key)
+
     async def _follow(self, watcher: Any, bucket: str) -> None:
         try:
             while True:
@@ -270,9 +292,9 @@ class StateMirror:
                     continue
                 self.revision[bucket] = max(self.revision.get(bucket, 0), entry.revision or 0)
                 if entry.operation is not None or entry.value is None:
-                    self.entries.pop(entry.key, None)
+                    self._drop(entry.key)
                 else:
-                    self.entries[entry.key] = entry.value
+                    self._put(entry.key, entry.value)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -282,27 +304,39 @@ class StateMirror:
             with contextlib.suppress(Exception):
                 await watcher.stop()
 
-    async def caught_up(self, js: JetStreamContext, timeout: float = 1.0) -> bool:
-        """True once the mirror has seen the last revision each bucket had when called."""
+    async def caught_up(
+        self, js: JetStreamContext, *, stall: float = 1.0, limit: float = 60.0
+    ) -> bool:
+        """True once the mirror has seen the last revision the bucket had when called.
+
+        It waits as long as the mirror makes progress (a fresh controller's watch is still
+        replaying 50k records: reading them again would only take longer), but gives up after
+        ``stall`` seconds without progress or ``limit`` in all."""
         if not self.healthy:
             return False
         targets = {}
         for bucket in (self.store.bucket,):
             info = await js.stream_info(f"KV_{bucket}")
             targets[bucket] = info.state.last_seq
-        deadline = time.monotonic() + timeout
+        start = last_progress = time.monotonic()
+        seen = dict(self.revision)
         while any(self.revision.get(b, 0) < seq for b, seq in targets.items()):
             # Deleted keys' revisions may be purged; a bucket with nothing left has no entry.
-            if not self.healthy or time.monotonic() > deadline:
+            now = time.monotonic()
+            if self.revision != seen:
+                seen, last_progress = dict(self.revision), now
+            if not self.healthy or now - last_progress > stall or now - start > limit:
                 return False
             await asyncio.sleep(0.01)
         return True
 
     def snapshot(self) -> Loaded:
-        out = Loaded([], [], [])
-        for key, value in self.entries.items():
-            out.add(key, value)
-        return out
+        return Loaded(
+            list(self._workers.values()),
+            list(self._epochs.values()),
+            list(self._devices.values()),
+            skipped=len(self._unreadable),
+        )
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -310,3 +344,8 @@ class StateMirror:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         self.healthy = False
+
+
+_decode_worker = msgspec.json.Decoder(WorkerRecord).decode
+_decode_epoch = msgspec.json.Decoder(EpochRecord).decode
+_decode_device = msgspec.json.Decoder(DeviceRecord).decode
