@@ -28,18 +28,21 @@ import asyncio
 import base64
 import contextlib
 import logging
+import re
 import time
 from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from marduk.drmap import WorkerKey
+from marduk.errors import MardukError
 from marduk.policy import Outcome
 from marduk.protocol import HealthReply
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
@@ -204,6 +207,12 @@ class StateStore:
         """Make ``writes`` (key -> value, None to delete) with many writes in flight at once
         (each key once, so their order does not matter); raise the first error once all have
         been tried."""
+        if not writes:
+            return
+        if type(kv) is KeyValue:
+            await write_many(kv, writes)
+            return
+        # Anything else that looks like a bucket (a test's recorder around one): key by key.
         items = list(writes.items())
         errors: list[BaseException] = []
         for i in range(0, len(items), WRITES_IN_FLIGHT):
@@ -224,6 +233,62 @@ class StateStore:
             await kv.delete(key)
         except KeyNotFoundError:
             pass
+
+
+class WriteError(MardukError):
+    """The server refused (or did not acknowledge) some writes of a batch."""
+
+
+_VALID_KEY = re.compile(r"[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*")
+
+
+async def write_many(
+    kv: KeyValue, writes: dict[str, bytes | None], *, timeout: float = 5.0
+) -> None:
+    """Put (or, for None, delete) many keys of one bucket with one subscription for all the
+    server's acknowledgements, instead of one request each (``KeyValue.put``: a reply future,
+    a timer, a random token and a parsed acknowledgement per key, ~25 % of the controller's
+    time at 2,000 registrations a second). Raises ``WriteError`` if any write was refused
+    or not acknowledged within ``timeout``; every write is idempotent, so the caller retries
+    the batch."""
+    for key in writes:
+        if not _VALID_KEY.fullmatch(key):
+            raise InvalidKeyError(key)
+    nc = kv._js._nc
+    inbox = nc.new_inbox()
+    remaining = len(writes)
+    refused: list[str] = []
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def on_ack(msg: Msg) -> None:
+        nonlocal remaining
+        # {"stream":..,"seq":..} or {"error":{..}}; a bare status (503: no stream) is an error.
+        if b'"error"' in msg.data or not msg.data:
+            refused.append(msg.data.decode(errors="replace")[:200] or str(msg.headers))
+        remaining -= 1
+        if remaining == 0 and not done.done():
+            done.set_result(None)
+
+    sub = await nc.subscribe(inbox + ".*", cb=on_ack, pending_msgs_limit=len(writes) + 16)
+    try:
+        for i, (key, value) in enumerate(writes.items()):
+            subject, reply = kv._pre + key, f"{inbox}.{i}"
+            if value is None:
+                await nc.publish(subject, b"", reply=reply, headers={_KV_OP: _KV_DEL})
+            else:
+                await nc.publish(subject, value, reply=reply)
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout)
+        except TimeoutError:
+            raise WriteError(f"{remaining} of {len(writes)} writes not acknowledged") from None
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+    if refused:
+        raise WriteError(f"{len(refused)} of {len(writes)} writes refused: {refused[0]}")
+
+
+_KV_OP, _KV_DEL = "KV-Operation", "DEL"
 
 
 async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:

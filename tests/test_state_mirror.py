@@ -5,12 +5,14 @@ from __future__ import annotations
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js.api import KeyValueConfig
+from nats.js.errors import InvalidKeyError, KeyNotFoundError
 
 from marduk.decisions import Outcome
 from marduk.drmap import WorkerKey
 from marduk.protocol import HealthReply, Registration
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
-from marduk.store import StateMirror, StateStore, device_kv_key
+from marduk.store import StateMirror, StateStore, WriteError, device_kv_key, write_many
 from tests.conftest import NatsServer, eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -89,5 +91,25 @@ async def test_batched_writes_keep_the_last_decision_per_key(nats_server: NatsSe
         replicas = {w.registration.replica: w.registration.devices for w in loaded.workers}
         assert "r1" not in replicas and replicas["r2"] == ["d9"] and len(replicas) == 301
         assert not loaded.epochs
+    finally:
+        await nc.close()
+
+
+async def test_a_refused_write_in_a_batch_is_an_error(nats_server: NatsServer) -> None:
+    """The server's refusal of one write of a batch (here: a value over the bucket's limit)
+    reaches the caller, which retries or steps down; the others are made."""
+    nc: NATS = await nats.connect(nats_server.url)
+    try:
+        js = nc.jetstream()
+        kv = await js.create_key_value(KeyValueConfig(bucket="small", max_value_size=64))
+        with pytest.raises(WriteError, match="1 of 3 writes refused"):
+            await write_many(kv, {"a": b"1", "b": b"x" * 100, "c": b"3"})
+        assert (await kv.get("a")).value == b"1" and (await kv.get("c")).value == b"3"
+        await write_many(kv, {"a": None, "c": b"4"})
+        with pytest.raises(KeyNotFoundError):
+            await kv.get("a")
+        assert (await kv.get("c")).value == b"4"
+        with pytest.raises(InvalidKeyError):
+            await write_many(kv, {"no spaces": b"1"})
     finally:
         await nc.close()
