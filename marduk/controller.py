@@ -1,10 +1,12 @@
 """The controller: a thin async shell around the pure policy.
 
-Every inbound message goes the same way: size check and strict decode (a bad one is counted,
-logged rate-limited and answered with an error, never raised), a synchronous call into ``Policy``
-(the decision), then ``_commit``: check that we still lead, persist the write-ahead records
-(epoch ceilings, rarely any), publish the commands, persist the other records, publish the
-events. Commits run one at a time, in decision order, so the store never goes backwards.
+Every inbound message goes the same way (each in its own task, started in arrival order):
+size check and strict decode (a bad one is counted, logged rate-limited and answered with an
+error, never raised), a synchronous call into ``Policy`` (the decision), then ``_commit``
+(``marduk.commit``): check that we still lead, persist the write-ahead records (epoch ceilings,
+rarely any), check again, publish the commands, persist the other records, publish the events.
+Commits go out in decision order, many together, and no key is written out of that order, so
+the store never goes backwards; a reply or an acknowledgement waits for its own records.
 
 Several controllers may run against one NATS (DESIGN.md decision 9): each campaigns for the
 lease (``marduk.leadership``); the leader serves (request subjects, the durable health
