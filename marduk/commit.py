@@ -114,7 +114,7 @@ class CommitPipeline:
         while self.busy():
             for task in (self._runner, self._writing):
                 if task is not None and not task.done():
-                    await asyncio.shield(task)
+                    await asyncio.wait([task])  # neither cancels it nor raises its error
             await asyncio.sleep(0)
 
     def close(self) -> None:
@@ -155,7 +155,7 @@ class CommitPipeline:
             if keys & self._writing_keys and _running(self._writing):
                 assert self._writing is not None
                 self.contended.set()
-                await asyncio.shield(self._writing)  # never write a key out of order
+                await asyncio.wait([self._writing])  # never write a key out of order
             if not await self.steps.write_ahead(ceilings):
                 # Not durable: publishing would let a restored controller issue the same epoch
                 # again. Our in-memory state is ahead of the store: step down; the events (not
@@ -182,7 +182,7 @@ class CommitPipeline:
     async def _write(self, batch: list[Commit], previous: asyncio.Task[None] | None) -> None:
         try:
             if previous is not None:
-                await asyncio.shield(previous)  # the earlier batch's records land first
+                await asyncio.wait([previous])  # the earlier batch's records land first
             await self.steps.persist([c.outcome for c in batch])
             for commit in batch:
                 await self.steps.announce(commit.outcome)

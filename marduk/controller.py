@@ -462,10 +462,11 @@ class Controller:
         # Not from inside the commit: _stop_serving waits for the commits in flight.
         self._spawn_background(self._step_down(why), "step-down")
 
-    def _spawn_background(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+    def _spawn_background(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
-        self._background.add(task)
+        self._background.add(task)  # held: the loop keeps only weak references to tasks
         task.add_done_callback(self._background.discard)
+        return task
 
     async def _on_deposed(self, why: str) -> None:
         if self._term_task is not None:
@@ -625,7 +626,7 @@ class Controller:
             # this one's records are written, so their commits go out together. Tasks start
             # in the order they are created, so decisions keep the order requests arrived in.
             await self._in_flight.acquire()
-            task = asyncio.create_task(handle(request), name=f"request-{kind}")
+            task = self._spawn_background(handle(request), f"request-{kind}")
             task.add_done_callback(lambda _t: self._in_flight.release())
 
         async def handle(request: MicroRequest) -> None:
