@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import nats
 import pytest
 from nats.aio.client import Client as NATS
@@ -12,7 +14,7 @@ from marduk.decisions import Outcome
 from marduk.drmap import WorkerKey
 from marduk.protocol import HealthReply, Registration
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
-from marduk.store import StateMirror, StateStore, WriteError, device_kv_key, write_many
+from marduk.store import BatchWriter, StateMirror, StateStore, WriteError, device_kv_key
 from tests.conftest import NatsServer, eventually
 
 pytestmark = pytest.mark.timeout(30)
@@ -102,6 +104,7 @@ async def test_a_refused_write_in_a_batch_is_an_error(nats_server: NatsServer) -
     try:
         js = nc.jetstream()
         kv = await js.create_key_value(KeyValueConfig(bucket="small", max_value_size=64))
+        write_many = BatchWriter(nc).write
         with pytest.raises(WriteError, match="1 of 3 writes refused"):
             await write_many(kv, {"a": b"1", "b": b"x" * 100, "c": b"3"})
         assert (await kv.get("a")).value == b"1" and (await kv.get("c")).value == b"3"
@@ -111,5 +114,9 @@ async def test_a_refused_write_in_a_batch_is_an_error(nats_server: NatsServer) -
         assert (await kv.get("c")).value == b"4"
         with pytest.raises(InvalidKeyError):
             await write_many(kv, {"no spaces": b"1"})
+        # Batches in flight at once are told apart (one subscription for all of them).
+        many = [{f"k{b}.{i}": b"%d" % b for i in range(50)} for b in range(20)]
+        await asyncio.gather(*(write_many(kv, w) for w in many))
+        assert (await kv.get("k7.49")).value == b"7"
     finally:
         await nc.close()
