@@ -123,9 +123,29 @@ class Policy(DevicePolicy):
     ) -> Policy:
         """Rebuild from persisted records. Every worker counts as seen at ``now``: renewals are
         not written, so a restored controller gives each one a full TTL to renew."""
-        policy = cls(config)
+        policy = cls.from_records(config, workers, epochs, devices)
+        policy.resume(handled, now)
+        return policy
+
+    def resume(self, handled: Iterable[HealthReply], now: float) -> None:
+        """Start leading with a policy built from the records (perhaps a while ago, by a hot
+        standby, and untouched since): the handled events are remembered, and every worker
+        counts as seen at ``now``."""
         for reply in handled:
-            policy._remember(reply)
+            self._remember(reply)
+        for key in self.last_seen:
+            self.last_seen[key] = now  # in place: the order (last heard) stays
+
+    @classmethod
+    def from_records(
+        cls,
+        config: PolicyConfig,
+        workers: list[WorkerRecord],
+        epochs: list[EpochRecord],
+        devices: list[DeviceRecord],
+    ) -> Policy:
+        """The map, epochs and devices the records describe; ``resume`` before leading."""
+        policy = cls(config)
         for epoch in epochs:
             ekey = EpochKey(epoch.job, epoch.replica)
             policy.epochs[ekey] = epoch
@@ -136,7 +156,7 @@ class Policy(DevicePolicy):
         for rec in workers:
             key = worker_key(rec.registration)
             policy.workers[key] = rec
-            policy.last_seen[key] = now
+            policy.last_seen[key] = 0.0  # resume() says when
             policy._job_workers.setdefault(key.job, set()).add(key)
             policy.drmap.set_worker(key, rec.registration.devices)
             ekey = policy._epoch_key(key)

@@ -359,6 +359,8 @@ class StateMirror:
         self._devices: dict[str, DeviceRecord] = {}
         self._unreadable: set[str] = set()
         self.revision: dict[str, int] = {}  # bucket -> last revision seen
+        self.version = 0  # bumped on every change to the records
+        self.changed_at = time.monotonic()
         self.healthy = False
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -386,6 +388,8 @@ class StateMirror:
             log.warning("skipping unreadable state record %s: %s", key, e)
 
     def _drop(self, key: str) -> None:
+        self.version += 1
+        self.changed_at = time.monotonic()
         for records in (self._workers, self._epochs, self._devices):
             records.pop(key, None)
         self._unreadable.discard(key)

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig
 from nats.js.errors import InvalidKeyError, KeyNotFoundError
 
+from marduk.controller import Controller
 from marduk.decisions import Outcome
 from marduk.drmap import WorkerKey
+from marduk.policy import Policy
 from marduk.protocol import HealthReply, Registration
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.store import BatchWriter, StateMirror, StateStore, WriteError, device_kv_key
-from tests.conftest import NatsServer, eventually
+from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving
+from tests.test_commit_ordering import StalledLease, register
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -26,8 +32,6 @@ def worker(replica: str, devices: list[str]) -> WorkerRecord:
 
 
 def as_set(loaded_records: list[object]) -> set[bytes]:
-    import msgspec
-
     return {msgspec.json.encode(r) for r in loaded_records}
 
 
@@ -120,3 +124,69 @@ async def test_a_refused_write_in_a_batch_is_an_error(nats_server: NatsServer) -
         assert (await kv.get("k7.49")).value == b"7"
     finally:
         await nc.close()
+
+
+def policy_state(p: Policy) -> tuple[object, ...]:
+    """What a leader decides from: the map, the records, who must still confirm what."""
+    enc = msgspec.json.encode
+    return (
+        sorted((str(k), enc(v)) for k, v in p.workers.items()),
+        sorted((str(k), enc(v)) for k, v in p.epochs.items()),
+        sorted((k, enc(v)) for k, v in p.devices.items()),
+        sorted((d, sorted(map(str, r))) for d, r in p.drmap.device_to_replicas.items()),
+        sorted((str(k), sorted(map(str, v))) for k, v in p._awaiting.items() if v),
+        sorted(p._floor.items()),
+    )
+
+
+@pytest.mark.parametrize("late_write", [False, True])
+async def test_a_standby_prepares_its_policy_while_the_lease_runs_out(
+    nats_server: NatsServer, tmp_path: Path, late_write: bool
+) -> None:
+    """The leader stalls (a paused process: its lease is not renewed); the standby builds the
+    policy it will lead with before the lease lapses, then takes over with it. A record that
+    lands after that build (a late write of the old leader) is not lost: the prepared policy is
+    used only if the mirror has not changed since.
+
+    Catches: the version check in ``_start_serving`` removed (the late worker is missing)."""
+    settings = controller_settings(nats_server, tmp_path)
+    settings.lease_ttl = 1.0
+    nc: NATS = await nats.connect(nats_server.url)
+    c1 = await start_serving(Controller(settings))
+    c2 = Controller(controller_settings(nats_server, tmp_path))
+    c2.settings.lease_ttl = 1.0
+    try:
+        await c2.start()
+        for r in range(20):
+            reply = await register(nc, f"r{r}", [f"d{r}", f"d{r + 1}"])
+            assert reply.outcome == "new"
+        await health_event(nc, "d3", event_id="before")
+        assert c1.leadership is not None and c1.store is not None
+        stalled = StalledLease(c1.leadership.kv)
+        c1.leadership.kv = stalled  # type: ignore[assignment]
+        try:
+            await eventually(lambda: c2.stats["state.prepared"] >= 1, timeout=10)
+            if late_write:
+                assert not c2.serving.is_set()  # prepared half a TTL before it may take over
+                await c1.store.apply([Outcome(put_workers=[worker("late", ["d-late"])])])
+            await asyncio.wait_for(c2.serving.wait(), 10)
+            assert c2.store is not None
+            loaded = await c2.store.load()
+            restored = Policy.restore(
+                c2.settings.policy, loaded.workers, loaded.epochs, loaded.devices
+            )
+            assert policy_state(c2.policy) == policy_state(restored)
+            assert len(c2.policy.workers) == 20 + late_write
+            if not late_write:
+                assert c2.stats["state.from_prepared"] == 1
+            # Every worker gets a full TTL from the takeover, as after a restore.
+            assert min(c2.policy.last_seen.values()) > time.time() - 5
+            # And it leads with it: a failure restarts the replicas of the device.
+            reply = await health_event(nc, "d5", event_id="after")
+            assert sorted(a.replica for a in reply.actions) == ["r4", "r5"]
+        finally:
+            stalled.healed.set()
+    finally:
+        await nc.close()
+        await c2.stop()
+        await c1.stop()
