@@ -166,7 +166,10 @@ async def wait_leader(nc: nats.NATS, not_id: str = "", timeout: float = 120.0) -
     raise TimeoutError("no leader answered")
 
 
-_SERVING = re.compile(r"serving prefix .*state from (\w+): (\d+) worker.*in (\d+) ms")
+_SERVING = re.compile(
+    r"serving prefix .*state from ([\w, ]+): (\d+) worker.* in (\d+) ms"
+    r"(?:: state (\d+) ms, subscribing (\d+) ms)?"
+)
 
 
 async def serving_line(log: Path, timeout: float = 10.0) -> dict[str, object]:
@@ -180,6 +183,8 @@ async def serving_line(log: Path, timeout: float = 10.0) -> dict[str, object]:
                     "state_from": m[1],
                     "workers": int(m[2]),
                     "elected_to_serving_ms": int(m[3]),
+                    "state_ms": int(m[4]) if m[4] else None,
+                    "subscribing_ms": int(m[5]) if m[5] else None,
                 }
         await asyncio.sleep(0.05)
     return {}

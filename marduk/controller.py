@@ -396,6 +396,7 @@ class Controller:
             replies = loaded.handled
             self.policy = self._build_policy(loaded)
         self.policy.resume(replies, time.time())
+        t_state = time.monotonic()
         self.stats["state.skipped_records"] += loaded.skipped
         # Handlers act from here on: a stored event the consumer delivers the moment it is
         # subscribed must be handled, not left for redelivery after ack_wait.
@@ -439,7 +440,8 @@ class Controller:
         self.stats["leader.terms"] += 1
         log.info(
             "controller %s serving prefix %r at %s (leader, term %d; state from %s: "
-            "%d worker(s), %d device(s), %d epoch(s) in %.0f ms)",
+            "%d worker(s), %d device(s), %d epoch(s) in %.0f ms: state %.0f ms, subscribing "
+            "%.0f ms)",
             self.controller_id,
             s.prefix,
             redact(self.url),
@@ -449,6 +451,8 @@ class Controller:
             len(self.policy.drmap.device_to_replicas),
             len(loaded.epochs),
             (time.monotonic() - t0) * 1000,
+            (t_state - t0) * 1000,
+            (time.monotonic() - t_state) * 1000,
         )
 
     async def _step_down(self, why: str) -> None:
