@@ -609,10 +609,12 @@ class Controller:
                 if self.serving.is_set():
                     self._prepared = None  # leading with the live policy (taken or not)
                 continue
+            if lead.silent_for() < lead.ttl / 2:
+                self._prepared = None  # the leader renews after all: no takeover coming
+                continue
             if (
                 mirror is None
                 or not mirror.healthy
-                or lead.silent_for() < lead.ttl / 2
                 or (self._prepared is not None and self._prepared[0] == mirror.version)
                 or now - mirror.changed_at < _PREPARE_QUIET_S
                 or now - built_at < _PREPARE_EVERY_S
