@@ -448,7 +448,7 @@ class Controller:
             term,
             source,
             len(loaded.workers),
-            len(self.policy.drmap.device_to_replicas),
+            sum(1 for _ in self.policy.drmap.devices()),  # not device_to_replicas: 0.15 s
             len(loaded.epochs),
             (time.monotonic() - t0) * 1000,
             (t_state - t0) * 1000,
