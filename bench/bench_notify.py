@@ -27,12 +27,15 @@ import asyncio
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -215,7 +218,18 @@ async def driver(args: argparse.Namespace) -> None:
     server, url = start_nats_server(tmp)
     env = {**os.environ, "MARDUK_ADDR": url}
     ctl = subprocess.Popen(
-        [sys.executable, "-m", "marduk", "controller", "--no-embedded", "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "marduk",
+            "controller",
+            "--no-embedded",
+            "--log-level",
+            "info",
+            # Port 0: the controller binds one and logs it (read back below); ours to hold.
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -273,7 +287,21 @@ async def driver(args: argparse.Namespace) -> None:
             await nc.flush()
             await asyncio.sleep(args.gap)
 
+        # The control plane's own figure: one plain subscriber of the job's command subjects in
+        # this process sees each command one hop after the controller published it (however
+        # long the agent processes then take to decode their copies).
+        tapped: dict[str, int] = {}
+
+        async def on_tap(msg) -> None:  # type: ignore[no-untyped-def]
+            t = time.monotonic_ns()
+            tapped.setdefault(wire.decode(msg.data, wire.Command).event_id, t)
+
+        await nc.subscribe("marduk.bench.cmd.>", cb=on_tap)
+        metrics_url = await metrics_address(tmp / "controller.log")
+        before = await asyncio.to_thread(event_to_command, metrics_url)
+        await nc.flush()
         sent: dict[str, int] = {}
+        sent_by_event: dict[str, int] = {}
         trials = args.trials if args.scope == "replica" else min(args.trials, 200)
         for i in range(trials):
             r = i % args.replicas if args.scope == "replica" else 0
@@ -281,6 +309,7 @@ async def driver(args: argparse.Namespace) -> None:
             event = wire.DeviceHealth(device=device, state="failed", event_id=f"bench-{i}")
             key = f"bench/{'r' + str(r) if args.scope == 'replica' else '*'}/"
             t = time.monotonic_ns()
+            sent_by_event[event.event_id] = t
             await nc.publish("marduk.health", wire.encode(event))
             await nc.flush()
             sent[f"{key}{i // args.replicas + 1 if args.scope == 'replica' else i + 1}"] = t
@@ -294,6 +323,7 @@ async def driver(args: argparse.Namespace) -> None:
             else:
                 await asyncio.sleep(args.gap)
         await asyncio.sleep(1.0)
+        after = await asyncio.to_thread(event_to_command, metrics_url)
         rss_peak = vm_hwm_mib(ctl.pid)
         await nc.publish("bench.done", b"")
         await nc.flush()
@@ -329,6 +359,7 @@ async def driver(args: argparse.Namespace) -> None:
         notify += [(r - t) / 1e6 for r in recvs]
         last.append((max(recvs) - t) / 1e6)
     js_hop = [(recv - sent_ns) / 1e6 for sent_ns, recv in js_pings]
+    tap = [(tapped[e] - t) / 1e6 for e, t in sent_by_event.items() if e in tapped]
     results = [
         summary("one-hop nats-py publish->subscriber", one_hop),
         summary("one-hop JetStream publish (stored) -> durable push consumer", js_hop),
@@ -336,8 +367,23 @@ async def driver(args: argparse.Namespace) -> None:
     if args.scope == "replica":
         results.append(summary("event publish -> library receives command (scope replica)", notify))
     else:
+        results.append(
+            summary("event publish -> command on the wire (one subscriber, scope job)", tap)
+        )
         results.append(summary("event publish -> every replica received (scope job), last", last))
         results.append(summary("event publish -> each replica received (scope job)", notify))
+    n = after["count"] - before["count"]
+    inside = {
+        "metric": "controller: event delivered -> its commands published (its own histogram)",
+        "n": n,
+        "mean_ms": round((after["sum"] - before["sum"]) / n * 1000, 3) if n else None,
+        "cumulative_by_le_ms": {
+            str(le * 1000): round(after["buckets"][le] - before["buckets"][le])
+            for le in sorted(after["buckets"])
+            if le <= 0.05
+        },
+    }
+    results.insert(2, inside)  # type: ignore[arg-type]
     report = {
         "machine": machine(),
         "source": source_version(),
@@ -349,10 +395,41 @@ async def driver(args: argparse.Namespace) -> None:
         "registration_all_s": round(reg_all_s, 2),
         "controller_peak_rss_mib_after_registration": round(rss_after_reg, 1),
         "controller_peak_rss_mib": round(rss_peak, 1),
+        "procs": args.procs,
+        "load_1min": os.getloadavg()[0],
         "results": results,
     }
     print(json.dumps(report, indent=2))
     print(f"controller log: {tmp / 'controller.log'}", file=sys.stderr)
+
+
+async def metrics_address(log: Path, timeout: float = 10.0) -> str:
+    """The controller's /metrics URL, from the line it logs once it has bound its port."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = await asyncio.to_thread(log.read_text)
+        m = re.search(r"metrics and probes on (http://[\d.]+:\d+)", text)
+        if m:
+            return m[1] + "/metrics"
+        await asyncio.sleep(0.05)
+    raise RuntimeError("the controller did not log its metrics address")
+
+
+def event_to_command(url: str) -> dict[str, Any]:
+    """The controller's ``marduk_event_to_command_seconds`` histogram: count, sum, buckets."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    out: dict[str, Any] = {"count": 0.0, "sum": 0.0, "buckets": {}}
+    for line in text.splitlines():
+        if not line.startswith("marduk_event_to_command_seconds"):
+            continue
+        name, value = line.rsplit(" ", 1)
+        if name.endswith("_count"):
+            out["count"] = float(value)
+        elif name.endswith("_sum"):
+            out["sum"] = float(value)
+        elif "_bucket" in name and 'le="+Inf"' not in name:
+            out["buckets"][float(name.split('le="')[1].split('"')[0])] = float(value)
+    return out
 
 
 async def ack_all(nc, replicas: int, epoch: int) -> None:  # type: ignore[no-untyped-def]

@@ -115,6 +115,13 @@ class Leadership:
         """True while this controller may act as leader (checked before every commit)."""
         return self.is_leader and time.monotonic() - self._renewed_sent < FENCE * self.ttl
 
+    def silent_for(self) -> float:
+        """Seconds since the lease last changed hands or was renewed, as a standby sees it (0
+        while we lead): past half a TTL, the leader has missed renewals and may be gone."""
+        if self.is_leader or not self._observed_at:
+            return 0.0
+        return time.monotonic() - self._observed_at
+
     async def run(self) -> None:
         """Campaign and renew until cancelled."""
         assert self.kv is not None

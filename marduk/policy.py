@@ -102,7 +102,9 @@ class Policy(DevicePolicy):
         # The latest report of each worker (status, step, failure): shown, not persisted.
         self.reports: dict[WorkerKey, Report] = {}
         self._recent_events: OrderedDict[str, HealthReply] = OrderedDict()
-        # Liveness: when each worker was last heard from (registration, renewal, ack, report).
+        # Liveness: when each worker was last heard from (registration, renewal, ack, report),
+        # oldest first (``_heard`` moves a worker to the end), so ``tick`` looks only at the
+        # workers that have been silent for a TTL, not at all 25k of them four times a second.
         self.last_seen: dict[WorkerKey, float] = {}
         self.stale: set[WorkerKey] = set()
         self._last_sent: dict[EpochKey, float] = {}
@@ -121,9 +123,29 @@ class Policy(DevicePolicy):
     ) -> Policy:
         """Rebuild from persisted records. Every worker counts as seen at ``now``: renewals are
         not written, so a restored controller gives each one a full TTL to renew."""
-        policy = cls(config)
+        policy = cls.from_records(config, workers, epochs, devices)
+        policy.resume(handled, now)
+        return policy
+
+    def resume(self, handled: Iterable[HealthReply], now: float) -> None:
+        """Start leading with a policy built from the records (perhaps a while ago, by a hot
+        standby, and untouched since): the handled events are remembered, and every worker
+        counts as seen at ``now``."""
         for reply in handled:
-            policy._remember(reply)
+            self._remember(reply)
+        for key in self.last_seen:
+            self.last_seen[key] = now  # in place: the order (last heard) stays
+
+    @classmethod
+    def from_records(
+        cls,
+        config: PolicyConfig,
+        workers: list[WorkerRecord],
+        epochs: list[EpochRecord],
+        devices: list[DeviceRecord],
+    ) -> Policy:
+        """The map, epochs and devices the records describe; ``resume`` before leading."""
+        policy = cls(config)
         for epoch in epochs:
             ekey = EpochKey(epoch.job, epoch.replica)
             policy.epochs[ekey] = epoch
@@ -134,7 +156,7 @@ class Policy(DevicePolicy):
         for rec in workers:
             key = worker_key(rec.registration)
             policy.workers[key] = rec
-            policy.last_seen[key] = now
+            policy.last_seen[key] = 0.0  # resume() says when
             policy._job_workers.setdefault(key.job, set()).add(key)
             policy.drmap.set_worker(key, rec.registration.devices)
             ekey = policy._epoch_key(key)
@@ -153,7 +175,7 @@ class Policy(DevicePolicy):
         if old is not None:
             self._check_duplicate(key, old, reg, now)
         was_stale = key in self.stale
-        self.last_seen[key] = now
+        self._heard(key, now)
         self.stale.discard(key)
         fresh_process = old is None or (
             old.registration.pid,
@@ -393,8 +415,12 @@ class Policy(DevicePolicy):
         return out
 
     def _seen(self, key: WorkerKey, now: float) -> None:
-        self.last_seen[key] = now
+        self._heard(key, now)
         # A stale worker heard from again becomes live at its next renewal (which answers it).
+
+    def _heard(self, key: WorkerKey, now: float) -> None:
+        self.last_seen.pop(key, None)  # to the end: the dict stays in order of last heard
+        self.last_seen[key] = now
 
     def _confirm(self, ekey: EpochKey, key: WorkerKey) -> None:
         waiting = self._awaiting.get(ekey)
@@ -547,7 +573,14 @@ class Policy(DevicePolicy):
         """Time passes: silent workers go stale, then expire; unconfirmed commands are resent."""
         out = Outcome()
         ttl, expiry = self.config.worker_ttl_s, self.config.worker_expiry_s
-        for key, seen in list(self.last_seen.items()):
+        silent_ones = []
+        for key, seen in self.last_seen.items():  # oldest first
+            if now - seen < ttl:
+                # Everyone after was heard from later. (Should the wall clock step back, a
+                # worker heard from just after is found silent when those ahead of it are.)
+                break
+            silent_ones.append((key, seen))
+        for key, seen in silent_ones:
             silent = now - seen
             if silent >= expiry:
                 self._remove_worker(key, out)

@@ -5,9 +5,10 @@ went away:
 
 * write-ahead: an epoch's ceiling is durable in the state bucket *before* a command carrying that
   epoch is published, so a controller restored from the bucket never issues it again;
-* one commit at a time (``_commit_lock``): commits from different subscriptions (health stream,
-  reports, registrations, forget, the tick) do not interleave, so commands go out in decision
-  order and the store ends as the last decision left it.
+* decision order (``marduk.commit.CommitPipeline``): commits from different subscriptions
+  (health stream, reports, registrations, forget, the tick) go out in the order they were
+  decided, even though many are in flight at once, and the store ends as the last decision
+  left it.
 
 Each test below was checked by breaking the mechanism on purpose (see its docstring). The
 instruments: ``DurableKV`` wraps the state bucket, records what the server has stored (an epoch
@@ -23,7 +24,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 import nats
@@ -151,19 +152,6 @@ def instrument(c: Controller) -> Instruments:
 
     c.nc.publish = watched  # type: ignore[method-assign]
     return tools
-
-
-class WatchedLock(asyncio.Lock):
-    """The commit lock, telling when a second commit waits for it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.contended = asyncio.Event()
-
-    async def acquire(self) -> Literal[True]:
-        if self.locked():
-            self.contended.set()
-        return await super().acquire()
 
 
 @contextlib.asynccontextmanager
@@ -326,13 +314,12 @@ async def test_commits_from_different_subscriptions_publish_in_decision_order(
     before epoch 3: agents drop a command below the last epoch they received, so 3-then-2 loses
     the restart for the failed device.
 
-    Catches: ``async with self._commit_lock`` removed from ``_commit``. Seen when broken:
-    published epochs [1, 3, 2] instead of [1, 2, 3]. (The write-ahead bugs above trip its
-    durability check too.)
+    Catches: the pipeline committing each outcome on its own (a task per ``submit``) instead
+    of queueing it behind the ones decided before. Seen when broken: published epochs
+    [1, 3, 2] instead of [1, 2, 3]. (The write-ahead bugs above trip its durability check too.)
     """
     async with running(nats_server, tmp_path, tick_interval_s=3600.0) as c:
-        lock = WatchedLock()
-        c._commit_lock = lock  # the only contender now: the report's commit (no ticks)
+        pipeline = c._pipeline  # the only other commit now: the report's (no ticks)
         tools = instrument(c)
         nc = await nats.connect(nats_server.url)
         try:
@@ -346,9 +333,9 @@ async def test_commits_from_different_subscriptions_publish_in_decision_order(
             await asyncio.wait_for(tools.kv.held.wait(), 10)
             fast = asyncio.create_task(report_crash(nc, "r1", epoch=2, timeout=20))
             await eventually(lambda: c.policy.epoch_of(SCOPE) == 3)
-            # Open the gate once the report's commit is either waiting for the lock (as it must)
-            # or has published without waiting (the bug).
-            await eventually(lambda: lock.contended.is_set() or 3 in tools.epochs())
+            # Open the gate once the report's commit is either waiting behind the first (as it
+            # must) or has published without waiting (the bug).
+            await eventually(lambda: pipeline.contended.is_set() or 3 in tools.epochs())
             tools.kv.gate.set()
             assert decode(await slow, wire.HealthReply).actions[0].epoch == 2
             assert isinstance(await fast, wire.ReportReply)
@@ -366,12 +353,12 @@ async def test_the_store_ends_as_the_last_decision_left_it(
     does: a write of the earlier decision landing after the later one would bring the worker
     back at the next restart.
 
-    Catches: ``async with self._commit_lock`` removed from ``_commit``. Seen when broken: the
-    bucket still holds ``w.wal.r9.0`` after the forget; a restored controller has the worker.
+    Catches: a batch's records written without waiting for the previous batch's (in
+    ``CommitPipeline._write``). Seen when broken: the bucket still holds ``w.wal.r9.0`` after
+    the forget; a restored controller has the worker.
     """
     async with running(nats_server, tmp_path, tick_interval_s=3600.0) as c:
-        lock = WatchedLock()
-        c._commit_lock = lock
+        pipeline = c._pipeline
         tools = instrument(c)
         wkey = worker_kv_key(WorkerKey(JOB, "r9", 0))
         nc = await nats.connect(nats_server.url)
@@ -384,7 +371,7 @@ async def test_the_store_ends_as_the_last_decision_left_it(
             sent = asyncio.create_task(nc.request(S.forget, encode(forget), timeout=20))
             await eventually(lambda: WorkerKey(JOB, "r9", 0) not in c.policy.workers)
             await eventually(
-                lambda: lock.contended.is_set() or ("delete", wkey, None) in tools.kv.done
+                lambda: pipeline.contended.is_set() or ("delete", wkey, None) in tools.kv.done
             )
             tools.kv.gate.set()
             assert (await reg).outcome == "new"
@@ -396,6 +383,45 @@ async def test_the_store_ends_as_the_last_decision_left_it(
             }
             in_memory = {(k.replica, k.worker) for k in c.policy.workers}
             assert stored == in_memory == {("r1", 0)}
+        finally:
+            await nc.close()
+
+
+async def test_a_ceiling_is_not_overwritten_by_an_earlier_decisions_record(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A failure decides epoch 1 (inside the reserved block, so its epoch record is written only
+    after the command, and that write is slow); a crash report then decides epoch 2, whose
+    ceiling must be written ahead. The ceiling may not land before the earlier record: that
+    record (ceiling 1) would then overwrite it, and a controller restored from the bucket would
+    issue epoch 2 a second time.
+
+    Catches: the write-ahead not waiting for an earlier batch still writing the same key (in
+    ``CommitPipeline._go_out``). Seen when broken: the stored floor ends at 1 after epoch 2 went
+    out.
+    """
+    async with running(nats_server, tmp_path, tick_interval_s=3600.0) as c:
+        pipeline = c._pipeline
+        tools = instrument(c)
+        nc = await nats.connect(nats_server.url)
+        try:
+            await register(nc, "r1", ["d1"])
+            tools.kv.hold = lambda op, key, value: (
+                key == SCOPE_KEY and b'"epoch":1,' in (value or b"")
+            )
+            first = await health_reply_task(nc, "d1", "first")
+            await asyncio.wait_for(tools.kv.held.wait(), 10)
+            pipeline.contended.clear()
+            second = asyncio.create_task(report_crash(nc, "r1", epoch=1, timeout=20))
+            await eventually(lambda: c.policy.epoch_of(SCOPE) == 2)
+            await eventually(lambda: pipeline.contended.is_set() or 2 in tools.epochs())
+            tools.kv.gate.set()
+            assert decode(await first, wire.HealthReply).actions[0].epoch == 1
+            assert isinstance(await second, wire.ReportReply)
+            await eventually(lambda: not pipeline.busy())
+            assert tools.epochs() == [1, 2]
+            assert not tools.not_durable()
+            assert tools.kv.floors[SCOPE_KEY] == 2, tools.kv.floors
         finally:
             await nc.close()
 
@@ -452,7 +478,7 @@ async def test_a_leader_whose_lease_lapsed_during_its_write_ahead_publishes_noth
                     assert c2.policy.epoch_of(SCOPE) == 2 and not c1._leading()
                     tools.kv.gate.set()
                     await eventually(lambda: ("put", SCOPE_KEY) in [d[:2] for d in tools.kv.done])
-                    await eventually(lambda: not c1._commit_lock.locked())
+                    await eventually(lambda: not c1._pipeline.busy())
                     late = [f"{s.command.epoch} {s.command.devices}" for s in tools.sent[1:]]
                     assert not late, f"the deposed leader published epoch {late}"
                     await nc.flush()
@@ -481,7 +507,7 @@ async def test_a_command_whose_ceiling_could_not_be_written_is_not_reissued(
             await nc.jetstream().publish(S.health, encode(event))
             # Handled once every attempt to write the ceiling has failed (answered or not).
             await eventually(lambda: c1.stats["store.errors"] >= 3)
-            await eventually(lambda: not c1._commit_lock.locked())
+            await eventually(lambda: not c1._pipeline.busy())
         async with running(nats_server, tmp_path):
             await health_event(nc, "d3", event_id="three")
             await eventually(lambda: any(c.event_id == "three" for c in seen))

@@ -324,7 +324,7 @@ async def test_startup_failure_still_stops_the_embedded_server(
     if failure == "handled":  # wrapped into StartupError: exit code 1
         monkeypatch.setattr(controller_module.StateStore, "open", boom)
     else:  # a bug while taking over: fatal (exit 1), after cleanup
-        monkeypatch.setattr(controller_module.Policy, "restore", boom)
+        monkeypatch.setattr(controller_module.Policy, "from_records", boom)
     settings = ControllerSettings(addr=f"nats://127.0.0.1:{free_port()}", state_dir=tmp_path)
     assert await run_controller(settings, asyncio.Event()) == 1
     [proc] = started

@@ -162,3 +162,19 @@ def test_an_epoch_far_beyond_what_was_reserved_is_not_adopted() -> None:
     assert not p.epochs  # refused before anything changed
     p.register(reg("r1", ["d1"], epoch=5_000), now=1)  # a lost write's worth: adopted
     assert p.epoch_of(EpochKey("j", "r1")) == 5_000
+
+
+def test_tick_finds_silent_workers_in_order_of_last_heard() -> None:
+    # tick looks only at the oldest-heard workers: one renewed later must neither be missed
+    # nor hide those behind it, and stale ones at the front must not stop the scan.
+    p = Policy(PolicyConfig(worker_ttl_s=15, worker_expiry_s=40))
+    for r in ("r1", "r2", "r3"):
+        p.register(reg(r, [f"d-{r}"]), now=0)
+    p.register(reg("r1", ["d-r1"]), now=10)  # a renewal: r1 now heard from last
+    assert {e.replica for e in p.tick(16).events if e.kind == "worker_stale"} == {"r2", "r3"}
+    assert not p.tick(20).events
+    assert [e.replica for e in p.tick(26).events if e.kind == "worker_stale"] == ["r1"]
+    p.ack(WorkerKey("j", "r2", 0), 0, now=27)  # r2 heard from again
+    expired = [e.replica for e in p.tick(41).events if e.kind == "worker_expired"]
+    assert expired == ["r3"]
+    assert set(p.last_seen) == {WorkerKey("j", "r1", 0), WorkerKey("j", "r2", 0)}
