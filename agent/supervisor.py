@@ -42,7 +42,6 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Coroutine, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -51,7 +50,7 @@ from prometheus_client.core import Metric
 from agent import handoff, local
 from agent.client import AsyncClient, Command, Options
 from agent.handoff import Handoff
-from agent.launch import LaunchSpec, LogSpec, Std, listening
+from agent.launch import Std, listening
 from agent.local import TrainerChannel
 from agent.preflight import run_check
 from agent.proctree import become_subreaper, end_leftovers, leftovers
@@ -78,6 +77,7 @@ from agent.supervision import (
     Restart,
     Supervision,
 )
+from agent.supervisor_config import SupervisorConfig, default_preload
 from agent.zygote import TrainerProcess
 from marduk import protocol as wire
 from marduk.credentials import redact
@@ -88,63 +88,8 @@ __all__ = ["ExitCode", "Supervisor", "SupervisorConfig", "default_preload", "sta
 
 log = logging.getLogger("agent.supervisor")
 
-DEFAULT_STEP_REGEX = r"\bstep[\s:=#]+(\d+)"
 MASTER_WAIT_S = 2.0  # at most, for rank 0 to listen on MASTER_PORT before the others start
 PUMP_DRAIN_S = 0.5  # after a rank exits: its output still in the pipe (a leftover may hold it)
-
-
-@dataclass(slots=True)
-class SupervisorConfig:
-    cmd: list[str]
-    opts: Options
-    max_restarts: int = 3
-    restart_window_s: float = 3600.0
-    hang_timeout_s: float = 600.0
-    startup_timeout_s: float = 1800.0
-    step_regex: str = DEFAULT_STEP_REGEX
-    grace_s: float = 30.0
-    tail_lines: int = 200
-    cleanup_cmd: str = ""
-    stale_files: list[str] = field(default_factory=lambda: ["/tmp/libtpu_lockfile"])
-    # Start trainers warm, with these modules imported ahead of time: forked from a fork
-    # server (agent/zygote.py) or, with fork_server off, from one standby process each.
-    prespawn: bool = True
-    preload: list[str] = field(default_factory=list)
-    fork_server: bool = True
-    # How long a trainer start waits for a fork server still importing before it starts cold.
-    fork_server_timeout_s: float = 600.0
-    # How often a running trainer's progress (last step and when) is reported.
-    status_interval_s: float = 15.0
-    # Serve /metrics, /healthz and /readyz (ready: every rank is stepping) on HOST:PORT.
-    metrics_addr: str | None = None
-    # Before a restart after a device-class failure (a check_device diagnosis, or a restart
-    # command naming devices), check the devices in a separate process (agent/preflight.py).
-    preflight: bool = False
-    preflight_timeout_s: float = 120.0
-    preflight_expect: int | None = None  # devices the check must see (default: any)
-    # Between incarnations, wait for the GPUs' memory to drop below this (0 s: don't wait).
-    reclaim_timeout_s: float = 50.0
-    reclaim_tolerance_mib: float = 512.0
-    # torchrun's contract (ranks, master, devices per rank); None: one trainer, none of
-    # torchrun's variables set (as before --nproc-per-node existed).
-    launch: LaunchSpec | None = None
-    logs: LogSpec = field(default_factory=LogSpec)
-    # How often hangs, startup and sections are checked (exits are seen at once); None:
-    # a quarter of hang_timeout_s, at most 1 s.
-    monitor_interval_s: float | None = None
-    # Start without waiting for a controller (it is joined in the background when it appears).
-    standalone: bool = False
-    # No controller at start: exit 1 (SETUP) instead of running standalone.
-    require_controller: bool = False
-    # Standalone: seconds between attempts to reach the controller.
-    join_interval_s: float = 2.0
-
-
-def default_preload() -> list[str]:
-    """jax, when this interpreter has it: the import that dominates a JAX trainer's start."""
-    import importlib.util
-
-    return ["jax"] if importlib.util.find_spec("jax") is not None else []
 
 
 def describe_returncode(code: int) -> tuple[int | None, str]:
@@ -597,7 +542,7 @@ class Supervisor:
         self.facts.put_nowait(RankExited(incarnation, rank.index, code))
 
     async def _ticker(self) -> None:
-        interval = self.config.monitor_interval_s or min(1.0, self.config.hang_timeout_s / 4)
+        interval = self.config.tick_interval_s
         while True:
             await asyncio.sleep(interval)
             self.facts.put_nowait(Tick())
