@@ -16,8 +16,16 @@ from typing import Annotated, Literal
 
 import typer
 
+from agent import options as library
+from agent.launch import DEFAULT_MASTER_PORT, LaunchSpec
+from agent.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
 from marduk import options
+from marduk.subjects import DEFAULT_PREFIX
 
+# Every default below is a settings object's (each defined once): the supervisor's
+# (SupervisorConfig's class attributes), the launch contract's, the library's.
+Config = SupervisorConfig
+LAUNCH = LaunchSpec()
 app = typer.Typer(
     help="The in-pod agent: spawn, watch and restart the trainer.", no_args_is_help=True
 )
@@ -37,7 +45,7 @@ def run(
             help="The trainer command, after --; or SCRIPT.py ARGS, as torchrun takes it."
         ),
     ],
-    job: Annotated[str, _opt("MARDUK_JOB", "Job name.")] = "default",
+    job: Annotated[str, _opt("MARDUK_JOB", "Job name.")] = library.DEFAULT_JOB,
     replica: Annotated[
         str,
         _opt(
@@ -67,7 +75,7 @@ def run(
             "replica: restart this replica only; job: "
             "restart every replica together (one jax mesh).",
         ),
-    ] = "replica",
+    ] = library.DEFAULT_SCOPE,
     max_restarts: Annotated[
         int,
         typer.Option(
@@ -79,10 +87,10 @@ def run(
             "or hangs within --restart-window before giving up "
             "(exit 70). torchrun's --max-restarts (whose default is 0).",
         ),
-    ] = 3,
+    ] = Config.max_restarts,
     restart_window: Annotated[
         float, _opt("MARDUK_RESTART_WINDOW", "Seconds the restart budget counts over.", min=1.0)
-    ] = 3600.0,
+    ] = Config.restart_window_s,
     hang_timeout: Annotated[
         float,
         _opt(
@@ -90,7 +98,7 @@ def run(
             "Seconds without a new step before the trainer counts as hung.",
             min=0.1,
         ),
-    ] = 600.0,
+    ] = Config.hang_timeout_s,
     startup_timeout: Annotated[
         float,
         _opt(
@@ -98,20 +106,20 @@ def run(
             "Seconds until the first step (imports, compilation).",
             min=0.1,
         ),
-    ] = 1800.0,
+    ] = Config.startup_timeout_s,
     step_regex: Annotated[
         str,
         _opt(
             "MARDUK_STEP_REGEX",
             "Regex whose first group is the step number in the trainer's output.",
         ),
-    ] = r"\bstep[\s:=#]+(\d+)",
+    ] = Config.step_regex,
     grace: Annotated[
         float, _opt("MARDUK_GRACE", "Seconds between SIGTERM and SIGKILL.", min=0.0)
-    ] = 30.0,
+    ] = Config.grace_s,
     cleanup_cmd: Annotated[
         str, _opt("MARDUK_CLEANUP_CMD", "Shell command run between incarnations.")
-    ] = "",
+    ] = Config.cleanup_cmd,
     prespawn: Annotated[
         bool,
         typer.Option(
@@ -120,7 +128,7 @@ def run(
             help="Keep the next trainer process started ahead of time, its framework imported "
             "(python SCRIPT or python -m MODULE commands only).",
         ),
-    ] = True,
+    ] = Config.prespawn,
     fork_server: Annotated[
         bool,
         typer.Option(
@@ -130,7 +138,7 @@ def run(
             "framework once (a fork server), so every restart is warm, back-to-back faults "
             "included; --no-fork-server keeps one standby process per incarnation instead.",
         ),
-    ] = True,
+    ] = Config.fork_server,
     preload: Annotated[
         str,
         _opt(
@@ -147,7 +155,7 @@ def run(
             "their memory (0: do not wait).",
             min=0.0,
         ),
-    ] = 50.0,
+    ] = Config.reclaim_timeout_s,
     reclaim_tolerance: Annotated[
         float,
         _opt(
@@ -155,12 +163,12 @@ def run(
             "GPU memory (MiB) still in use that counts as released.",
             min=0.0,
         ),
-    ] = 512.0,
+    ] = Config.reclaim_tolerance_mib,
     addr: options.Addr = options.DEFAULTS["addr"],
-    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    prefix: options.Prefix = DEFAULT_PREFIX,
     connect_timeout: Annotated[
         float, _opt("MARDUK_CONNECT_TIMEOUT", "Seconds to register with the controller at start.")
-    ] = 60.0,
+    ] = CONNECT_TIMEOUT_S,
     controller_key: Annotated[
         str | None,
         _opt(
@@ -179,14 +187,14 @@ def run(
             "separate process (jax: list them, compute on each); a failing check exits 71 "
             "instead of restarting into a broken device. Costs a jax start (~1 s on CPU).",
         ),
-    ] = False,
+    ] = Config.preflight,
     preflight_expect: Annotated[
         int | None,
         _opt("MARDUK_PREFLIGHT_EXPECT", "Devices the check must see.", min=1, show_default=False),
-    ] = None,
+    ] = Config.preflight_expect,
     preflight_timeout: Annotated[
         float, _opt("MARDUK_PREFLIGHT_TIMEOUT", "Seconds the device check may take.", min=1.0)
-    ] = 120.0,
+    ] = Config.preflight_timeout_s,
     nproc_per_node: Annotated[
         str | None,
         typer.Option(
@@ -205,7 +213,7 @@ def run(
             "--nnodes",
             envvar="MARDUK_NNODES",
             help="Nodes in the job (one agent each); N or N:N.",
-            show_default="1",
+            show_default=str(LAUNCH.nnodes),
         ),
     ] = None,
     node_rank: Annotated[
@@ -216,7 +224,7 @@ def run(
             envvar="MARDUK_NODE_RANK",
             min=0,
             help="This node's rank (GROUP_RANK); required with --nnodes above 1.",
-            show_default="0",
+            show_default=str(LAUNCH.node_rank),
         ),
     ] = None,
     master_addr: Annotated[
@@ -226,7 +234,7 @@ def run(
             "--master_addr",
             envvar="MARDUK_MASTER_ADDR",
             help="MASTER_ADDR for the ranks (the node of rank 0).",
-            show_default="127.0.0.1",
+            show_default=LAUNCH.master_addr,
         ),
     ] = None,
     master_port: Annotated[
@@ -236,7 +244,7 @@ def run(
             "--master_port",
             envvar="MARDUK_MASTER_PORT",
             help="MASTER_PORT for the ranks.",
-            show_default="a free port per restart on one node; 29500 across nodes",
+            show_default=f"a free port per restart on one node; {DEFAULT_MASTER_PORT} across nodes",
         ),
     ] = None,
     rdzv_endpoint: Annotated[
@@ -258,10 +266,10 @@ def run(
     rdzv_id: Annotated[
         str,
         typer.Option("--rdzv-id", "--rdzv_id", help="TORCHELASTIC_RUN_ID for the ranks."),
-    ] = "none",
+    ] = LAUNCH.run_id,
     role: Annotated[
         str, typer.Option("--role", help="ROLE_NAME for the ranks (torchrun's).")
-    ] = "default",
+    ] = LAUNCH.role,
     rank_devices: Annotated[
         Literal["all", "split"],
         typer.Option(
@@ -271,7 +279,7 @@ def run(
             "process per host); split: each rank gets its share of --devices, "
             "CUDA_VISIBLE_DEVICES set to it.",
         ),
-    ] = "all",
+    ] = LAUNCH.rank_devices,
     module: Annotated[
         bool,
         typer.Option(
@@ -294,7 +302,7 @@ def run(
             envvar="MARDUK_MONITOR_INTERVAL",
             min=0.01,
             help="Seconds between hang and section checks (exits are seen at once).",
-            show_default="hang timeout / 4, at most 1",
+            show_default=Config.TICK_DEFAULT,
         ),
     ] = None,
     log_dir: Annotated[
@@ -343,7 +351,7 @@ def run(
             help="Start without waiting for a controller: restarts are local (as torchrun's), "
             "and the agent joins the controller at --addr when one answers. No NATS needed.",
         ),
-    ] = False,
+    ] = Config.standalone,
     require_controller: Annotated[
         bool,
         typer.Option(
@@ -352,7 +360,7 @@ def run(
             help="Exit 1 when no controller answers within --connect-timeout, instead of "
             "running standalone.",
         ),
-    ] = False,
+    ] = Config.require_controller,
     metrics_addr: options.MetricsAddr = None,
     json_logs: options.JsonLogs = False,
     log_level: options.LogLevel = "info",
@@ -374,7 +382,8 @@ def run(
         parse_nnodes,
         parse_std,
     )
-    from agent.supervisor import Supervisor, SupervisorConfig, default_preload
+    from agent.supervisor import Supervisor
+    from agent.supervisor_config import default_preload
     from marduk.logs import setup_logging
     from marduk.runtime import run as run_loop
 
@@ -384,7 +393,7 @@ def run(
     ) or bool(rdzv_endpoint)
     if not replica and (torchrun_style or standalone):
         across = nnodes is not None and nnodes.partition(":")[0] not in ("", "1")
-        replica = rdzv_id if rdzv_id != "none" else ("main" if across else node_name())
+        replica = rdzv_id if rdzv_id != LAUNCH.run_id else ("main" if across else node_name())
     if worker is None:
         worker = node_rank or 0  # one worker of the replica per node
     try:
@@ -403,10 +412,10 @@ def run(
         )
         launch = None
         if torchrun_style:
-            nproc = nproc_per_node or "1"
+            nproc = nproc_per_node or str(LAUNCH.nproc_per_node)
             n = (len(opts.devices) or 1) if nproc in ("gpu", "auto") else int(nproc)
             host, port = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else (None, None)
-            nodes = parse_nnodes(nnodes or "1")
+            nodes = parse_nnodes(nnodes or str(LAUNCH.nnodes))
             if nodes > 1 and node_rank is None:
                 raise LaunchError(
                     f"--nnodes {nodes} needs --node-rank: ranks are static (each agent is told "
@@ -415,8 +424,8 @@ def run(
             launch = LaunchSpec(
                 nproc_per_node=n,
                 nnodes=nodes,
-                node_rank=node_rank or 0,
-                master_addr=master_addr or host or "127.0.0.1",
+                node_rank=node_rank or LAUNCH.node_rank,
+                master_addr=master_addr or host or LAUNCH.master_addr,
                 master_port=master_port if master_port is not None else port,
                 rank_devices=rank_devices,
                 role=role,
@@ -442,7 +451,7 @@ def run(
         options.fail(f"--nproc-per-node or --local-ranks-filter: {e}", 2)
     if not cmd:
         options.fail("no trainer command given", 2)
-    config = SupervisorConfig(
+    config = Config(
         cmd=trainer_command(cmd, module=module, no_python=no_python),
         opts=opts,
         metrics_addr=metrics_addr,

@@ -29,10 +29,6 @@ SUPERVISOR_PID: Final = "MARDUK_SUPERVISOR_PID"
 AGENT_SOCKET: Final = "MARDUK_AGENT_SOCKET"
 WARM_START: Final = "MARDUK_WARM_START"
 
-# What differs from one incarnation of a trainer to the next: a process started ahead of time
-# (a standby, a fork) is told these when it becomes the trainer.
-PER_INCARNATION: Final = (EPOCH, RESTART_COUNT)
-
 WarmStart = Literal["zygote", "standby"]
 
 
@@ -129,12 +125,6 @@ def parse_devices(raw: str | None) -> tuple[str, ...] | None:
     if raw is None or not raw.strip():
         return None
     return tuple(d.strip() for d in raw.split(",") if d.strip())
-
-
-def warm_start_env(env: Mapping[str, str], how: WarmStart) -> dict[str, str]:
-    """What a process started ahead of time is told when it becomes the trainer: the
-    per-incarnation variables of ``env`` and how it was started."""
-    return {**{var: env[var] for var in PER_INCARNATION}, WARM_START: how}
 
 
 def _count(env: Mapping[str, str], var: str) -> int | None:

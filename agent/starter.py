@@ -289,8 +289,8 @@ class Starter:
         proc, slot.standby = slot.standby, None
         if proc is None or proc.returncode is not None:
             proc = await exec_trainer(self.standby_cmd, env, stdin=True)
-        # The whole environment, not only handoff.warm_start_env's per-incarnation variables:
-        # torchrun's (TORCHELASTIC_RESTART_COUNT, a new MASTER_PORT) change too.
+        # The rank's whole environment, not only the MARDUK_* variables that change (epoch,
+        # restart count): torchrun's (TORCHELASTIC_RESTART_COUNT, a new MASTER_PORT) change too.
         order = {"env": {**env, handoff.WARM_START: "standby"}}
         assert proc.stdin is not None
         try:

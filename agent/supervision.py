@@ -42,9 +42,10 @@ class ExitCode(enum.IntEnum):
     PREEMPTED = 143  # SIGTERM/SIGINT (128 + 15): the trainers got the grace period
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Limits:
-    """The rules' numbers (``marduk agent run`` options)."""
+    """The rules' numbers (``marduk agent run`` options; no slots: the class attributes are the
+    defaults, which agent/supervisor_config.py takes)."""
 
     max_restarts: int = 3
     restart_window_s: float = 3600.0

@@ -21,7 +21,7 @@ output through line by line, and applies the decisions of the supervision core
 Stopping an incarnation is SIGTERM to every rank's process group and to every process its
 trainers left behind (agent/proctree.py: the agent is their subreaper), ``grace_s`` to finish,
 then SIGKILL. With no controller reachable (or ``--standalone``) the same rules run locally and
-the agent keeps trying to join the controller in the background.
+the agent keeps trying to join the controller in the background (agent/controller_link.py).
 
 Exit codes: see ``ExitCode``.
 """
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
@@ -42,16 +41,16 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Coroutine, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from agent import handoff, local
-from agent.client import AsyncClient, Command, Options
+from agent.client import AsyncClient, Command
+from agent.controller_link import ControllerLink
 from agent.handoff import Handoff
-from agent.launch import LaunchSpec, LogSpec, Std, listening
+from agent.launch import Std, listening
 from agent.local import TrainerChannel
 from agent.preflight import run_check
 from agent.proctree import become_subreaper, end_leftovers, leftovers
@@ -78,6 +77,7 @@ from agent.supervision import (
     Restart,
     Supervision,
 )
+from agent.supervisor_config import SupervisorConfig, default_preload
 from agent.zygote import TrainerProcess
 from marduk import protocol as wire
 from marduk.credentials import redact
@@ -88,63 +88,8 @@ __all__ = ["ExitCode", "Supervisor", "SupervisorConfig", "default_preload", "sta
 
 log = logging.getLogger("agent.supervisor")
 
-DEFAULT_STEP_REGEX = r"\bstep[\s:=#]+(\d+)"
 MASTER_WAIT_S = 2.0  # at most, for rank 0 to listen on MASTER_PORT before the others start
 PUMP_DRAIN_S = 0.5  # after a rank exits: its output still in the pipe (a leftover may hold it)
-
-
-@dataclass(slots=True)
-class SupervisorConfig:
-    cmd: list[str]
-    opts: Options
-    max_restarts: int = 3
-    restart_window_s: float = 3600.0
-    hang_timeout_s: float = 600.0
-    startup_timeout_s: float = 1800.0
-    step_regex: str = DEFAULT_STEP_REGEX
-    grace_s: float = 30.0
-    tail_lines: int = 200
-    cleanup_cmd: str = ""
-    stale_files: list[str] = field(default_factory=lambda: ["/tmp/libtpu_lockfile"])
-    # Start trainers warm, with these modules imported ahead of time: forked from a fork
-    # server (agent/zygote.py) or, with fork_server off, from one standby process each.
-    prespawn: bool = True
-    preload: list[str] = field(default_factory=list)
-    fork_server: bool = True
-    # How long a trainer start waits for a fork server still importing before it starts cold.
-    fork_server_timeout_s: float = 600.0
-    # How often a running trainer's progress (last step and when) is reported.
-    status_interval_s: float = 15.0
-    # Serve /metrics, /healthz and /readyz (ready: every rank is stepping) on HOST:PORT.
-    metrics_addr: str | None = None
-    # Before a restart after a device-class failure (a check_device diagnosis, or a restart
-    # command naming devices), check the devices in a separate process (agent/preflight.py).
-    preflight: bool = False
-    preflight_timeout_s: float = 120.0
-    preflight_expect: int | None = None  # devices the check must see (default: any)
-    # Between incarnations, wait for the GPUs' memory to drop below this (0 s: don't wait).
-    reclaim_timeout_s: float = 50.0
-    reclaim_tolerance_mib: float = 512.0
-    # torchrun's contract (ranks, master, devices per rank); None: one trainer, none of
-    # torchrun's variables set (as before --nproc-per-node existed).
-    launch: LaunchSpec | None = None
-    logs: LogSpec = field(default_factory=LogSpec)
-    # How often hangs, startup and sections are checked (exits are seen at once); None:
-    # a quarter of hang_timeout_s, at most 1 s.
-    monitor_interval_s: float | None = None
-    # Start without waiting for a controller (it is joined in the background when it appears).
-    standalone: bool = False
-    # No controller at start: exit 1 (SETUP) instead of running standalone.
-    require_controller: bool = False
-    # Standalone: seconds between attempts to reach the controller.
-    join_interval_s: float = 2.0
-
-
-def default_preload() -> list[str]:
-    """jax, when this interpreter has it: the import that dominates a JAX trainer's start."""
-    import importlib.util
-
-    return ["jax"] if importlib.util.find_spec("jax") is not None else []
 
 
 def describe_returncode(code: int) -> tuple[int | None, str]:
@@ -176,8 +121,6 @@ class Supervisor:
         )
         self.step_re = re.compile(config.step_regex)
         self.facts: asyncio.Queue[Fact] = asyncio.Queue()
-        self.client: AsyncClient | None = None
-        self._join_task: asyncio.Task[None] | None = None
         self.stats: Counter[str] = Counter()
         self.starter = Starter(
             config.cmd,
@@ -204,6 +147,13 @@ class Supervisor:
         self.run_dir = ""  # --log-dir/<job>_<replica>_<worker>, made at the first start
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(self.stats, self._gauges))
+        self.link = ControllerLink(
+            self.opts,
+            on_command=self._on_command,
+            registry=self.registry,
+            join_interval_s=config.join_interval_s,
+            spawn=self._spawn,
+        )
         self._restart_seconds = histogram(
             self.registry,
             "marduk_agent_restart_seconds",
@@ -253,10 +203,10 @@ class Supervisor:
                 "standalone: restarts are local; joining the controller at %s when it answers",
                 redact(self.opts.addr),
             )
-            self._join_task = self._spawn(self._join(), "join")
+            self.link.join_in_background(self._joined)
         else:
             try:
-                self.client = await self._connect(self.opts)
+                client = await self.link.connect()
             except MardukError as e:
                 if self.config.require_controller:
                     log.error("cannot register with the controller: %s", e)
@@ -266,20 +216,20 @@ class Supervisor:
                     "restarts only) and joining it when it answers",
                     e,
                 )
-                self._join_task = self._spawn(self._join(), "join")
-        if self.client is not None:
-            self.core.joined(self.client.epoch, [])
-            if self.client.unusable_devices:
-                # Quarantined or drained by the controller: running here cannot help; the pod
-                # goes back to the scheduler (a node the device is not on).
-                log.error(
-                    "device(s) %s out of service (quarantined or drained); not starting the "
-                    "trainer",
-                    ", ".join(self.client.unusable_devices),
-                )
-                await self._report("gave_up", summary="devices out of service")
-                await self.client.close(deregister=True, reason="devices out of service")
-                return ExitCode.DEVICE_FAILED
+                self.link.join_in_background(self._joined)
+            else:
+                self.core.joined(client.epoch, [])
+                if client.unusable_devices:
+                    # Quarantined or drained by the controller: running here cannot help; the
+                    # pod goes back to the scheduler (a node the device is not on).
+                    log.error(
+                        "device(s) %s out of service (quarantined or drained); not starting "
+                        "the trainer",
+                        ", ".join(client.unusable_devices),
+                    )
+                    await self._report("gave_up", summary="devices out of service")
+                    await self.link.close(deregister=True, reason="devices out of service")
+                    return ExitCode.DEVICE_FAILED
         metrics = None
         if self.config.metrics_addr:
             metrics = MetricsServer(self.config.metrics_addr, Probes(self.registry, self._ready))
@@ -287,7 +237,7 @@ class Supervisor:
                 await metrics.start()
             except MardukError as e:
                 log.error("%s", e)
-                await self._close_client(deregister=False)
+                await self.link.close(deregister=False)
                 return ExitCode.SETUP
         for rank in self.ranks:
             channel = TrainerChannel(
@@ -307,8 +257,6 @@ class Supervisor:
         finally:
             for task in background:
                 task.cancel()
-            if self._join_task is not None:
-                self._join_task.cancel()
             await self._stop_all("the agent is exiting")
             for channel in self.channels:
                 channel.close()
@@ -316,7 +264,7 @@ class Supervisor:
                 os.rmdir(self.socket_dir)
             await self.starter.close()
             await end_leftovers(set(), 1.0)
-            await self._close_client(deregister=False)
+            await self.link.close(deregister=False)
             if metrics is not None:
                 await metrics.stop()
 
@@ -333,42 +281,11 @@ class Supervisor:
         self.stats["errors.task"] += 1
         log.error("background task %s failed: %s: %s", task.get_name(), type(e).__name__, e)
 
-    async def _connect(self, opts: Options) -> AsyncClient:
-        client = AsyncClient(opts, on_command=self._on_command, deliver=lambda _c: None)
-        await client.start()
-        # The library client's counters (commands, dropped forgeries, ...) are exported too.
-        self.registry.register(StatsCollector(client.stats, lambda: []))
-        return client
-
-    async def _join(self) -> None:
-        """Standalone: try to reach the controller until it answers; then follow it."""
-        opts = dataclasses.replace(self.opts, timeout=min(self.opts.timeout, 5.0))
-        said = False
-        while True:
-            try:
-                client = await self._connect(opts)
-            except MardukError as e:
-                if not said:
-                    log.info("no controller at %s yet (%s); still trying", redact(opts.addr), e)
-                    said = True
-                await asyncio.sleep(self.config.join_interval_s)
-                continue
-            self.client = client
-            log.warning(
-                "joined the controller at %s (epoch %d): it decides restarts from now on",
-                redact(opts.addr),
-                client.epoch,
-            )
-            self.facts.put_nowait(Joined(client.epoch, list(client.unusable_devices)))
-            if any(r.running for r in self.ranks):
-                await self._report("running")
-            return
-
-    async def _close_client(self, *, deregister: bool, reason: str = "closed") -> None:
-        if self._join_task is not None:
-            self._join_task.cancel()
-        if self.client is not None:
-            await self.client.close(deregister=deregister, reason=reason)
+    async def _joined(self, client: AsyncClient) -> None:
+        """Standalone until now: the controller's epochs apply from the next restart on."""
+        self.facts.put_nowait(Joined(client.epoch, list(client.unusable_devices)))
+        if any(r.running for r in self.ranks):
+            await self._report("running")
 
     def _on_command(self, command: Command) -> None:
         self.facts.put_nowait(CommandArrived(command))
@@ -459,7 +376,7 @@ class Supervisor:
         if isinstance(decision, Finish):
             log.info("trainer finished (exit 0)" if self.nproc == 1 else "every rank finished")
             await self._report("exited", exit_code=0)
-            await self._close_client(deregister=True, reason="trainer exited 0")
+            await self.link.close(deregister=True, reason="trainer exited 0")
             return ExitCode.OK
         if isinstance(decision, GiveUp):
             if decision.code == ExitCode.PREEMPTED:
@@ -473,7 +390,7 @@ class Supervisor:
                 log.error("%s; giving up", decision.why)
                 await self._report("gave_up", summary=decision.why)
                 if command is None:  # the controller we joined says our devices are out
-                    await self._close_client(deregister=True, reason=decision.why)
+                    await self.link.close(deregister=True, reason=decision.why)
             return int(decision.code)
         assert isinstance(decision, Restart)
         if decision.failure is None:
@@ -481,8 +398,7 @@ class Supervisor:
             log.warning("%s", decision.why)
             self.stats["restarts.command"] += 1
             self.core.restarting_at(command.epoch)
-            if self.client is not None:
-                await self.client.ack(command)
+            await self.link.ack(command)
             if command.devices and not await self._preflight(
                 f"device(s) {', '.join(command.devices)}"
             ):
@@ -597,7 +513,7 @@ class Supervisor:
         self.facts.put_nowait(RankExited(incarnation, rank.index, code))
 
     async def _ticker(self) -> None:
-        interval = self.config.monitor_interval_s or min(1.0, self.config.hang_timeout_s / 4)
+        interval = self.config.tick_interval_s
         while True:
             await asyncio.sleep(interval)
             self.facts.put_nowait(Tick())
@@ -822,8 +738,7 @@ class Supervisor:
         return max([self.epoch, *(a.epoch for a in reply.actions)])
 
     async def _report(self, status: wire.ReportStatus, **fields: object) -> wire.ReportReply | None:
-        if self.client is None:
-            return None
+        """Report to the controller, when one is joined (None: no answer)."""
         o = self.opts
         report = wire.Report(
             job=o.job,
@@ -835,11 +750,7 @@ class Supervisor:
             step=self.step,
             **fields,  # type: ignore[arg-type]
         )
-        try:
-            return await self.client.report(report)
-        except MardukError as e:
-            log.warning("report %s not delivered: %s", status, e)
-            return None
+        return await self.link.report(report)
 
 
 def decision_why(decision: Decision) -> str:

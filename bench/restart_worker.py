@@ -3,7 +3,9 @@
 Records, as JSON lines in $BENCH_DIR/events-<rank>.jsonl: ``start`` (the first statement of the
 process: the trainer is running; ``by`` says how Marduk started it: zygote, standby or cold),
 ``ready`` (first step done: imports, backend and rendezvous included) and ``crash`` (rank 0 exits
-1 when $BENCH_DIR/crash-<incarnation> appears).
+1 when $BENCH_DIR/crash-<incarnation> appears). BENCH_INC=faults: the incarnation is the number
+of crash files there at the start (bench_launch.py --nnodes, where torchrun's restart counts
+differ per node).
 
 BENCH_FRAMEWORK=jax: import jax and run one jitted step instead (no collective: each rank is
 ready on its own).
@@ -33,6 +35,11 @@ else:  # marduk agent run: replicas r0..rN-1 x workers
     rank, world = replica * per + worker, int(env["BENCH_WORLD"])
     inc = int(env["MARDUK_RESTART_COUNT"])
     init, key = "store", f"epoch-{env['MARDUK_EPOCH']}"
+
+if env.get("BENCH_INC") == "faults":
+    # Across nodes torchrun counts restarts per node (a node restarted for another's failure
+    # keeps its count): the incarnation is the number of faults injected before this start.
+    inc = sum(1 for name in os.listdir(bench_dir) if name.startswith("crash-"))
 
 log_path = os.path.join(bench_dir, f"events-{rank}.jsonl")
 

@@ -1,31 +1,83 @@
-"""Each default of ``marduk agent run`` is the settings object's: the CLI must not drift from
-``SupervisorConfig`` (agent/supervisor.py) or the library's ``agent/options.py``."""
+"""``marduk agent run`` with no option builds the default settings: its options take their
+defaults from ``SupervisorConfig`` (agent/supervisor_config.py), ``LaunchSpec`` and the library
+(agent/options.py), so what can still drift is the CLI's own wiring (an option that maps a
+sentinel, renames a value, or forgets to pass one on). The command runs as users run it, up to
+the point where it would start the supervisor."""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
+import pytest
+from typer.testing import CliRunner
+
+import agent.supervisor
 from agent import options
-from agent.cli import run
-from agent.supervisor import SupervisorConfig
-
-CLI = {name: p.default for name, p in inspect.signature(run).parameters.items()}
-
-
-def test_every_supervisor_option_defaults_to_its_setting() -> None:
-    fields = {f.name: f for f in dataclasses.fields(SupervisorConfig)}
-    checked = []
-    for name, default in CLI.items():
-        for field_name in (name, f"{name}_s", f"{name}_mib"):
-            field = fields.get(field_name)
-            if field is not None and field.default is not dataclasses.MISSING:
-                assert default == field.default, f"--{name}: {default!r} != {field.default!r}"
-                checked.append(name)
-    assert {"max_restarts", "grace", "hang_timeout", "step_regex", "preflight"} <= set(checked)
+from agent.launch import LaunchSpec, Std
+from agent.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig, default_preload
+from marduk.cli import app
 
 
-def test_the_library_options_default_as_the_library_does() -> None:
-    assert CLI["job"] == options.DEFAULT_JOB
-    assert CLI["scope"] == options.DEFAULT_SCOPE
-    assert CLI["prefix"] == options.DEFAULT_PREFIX
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> list[SupervisorConfig]:
+    """The configs ``marduk agent run`` hands the supervisor (which does not run)."""
+    for name in [
+        "MARDUK_JOB",
+        "MARDUK_SCOPE",
+        "MARDUK_PREFIX",
+        "MARDUK_WORKER",
+        "MARDUK_REPLICA_ID",
+        "MARDUK_EPOCH",
+        "MARDUK_RESTART_COUNT",
+        "MARDUK_DEVICES",
+        "MARDUK_AGENT_SOCKET",
+        "MARDUK_CONTROLLER_KEY",
+    ]:
+        monkeypatch.delenv(name, raising=False)
+    configs: list[SupervisorConfig] = []
+
+    class Captured:
+        def __init__(self, config: SupervisorConfig) -> None:
+            configs.append(config)
+
+        async def run(self) -> int:
+            return 0
+
+    monkeypatch.setattr(agent.supervisor, "Supervisor", Captured)
+    return configs
+
+
+def invoke(*args: str) -> None:
+    result = CliRunner().invoke(app, ["agent", "run", "--replica", "r0", "--devices", "d0", *args])
+    assert result.exit_code == 0, result.output
+
+
+def test_no_option_gives_the_default_supervisor_config(built: list[SupervisorConfig]) -> None:
+    invoke("--", "true")
+    (config,) = built
+    expected = SupervisorConfig(cmd=["true"], opts=config.opts, preload=default_preload())
+    for field in dataclasses.fields(SupervisorConfig):
+        if field.name == "logs":
+            continue  # compared by what it does, below ({0: Std.NONE} is "no redirect" too)
+        got, want = getattr(config, field.name), getattr(expected, field.name)
+        assert got == want, f"{field.name}: the CLI gives {got!r}, the default is {want!r}"
+    logs, default = config.logs, expected.logs
+    for stream in (Std.OUT, Std.ERR):
+        assert logs.to_console(0, stream) == default.to_console(0, stream)
+        assert logs.to_file(0, stream) == default.to_file(0, stream)
+    assert (logs.log_dir, logs.prefix_template) == (default.log_dir, default.prefix_template)
+    o = config.opts
+    assert (o.job, o.scope, o.prefix, o.worker) == (
+        options.DEFAULT_JOB,
+        options.DEFAULT_SCOPE,
+        "marduk",
+        0,
+    )
+    assert o.timeout == CONNECT_TIMEOUT_S
+
+
+def test_torchrun_options_default_as_the_launch_contract(built: list[SupervisorConfig]) -> None:
+    invoke("--nproc-per-node", "2", "--", "true")
+    (config,) = built
+    assert config.launch == LaunchSpec(nproc_per_node=2, max_restarts=config.max_restarts)
+    assert config.logs.prefix_template is not None  # [rankN]: prefixes with several ranks

@@ -8,7 +8,7 @@ import pytest
 
 from agent import handoff
 from agent.client import AgentError, resolve_options
-from agent.handoff import Handoff, HandoffError, parse_devices, warm_start_env
+from agent.handoff import Handoff, HandoffError, parse_devices
 
 FULL = Handoff(
     job="j1",
@@ -103,15 +103,6 @@ def test_the_library_takes_its_settings_from_the_handoff(monkeypatch: pytest.Mon
         0,
         "p",
     )
-
-
-def test_a_warm_trainer_is_told_only_what_changes_between_incarnations() -> None:
-    env = {**FULL.to_env(), "PATH": "/bin"}
-    assert warm_start_env(env, "standby") == {
-        "MARDUK_EPOCH": "7",
-        "MARDUK_RESTART_COUNT": "2",
-        "MARDUK_WARM_START": "standby",
-    }
 
 
 def test_devices_are_comma_separated_and_trimmed() -> None:

@@ -1,0 +1,107 @@
+"""The supervisor's link to the controller: register at start, or keep trying in the background
+and join when it answers; report; acknowledge commands; close.
+
+``marduk agent run`` (agent/supervisor.py) works with a controller or without one (standalone,
+local restarts only). While none is joined, ``report`` answers None and ``ack`` does nothing,
+so the supervision shell applies its decisions the same way in both modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from agent.client import AsyncClient, Command, Options
+from marduk import protocol as wire
+from marduk.credentials import redact
+from marduk.errors import MardukError
+from marduk.metrics import StatsCollector
+
+# The supervisor's log: what operators read and filter on for the agent.
+log = logging.getLogger("agent.supervisor")
+
+JOIN_TIMEOUT_S = 5.0  # at most, per attempt to register in the background
+
+
+class ControllerLink:
+    """One registration of this node with the controller, however many ranks it runs."""
+
+    def __init__(
+        self,
+        opts: Options,
+        *,
+        on_command: Callable[[Command], None],
+        registry: CollectorRegistry,
+        join_interval_s: float,
+        spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
+    ) -> None:
+        self.opts = opts
+        self.client: AsyncClient | None = None
+        self._on_command = on_command
+        self._registry = registry
+        self._join_interval_s = join_interval_s
+        self._spawn = spawn
+        self._join_task: asyncio.Task[None] | None = None
+
+    async def connect(self) -> AsyncClient:
+        """Register now, within the options' timeout (MardukError: no controller answered)."""
+        self.client = await self._register(self.opts)
+        return self.client
+
+    def join_in_background(self, on_joined: Callable[[AsyncClient], Awaitable[None]]) -> None:
+        """Standalone: try to reach the controller until it answers; then ``on_joined``."""
+        self._join_task = self._spawn(self._join(on_joined), "join")
+
+    async def _register(self, opts: Options) -> AsyncClient:
+        client = AsyncClient(opts, on_command=self._on_command, deliver=lambda _c: None)
+        await client.start()
+        # The library client's counters (commands, dropped forgeries, ...) are exported too.
+        self._registry.register(StatsCollector(client.stats, lambda: []))
+        return client
+
+    async def _join(self, on_joined: Callable[[AsyncClient], Awaitable[None]]) -> None:
+        opts = dataclasses.replace(self.opts, timeout=min(self.opts.timeout, JOIN_TIMEOUT_S))
+        said = False
+        while True:
+            try:
+                client = await self._register(opts)
+            except MardukError as e:
+                if not said:
+                    log.info("no controller at %s yet (%s); still trying", redact(opts.addr), e)
+                    said = True
+                await asyncio.sleep(self._join_interval_s)
+                continue
+            self.client = client
+            log.warning(
+                "joined the controller at %s (epoch %d): it decides restarts from now on",
+                redact(opts.addr),
+                client.epoch,
+            )
+            await on_joined(client)
+            return
+
+    async def report(self, report: wire.Report) -> wire.ReportReply | None:
+        """The controller's answer; None with no controller, or when it was not delivered."""
+        if self.client is None:
+            return None
+        try:
+            return await self.client.report(report)
+        except MardukError as e:
+            log.warning("report %s not delivered: %s", report.status, e)
+            return None
+
+    async def ack(self, command: Command) -> None:
+        if self.client is not None:
+            await self.client.ack(command)
+
+    async def close(self, *, deregister: bool, reason: str = "closed") -> None:
+        """Stop trying to join; close the registration (``deregister``: the worker is gone)."""
+        if self._join_task is not None:
+            self._join_task.cancel()
+        if self.client is not None:
+            await self.client.close(deregister=deregister, reason=reason)

@@ -1,0 +1,85 @@
+"""What ``marduk agent run`` is configured with: ``SupervisorConfig``, each default defined here
+once (the rules' numbers in ``Limits``, agent/supervision.py).
+
+No slots: the dataclass's class attributes are its defaults, and ``marduk agent run``'s options
+take theirs from them (agent/cli.py), so the CLI, ``--help`` and code that builds a config
+directly cannot disagree. Light to import: the CLI reads it on every ``marduk`` command.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Final
+
+from agent.launch import LaunchSpec, LogSpec
+from agent.supervision import Limits
+
+if TYPE_CHECKING:
+    from agent.options import Options
+
+DEFAULT_STEP_REGEX: Final = r"\bstep[\s:=#]+(\d+)"
+# Seconds the supervisor waits to register at start: longer than the library's
+# (agent/options.CONNECT_TIMEOUT), since a job's pods and its controller start together.
+CONNECT_TIMEOUT_S: Final = 60.0
+
+
+@dataclass
+class SupervisorConfig:
+    cmd: list[str]
+    opts: Options
+    max_restarts: int = Limits.max_restarts
+    restart_window_s: float = Limits.restart_window_s
+    hang_timeout_s: float = Limits.hang_timeout_s
+    startup_timeout_s: float = Limits.startup_timeout_s
+    step_regex: str = DEFAULT_STEP_REGEX
+    grace_s: float = 30.0
+    tail_lines: int = 200
+    cleanup_cmd: str = ""
+    stale_files: list[str] = field(default_factory=lambda: ["/tmp/libtpu_lockfile"])
+    # Start trainers warm, with these modules imported ahead of time: forked from a fork
+    # server (agent/zygote.py) or, with fork_server off, from one standby process each.
+    prespawn: bool = True
+    preload: list[str] = field(default_factory=list)
+    fork_server: bool = True
+    # How long a trainer start waits for a fork server still importing before it starts cold.
+    fork_server_timeout_s: float = 600.0
+    # How often a running trainer's progress (last step and when) is reported.
+    status_interval_s: float = 15.0
+    # Serve /metrics, /healthz and /readyz (ready: every rank is stepping) on HOST:PORT.
+    metrics_addr: str | None = None
+    # Before a restart after a device-class failure (a check_device diagnosis, or a restart
+    # command naming devices), check the devices in a separate process (agent/preflight.py).
+    preflight: bool = False
+    preflight_timeout_s: float = 120.0
+    preflight_expect: int | None = None  # devices the check must see (default: any)
+    # Between incarnations, wait for the GPUs' memory to drop below this (0 s: don't wait).
+    reclaim_timeout_s: float = 50.0
+    reclaim_tolerance_mib: float = 512.0
+    # torchrun's contract (ranks, master, devices per rank); None: one trainer, none of
+    # torchrun's variables set (as before --nproc-per-node existed).
+    launch: LaunchSpec | None = None
+    logs: LogSpec = field(default_factory=LogSpec)
+    # How often hangs, startup and sections are checked (exits are seen at once); None:
+    # ``tick_interval_s``.
+    monitor_interval_s: float | None = None
+    # Start without waiting for a controller (it is joined in the background when it appears).
+    standalone: bool = False
+    # No controller at start: exit 1 (SETUP) instead of running standalone.
+    require_controller: bool = False
+    # Standalone: seconds between attempts to reach the controller.
+    join_interval_s: float = 2.0
+
+    # ``--monitor-interval``'s default, as its help says it.
+    TICK_DEFAULT: ClassVar[str] = "hang timeout / 4, at most 1"
+
+    @property
+    def tick_interval_s(self) -> float:
+        """Seconds between hang and section checks: ``monitor_interval_s``, else a quarter of
+        the hang timeout, at most 1 s."""
+        return self.monitor_interval_s or min(1.0, self.hang_timeout_s / 4)
+
+
+def default_preload() -> list[str]:
+    """jax, when this interpreter has it: the import that dominates a JAX trainer's start."""
+    return ["jax"] if importlib.util.find_spec("jax") is not None else []
