@@ -92,6 +92,22 @@ MASTER_WAIT_S = 2.0  # at most, for rank 0 to listen on MASTER_PORT before the o
 PUMP_DRAIN_S = 0.5  # after a rank exits: its output still in the pipe (a leftover may hold it)
 
 
+async def read_output(stream: asyncio.StreamReader) -> bytes:
+    """The next line of a trainer's output, its newline kept; b"" at the end.
+
+    A line longer than the reader's limit (a progress bar redrawn with \\r, a big tensor
+    printed, a JSON blob) comes back in pieces of at most the limit, without a newline until
+    the last: passed through whole, never an error. (``readline()`` raises ValueError there,
+    and a pump that stops reading blocks its trainer on a full pipe: a healthy trainer "hangs".)
+    """
+    try:
+        return await stream.readuntil(b"\n")
+    except asyncio.IncompleteReadError as e:
+        return e.partial  # the last line, without its newline (b"": the end)
+    except asyncio.LimitOverrunError as e:
+        return await stream.readexactly(max(e.consumed, 1))
+
+
 def describe_returncode(code: int) -> tuple[int | None, str]:
     """(exit code, signal name) of an asyncio returncode (negative: killed by a signal)."""
     if code < 0:
@@ -596,13 +612,15 @@ class Supervisor:
         show = logs.to_console(rank.index, which)
         prefix = logs.prefix(self.launch, rank.index) if self.launch is not None else b""
         file = rank.files[0 if which == Std.OUT else 1] if rank.files else None
+        at_start = True  # of a line: a long line's later pieces get no prefix
         while True:
-            line = await stream.readline()
+            line = await read_output(stream)
             if not line:
                 return
             if show:
-                console.write(prefix + line)
+                console.write(prefix + line if at_start else line)
                 console.flush()
+            at_start = line.endswith(b"\n")
             if file is not None and not file.closed:
                 file.write(line)
                 file.flush()

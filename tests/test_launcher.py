@@ -102,6 +102,26 @@ def test_redirected_streams_go_to_files_only_and_the_filter_hides_ranks(
     )
 
 
+def test_an_output_line_longer_than_the_pipe_reader_limit_passes_through_whole(
+    env: dict[str, str],
+) -> None:
+    # 70 KB on one line, then more than a pipe's 64 KiB of steps: a pump that died on the long
+    # line would leave the trainer blocked on write, "hung" with no restart left: exit 70.
+    a = launch(
+        env,
+        *("--standalone", "--hang-timeout", "30", "--max-restarts", "0"),
+        trainer=[*RANKS, "--long-line", "70000", "--steps", "8000", "--step-seconds", "0"],
+        nproc=2,
+    )
+    assert a.proc.wait(120) == ExitCode.OK, "".join(a.all)[-2000:]
+    long = "L" * 70000 + " END-OF-LONG-LINE\n"
+    assert sorted(line[: line.index("L")] for line in a.all if line.endswith(long)) == [
+        "[rank0]:",
+        "[rank1]:",
+    ]
+    assert sum("DONE rank" in line for line in a.all) == 2
+
+
 def test_torch_gloo_four_ranks_restart_together_after_one_crashes(env: dict[str, str]) -> None:
     pytest.importorskip("torch", reason="torch (CPU) is not installed: pip install torch")
     a = launch(

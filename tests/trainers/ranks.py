@@ -16,6 +16,7 @@ p.add_argument("--crash-rank", type=int, default=-1, help="this RANK crashes at 
 p.add_argument("--step-seconds", type=float, default=0.05)
 p.add_argument("--checkpoint-seconds", type=float, default=0.0, help="on SIGTERM, then exit")
 p.add_argument("--ignore-sigterm", action="store_true")
+p.add_argument("--long-line", type=int, default=0, help="first print one line this long")
 p.add_argument("--setsid-child", action="store_true", help="leave a setsid'd grandchild behind")
 args = p.parse_args()
 
@@ -45,6 +46,8 @@ rank = int(os.environ.get("RANK", "0"))
 inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("MARDUK_RESTART_COUNT", "0")))
 print("ENV " + json.dumps({**env, "pid": os.getpid()}), flush=True)
 print(f"to stderr from rank {rank}", file=sys.stderr, flush=True)
+if args.long_line:
+    print("L" * args.long_line + " END-OF-LONG-LINE", flush=True)
 
 if args.setsid_child:
     import subprocess
