@@ -53,7 +53,7 @@ from agent.handoff import Handoff
 from agent.launch import Std, listening
 from agent.local import TrainerChannel
 from agent.preflight import run_check
-from agent.proctree import become_subreaper, end_leftovers, leftovers
+from agent.proctree import become_subreaper, end_leftovers, leftovers, wait_groups_gone
 from agent.ranks import (
     CommandArrived,
     Fact,
@@ -566,8 +566,10 @@ class Supervisor:
                         with contextlib.suppress(ProcessLookupError):
                             os.killpg(r.proc.pid, signal.SIGKILL)
                 await asyncio.gather(*(r.proc.wait() for r in running if r.proc is not None))
-        for r in self.ranks:
-            await self._wait_group_gone(r)
+        # What stays of the ranks' groups (children forked in them) is ours to wait for: the
+        # agent is their subreaper. Never by bare pgid: a finished rank's pid may be reused.
+        groups = {r.proc.pid for r in self.ranks if r.proc is not None}
+        await wait_groups_gone(groups, spare, deadline)
         await end_leftovers(spare, max(0.0, deadline - time.monotonic()), termed)
         for r in self.ranks:
             for task in r.tasks:
@@ -575,21 +577,6 @@ class Supervisor:
                     continue
                 task.cancel()
             r.close_logs()
-
-    async def _wait_group_gone(self, rank: Rank, timeout: float = 10.0) -> None:
-        """Until no process of the rank's group is left (children it forked included)."""
-        if rank.proc is None:
-            return
-        pgid = rank.proc.pid
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            await asyncio.sleep(0.01)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
 
     # --- output -----------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -120,6 +121,47 @@ def test_an_output_line_longer_than_the_pipe_reader_limit_passes_through_whole(
         "[rank1]:",
     ]
     assert sum("DONE rank" in line for line in a.all) == 2
+
+
+def process_at_pid(pid: int, tries: int = 200) -> subprocess.Popen[bytes] | None:
+    """An unrelated ``setsid sleep`` given exactly ``pid`` (through ns_last_pid), or None."""
+    for _ in range(tries):
+        try:
+            Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        except OSError:
+            return None
+        p = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    return None
+
+
+def test_a_finished_ranks_reused_pid_is_never_signalled(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    crash = tmp_path / "crash"
+    trainer = [*RANKS, "--steps", "3", "--finish-rank", "1", "--crash-rank", "0"]
+    a = launch(
+        env,
+        *("--standalone", "--grace", "5"),
+        trainer=[*trainer, "--crash-file", str(crash)],
+        nproc=2,
+    )
+    a.expect("local rank 1 finished")
+    pid = next(e["pid"] for e in envs(a) if e["RANK"] == "1")
+    stranger = process_at_pid(pid)
+    if stranger is None:
+        a.stop()
+        pytest.skip("cannot steer pids (/proc/sys/kernel/ns_last_pid not writable)")
+    try:
+        crash.touch()  # rank 0 crashes: every rank stops and restarts, rank 1's old pgid too
+        assert a.proc.wait(60) == ExitCode.OK, "".join(a.all)
+        assert stranger.poll() is None, "the agent signalled a process that reused a rank's pid"
+    finally:
+        stranger.kill()
+        stranger.wait()
 
 
 def test_torch_gloo_four_ranks_restart_together_after_one_crashes(env: dict[str, str]) -> None:
