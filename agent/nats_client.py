@@ -238,7 +238,12 @@ class AsyncClient(CommandInbox):
             return
         self._accept(command)
 
-    async def report(self, report: wire.Report) -> wire.ReportReply:
+    @property
+    def connected(self) -> bool:
+        """The connection to NATS is up now (a request can be answered)."""
+        return self._nc is not None and self._nc.is_connected
+
+    async def report(self, report: wire.Report, timeout: float = 5.0) -> wire.ReportReply:
         """Send a supervisor's report (marduk agent run); raises MardukError if unanswered."""
         assert self._nc is not None
         return await bus.request(
@@ -246,7 +251,7 @@ class AsyncClient(CommandInbox):
             self.subjects.report(self.opts.job),
             report,
             wire.ReportReply,
-            timeout=5.0,
+            timeout=timeout,
             addr=self.opts.addr,
         )
 

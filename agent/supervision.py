@@ -212,9 +212,11 @@ class Supervision:
             return GiveUp(ExitCode.STOPPED, f"stop command (epoch {epoch}): {reason}")
         return Restart(f"restart command epoch {epoch}: {reason}", epoch)
 
-    def preempted(self) -> GiveUp:
-        """SIGTERM or SIGINT to the agent: the ranks get the grace period, then the agent exits."""
-        return GiveUp(ExitCode.PREEMPTED, "SIGTERM to the agent (preemption or eviction)")
+    def preempted(self, signal_name: str = "SIGTERM") -> GiveUp:
+        """SIGTERM or SIGINT to the agent: the ranks get the grace period, then the agent exits
+        (the same code either way; the reason says which: Ctrl-C is no eviction)."""
+        what = "preemption or eviction" if signal_name == "SIGTERM" else "interrupted"
+        return GiveUp(ExitCode.PREEMPTED, f"{signal_name} to the agent ({what})")
 
     def joined(self, controller_epoch: int, unusable_devices: list[str]) -> GiveUp | None:
         """The controller answered a registration made while running standalone: its epochs

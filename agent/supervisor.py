@@ -41,14 +41,18 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Coroutine, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from agent import handoff, local
 from agent.client import AsyncClient, Command
-from agent.controller_link import ControllerLink
+from agent.controller_link import (
+    REPORT_TIMEOUT_S,
+    STOPPING_REPORT_TIMEOUT_S,
+    ControllerLink,
+)
 from agent.handoff import Handoff
 from agent.launch import Std, listening
 from agent.local import TrainerChannel
@@ -87,6 +91,7 @@ from marduk.metrics import MetricsServer, Probes, StatsCollector, gauge, histogr
 __all__ = ["ExitCode", "Supervisor", "SupervisorConfig", "default_preload", "standby_command"]
 
 log = logging.getLogger("agent.supervisor")
+T = TypeVar("T")
 
 MASTER_WAIT_S = 2.0  # at most, for rank 0 to listen on MASTER_PORT before the others start
 PUMP_DRAIN_S = 0.5  # after a rank exits: its output still in the pipe (a leftover may hold it)
@@ -181,6 +186,11 @@ class Supervisor:
             "From a trainer's start to its first step (or heartbeat).",
         )
         self._ended_at: float | None = None
+        # SIGTERM/SIGINT: set at once, whatever the agent is doing (connecting, starting,
+        # stopping, reporting); a second signal cuts the grace period short.
+        self._signalled = asyncio.Event()
+        self._signal_name = "SIGTERM"
+        self._hurry = asyncio.Event()
 
     # --- what the rest of the code reads ----------------------------------------------------------
 
@@ -207,7 +217,7 @@ class Supervisor:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.facts.put_nowait, Preempted())
+            loop.add_signal_handler(sig, self._on_signal, sig)
         # Orphans of our trainers (setsid'd helpers) become ours, not init's: ended with them.
         if not become_subreaper():
             log.warning(
@@ -222,7 +232,7 @@ class Supervisor:
             self.link.join_in_background(self._joined)
         else:
             try:
-                client = await self.link.connect()
+                client = await self._or_signal(self.link.connect())
             except MardukError as e:
                 if self.config.require_controller:
                     log.error("cannot register with the controller: %s", e)
@@ -234,6 +244,10 @@ class Supervisor:
                 )
                 self.link.join_in_background(self._joined)
             else:
+                if client is None:
+                    log.warning("%s before the trainers started: exiting", self._signal_name)
+                    await self.link.close(deregister=False)
+                    return ExitCode.PREEMPTED
                 self.core.joined(client.epoch, [])
                 if client.unusable_devices:
                     # Quarantined or drained by the controller: running here cannot help; the
@@ -283,6 +297,31 @@ class Supervisor:
             await self.link.close(deregister=False)
             if metrics is not None:
                 await metrics.stop()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._signalled.is_set():
+            log.warning("%s again: the trainers get no more grace (SIGKILL)", sig.name)
+            self._hurry.set()
+            return
+        self._signal_name = sig.name
+        self._signalled.set()
+        self.facts.put_nowait(Preempted(sig.name))
+
+    async def _or_signal(self, coro: Coroutine[Any, Any, T]) -> T | None:
+        """``coro``'s result, or None when SIGTERM/SIGINT came first (it is cancelled)."""
+        if self._signalled.is_set():
+            coro.close()
+            return None
+        work = asyncio.ensure_future(coro)
+        signalled = asyncio.ensure_future(self._signalled.wait())
+        await asyncio.wait({work, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await work
+        return None
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """A named background task whose failure is logged and counted, not lost."""
@@ -340,6 +379,10 @@ class Supervisor:
 
     async def _loop(self) -> int:
         while True:
+            if self._signalled.is_set():  # came while stopping or between incarnations
+                code = await self._apply(self.core.preempted(self._signal_name), None)
+                assert code is not None
+                return code
             try:
                 await self._start_all()
             except OSError as e:
@@ -354,7 +397,7 @@ class Supervisor:
             code = await self._apply(decision, command)
             if code is not None:
                 return code
-            await self._cleanup()
+            await self._or_signal(self._cleanup())
 
     async def _supervise(self) -> tuple[Decision, Command | None]:
         """Feed the core what happens until it decides something the ranks must stop for."""
@@ -372,7 +415,7 @@ class Supervisor:
             elif isinstance(fact, Tick):
                 decision = self.core.tick(now)
             elif isinstance(fact, Preempted):
-                decision = self.core.preempted()
+                decision = self.core.preempted(fact.signal)
             elif isinstance(fact, Joined):
                 decision = self.core.joined(fact.epoch, fact.unusable_devices)
             else:
@@ -396,7 +439,8 @@ class Supervisor:
             return ExitCode.OK
         if isinstance(decision, GiveUp):
             if decision.code == ExitCode.PREEMPTED:
-                await self._report("preempted", summary="SIGTERM to the agent")
+                log.warning("%s: stopped the trainers", decision.why)
+                await self._report("preempted", summary=decision.why)
             elif decision.code == ExitCode.STOPPED:
                 log.warning("%s", decision.why)
             elif decision.failure is not None:
@@ -460,6 +504,8 @@ class Supervisor:
         return env
 
     async def _start_all(self) -> None:
+        """Start every rank. A signal meanwhile: the ranks not started yet are not (the loop
+        then stops those that are)."""
         incarnation = self.core.started(time.monotonic())
         if self.launch is not None:
             self.master_port = self.launch.port_for_incarnation()
@@ -468,15 +514,23 @@ class Supervisor:
             rank.tail.clear()
             self._open_logs(rank, incarnation)
             try:
-                rank.proc = await self.starter.start(
-                    rank.index,
-                    self._rank_env(rank, base),
-                    first=incarnation == 0,
-                    base_env=base,
+                proc = await self._or_signal(
+                    self.starter.start(
+                        rank.index,
+                        self._rank_env(rank, base),
+                        first=incarnation == 0,
+                        base_env=base,
+                    )
                 )
             except OSError:
                 await self._stop_all("a local rank could not start")
                 raise
+            if proc is None:
+                log.warning(
+                    "%s while starting the trainers: not starting the rest", self._signal_name
+                )
+                return
+            rank.proc = proc
             self._watch(rank, incarnation)
             if rank.index == 0 and self._master_first:
                 await self._wait_for_master()
@@ -556,18 +610,24 @@ class Supervisor:
                     if os.getpgid(p.pid) not in groups:  # (killpg signalled those)
                         p.send_signal(signal.SIGTERM)
                     termed.add(p.pid)
-            waits = [r.proc.wait() for r in running if r.proc is not None]
-            try:
-                await asyncio.wait_for(asyncio.gather(*waits), self.config.grace_s)
-            except TimeoutError:
-                log.warning("trainer ignored SIGTERM for %gs; SIGKILL", self.config.grace_s)
+            ended = asyncio.gather(*(r.proc.wait() for r in running if r.proc is not None))
+            hurry: asyncio.Future[Any] = asyncio.ensure_future(self._hurry.wait())
+            await asyncio.wait(
+                [ended, hurry], timeout=self.config.grace_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            hurry.cancel()
+            if not ended.done():
+                if not self._hurry.is_set():
+                    log.warning("trainer ignored SIGTERM for %gs; SIGKILL", self.config.grace_s)
                 for r in running:
                     if r.proc is not None and r.proc.returncode is None:
                         with contextlib.suppress(ProcessLookupError):
                             os.killpg(r.proc.pid, signal.SIGKILL)
-                await asyncio.gather(*(r.proc.wait() for r in running if r.proc is not None))
+                await ended
         # What stays of the ranks' groups (children forked in them) is ours to wait for: the
         # agent is their subreaper. Never by bare pgid: a finished rank's pid may be reused.
+        if self._hurry.is_set():
+            deadline = time.monotonic()
         groups = {r.proc.pid for r in self.ranks if r.proc is not None}
         await wait_groups_gone(groups, spare, deadline)
         await end_leftovers(spare, max(0.0, deadline - time.monotonic()), termed)
@@ -755,7 +815,10 @@ class Supervisor:
             step=self.step,
             **fields,  # type: ignore[arg-type]
         )
-        return await self.link.report(report)
+        stopping = self._signalled.is_set()
+        return await self.link.report(
+            report, STOPPING_REPORT_TIMEOUT_S if stopping else REPORT_TIMEOUT_S
+        )
 
 
 def decision_why(decision: Decision) -> str:

@@ -240,6 +240,38 @@ def test_a_rank_ignoring_sigterm_is_killed_after_the_grace(env: dict[str, str]) 
     a.stop()
 
 
+def test_sigterm_while_the_ranks_stop_for_a_restart_starts_nothing_new(
+    env: dict[str, str],
+) -> None:
+    a = launch(
+        env,
+        *("--standalone", "--grace", "20"),
+        trainer=[*RANKS, "--crash-rank", "1", "--checkpoint-seconds", "3"],
+        nproc=2,
+    )
+    a.expect("SIGTERM rank 0: checkpointing")  # rank 1 crashed; rank 0 saves for 3 s
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(60) == ExitCode.PREEMPTED, "".join(a.all)
+    assert not any("incarnation 1" in line for line in a.all), "".join(a.all)
+    assert any("SIGTERM to the agent (preemption or eviction)" in line for line in a.all)
+
+
+def test_a_second_signal_ends_the_grace_period(env: dict[str, str]) -> None:
+    a = launch(
+        env,
+        *("--standalone", "--grace", "600"),
+        trainer=[*RANKS, "--ignore-sigterm"],
+        nproc=2,
+    )
+    a.expect("step 2")
+    a.proc.send_signal(signal.SIGINT)
+    a.expect("IGNORING SIGTERM")
+    a.proc.send_signal(signal.SIGINT)
+    assert a.proc.wait(60) == ExitCode.PREEMPTED, "".join(a.all)  # not after 600 s
+    assert any("SIGINT again: the trainers get no more grace" in line for line in a.all)
+    assert any("SIGINT to the agent (interrupted)" in line for line in a.all)
+
+
 def test_grandchildren_that_setsid_away_end_with_their_rank_and_with_the_agent(
     env: dict[str, str],
 ) -> None:

@@ -246,6 +246,13 @@ def test_epochs_never_go_backwards() -> None:
 def test_sigterm_to_the_agent_is_preemption() -> None:
     d = started().preempted()
     assert d.code == ExitCode.PREEMPTED == 143
+    assert d.why == "SIGTERM to the agent (preemption or eviction)"
+
+
+def test_ctrl_c_is_not_called_an_eviction() -> None:
+    d = started().preempted("SIGINT")
+    assert d.code == ExitCode.PREEMPTED
+    assert d.why == "SIGINT to the agent (interrupted)"
 
 
 def test_standalone_a_local_failure_keeps_the_epoch() -> None:
