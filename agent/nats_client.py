@@ -127,8 +127,8 @@ class AsyncClient(CommandInbox):
         deadline = time.monotonic() + timeout
         waiting_said = time.monotonic()
         if retry:
-            log.info(
-                "registering with the controller at %s (up to %.0f s)", redact(o.addr), timeout
+            log.debug(
+                "registering with the controller at %s (up to %.1f s)", redact(o.addr), timeout
             )
         async with self._register_lock:
             while True:

@@ -94,6 +94,7 @@ log = logging.getLogger("agent.supervisor")
 T = TypeVar("T")
 
 MASTER_WAIT_S = 2.0  # at most, for rank 0 to listen on MASTER_PORT before the others start
+CANCEL_WAIT_S = 1.0  # at most, for work cut short by SIGTERM to end
 PUMP_DRAIN_S = 0.5  # after a rank exits: its output still in the pipe (a leftover may hold it)
 
 
@@ -231,6 +232,13 @@ class Supervisor:
             )
             self.link.join_in_background(self._joined)
         else:
+            # Nothing starts until the controller answers: say so at once, not after the wait.
+            log.info(
+                "registering with the controller at %s: the trainers start once it answers "
+                "(up to %g s; --standalone starts them now and joins it later)",
+                redact(self.opts.addr),
+                self.opts.timeout,
+            )
             try:
                 client = await self._or_signal(self.link.connect())
             except MardukError as e:
@@ -319,8 +327,8 @@ class Supervisor:
         if work.done():
             return work.result()
         work.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await work
+        # Not forever: a library may hold on to its cancellation (nats-py while connecting).
+        await asyncio.wait([work], timeout=CANCEL_WAIT_S)
         return None
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:

@@ -256,6 +256,17 @@ def test_sigterm_while_the_ranks_stop_for_a_restart_starts_nothing_new(
     assert any("SIGTERM to the agent (preemption or eviction)" in line for line in a.all)
 
 
+def test_sigterm_while_waiting_for_the_controller_exits_without_starting(
+    env: dict[str, str],
+) -> None:
+    a = launch(env, "--connect-timeout", "60", trainer=RANKS, nproc=2)  # no NATS there
+    a.expect("the trainers start once it answers (up to 60 s; --standalone starts them now")
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(45) == ExitCode.PREEMPTED, "".join(a.all)
+    assert any("SIGTERM before the trainers started" in line for line in a.all)
+    assert not envs(a), "".join(a.all)
+
+
 def test_a_second_signal_ends_the_grace_period(env: dict[str, str]) -> None:
     a = launch(
         env,
