@@ -29,6 +29,7 @@ from marduk.children import die_with_parent
 log = logging.getLogger("agent.supervisor")
 
 ZYGOTE_RETRIES = 3
+IMPORT_CHECK_TIMEOUT_S = 60.0
 PREFORK_AFTER_S = 1.0  # at the latest, after a start forked from the zygote: fork the next one
 
 
@@ -94,6 +95,7 @@ class Starter:
         self.slots = [RankSlot() for _ in range(nproc)]
         self.zygote: Zygote | None = None
         self._zygote_failures = 0  # in a row; past ZYGOTE_RETRIES the standby is used instead
+        self._imports_agent: bool | None = None  # can cmd's python import agent? (None: unknown)
         self._zygote_task: asyncio.Task[None] | None = None
 
     def infrastructure_pids(self) -> set[int]:
@@ -116,6 +118,8 @@ class Starter:
         ``base_env``: the environment the fork server imports in (no rank's variables)."""
         slot = self.slots[rank]
         env = {k: v for k, v in env.items() if k != handoff.WARM_START}  # set by what starts it
+        if self.standby_cmd is not None and not self._fork_server_wanted():
+            await self._check_warm_starts(env)
         if self.standby_cmd is None:
             slot.started_by = ""
             return await exec_trainer(self.cmd, env, stdin=False)
@@ -124,7 +128,8 @@ class Starter:
             proc = await self._fork(rank, env, first, base_env)
         else:
             proc = await self._activate_standby(rank, env)
-        if not self._fork_server_wanted():  # (or forking turned out unsafe just now)
+        if not self._fork_server_wanted() and self.standby_cmd is not None:
+            # (forking turned out unsafe just now, or is off)
             # The next one starts once this trainer has made its first step (or after a
             # minute): importing a framework meanwhile would slow the restart it waits for.
             self._prepare(rank, self._prepare_standby(rank, env))
@@ -163,8 +168,12 @@ class Starter:
             proc = await self._take_forked(rank)
             await proc.activate({**env, handoff.WARM_START: "zygote"})
         except (ZygoteError, OSError) as e:  # OSError: no pidfd (Linux < 5.3), no descriptors
-            self._zygote_failures += 1
-            await self._discard_zygote()
+            # One failure per fork server, not per rank: the ranks after the first of this
+            # start find none running (it was discarded) and start cold without counting.
+            if self.zygote is not None:
+                self._zygote_failures += 1
+                await self._discard_zygote()
+                await self._check_warm_starts(env)
             if isinstance(e, ZygoteUnsafe):
                 log.error("cannot fork trainers: %s; using a standby process instead", e)
                 self._zygote_failures = ZYGOTE_RETRIES
@@ -173,6 +182,8 @@ class Starter:
             self.stats["fork_server.failures"] += 1
             slot.started_by = ""
             cold = await exec_trainer(self.cmd, env, stdin=False)
+            if self.standby_cmd is None:
+                return cold
             if self._fork_server_wanted() and self._zygote_task is None:
                 self._zygote_task = asyncio.create_task(self._prepare_zygote(rank, base_env))
             return cold
@@ -231,6 +242,7 @@ class Starter:
             zygote = await Zygote.start(python, target, self.preload, env)
         except OSError as e:
             log.warning("cannot start the fork server: %s", e)
+            self._zygote_failures += 1
             return None
         log.info(
             "fork server started: pid %d, preloading %s",
@@ -271,6 +283,39 @@ class Starter:
                 await forked.discard()
         if zygote is not None:
             await zygote.close()
+
+    async def _check_warm_starts(self, env: dict[str, str]) -> None:
+        """Once: can the trainer's python import ``agent`` (the fork server and the standby
+        run in it)? If not (``-- python train.py`` with a python from another environment),
+        every start is cold: a warm start would die before the trainer runs, and that death
+        would count as the trainer's crash."""
+        if self._imports_agent is not None:
+            return
+        try:
+            check = await asyncio.create_subprocess_exec(
+                self.cmd[0],
+                "-c",
+                "import agent.standby, agent.zygote",
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+            )
+            _, err = await asyncio.wait_for(check.communicate(), IMPORT_CHECK_TIMEOUT_S)
+            self._imports_agent = check.returncode == 0
+        except (OSError, TimeoutError) as e:
+            err, self._imports_agent = str(e).encode(), False
+        if not self._imports_agent:
+            last = (err.decode(errors="replace").strip().splitlines() or ["?"])[-1]
+            log.warning(
+                "%s cannot import marduk's agent package (%s): starting every trainer cold "
+                "(install marduk in that environment for warm restarts)",
+                self.cmd[0],
+                last,
+            )
+            self.stats["warm_starts.unavailable"] += 1
+            self.standby_cmd = None
+            self.fork_server = False
 
     # --- standby processes ------------------------------------------------------------------------
 

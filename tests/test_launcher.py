@@ -6,6 +6,7 @@ started later, and nothing left behind (grace honoured, SIGTERM ignored, setsid'
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -162,6 +163,23 @@ def test_a_finished_ranks_reused_pid_is_never_signalled(
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_a_python_without_marduk_starts_four_ranks_cold_instead_of_giving_up(
+    env: dict[str, str],
+) -> None:
+    # The interpreter the venv was made from: the trainer runs, the fork server cannot.
+    python = os.path.join(sys.base_prefix, "bin", "python3")
+    if subprocess.run([python, "-c", "import msgspec"], capture_output=True).returncode == 0:
+        pytest.skip(f"{python} has marduk's dependencies: no python without them here")
+    a = launch(
+        env,
+        *("--standalone", "--max-restarts", "0"),
+        trainer=[python, "tests/trainers/ranks.py", "--steps", "3"],
+    )
+    assert a.proc.wait(90) == ExitCode.OK, "".join(a.all)
+    assert sum("DONE rank" in line for line in a.all) == 4
+    assert sum("cannot import marduk's agent package" in line for line in a.all) == 1
 
 
 def test_torch_gloo_four_ranks_restart_together_after_one_crashes(env: dict[str, str]) -> None:
