@@ -94,6 +94,12 @@ class ControllerLink:
         within ``timeout``."""
         if self.client is None:
             return None
+        if not self.client.connected:
+            # Not sent rather than buffered by nats-py and delivered on reconnect, after the
+            # ranks restarted locally: a stale crash report would restart the scope again.
+            # The controller hears from this node when it registers again.
+            log.warning("report %s not sent: no connection to NATS", report.status)
+            return None
         try:
             return await self.client.report(report, timeout)
         except MardukError as e:

@@ -196,6 +196,7 @@ class AsyncClient(CommandInbox):
         if self.state != "closed":
             self.state = "disconnected"
             self.stats["disconnects"] += 1
+            log.warning("lost the connection to NATS at %s; reconnecting", redact(self.opts.addr))
 
     async def _on_reconnected(self) -> None:
         if self.state != "closed":
@@ -296,6 +297,9 @@ class AsyncClient(CommandInbox):
         command = self._clear_failure(command)
         if command is None:
             return True
+        if not self.connected:  # not buffered to be sent late: the next registration says it
+            self._record("ack not sent: no connection to NATS; the next registration reports it")
+            return False
         o = self.opts
         ack = wire.Ack(
             job=o.job,

@@ -562,6 +562,11 @@ class Supervisor:
             incarnation,
             f" (pre-spawned), from the {by}" if by else "",
         )
+        # In the background: the loop must see crashes and signals while the controller
+        # answers (5 s at most when it is gone but NATS is not).
+        self._spawn(self._report_running(), "report-running")
+
+    async def _report_running(self) -> None:
         await self._report("running")
 
     def _watch(self, rank: Rank, incarnation: int) -> None:

@@ -230,6 +230,28 @@ def test_a_standalone_agent_joins_a_controller_started_later_and_follows_it(
         a.stop()
 
 
+def test_after_the_controller_disappears_a_crash_restarts_locally_without_waiting_on_it(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    ctl = controller(env)  # with its embedded NATS: both go
+    crash = tmp_path / "crash"
+    a = launch(
+        env,
+        *("--devices", "a,b"),
+        trainer=[*RANKS, "--steps", "30", "--crash-rank", "1", "--crash-file", str(crash)],
+        nproc=2,
+    )
+    a.expect("step 3")
+    ctl.stop(signal.SIGKILL)
+    a.expect("lost the connection to NATS")
+    crash.touch()
+    assert a.proc.wait(60) == ExitCode.OK, "".join(a.all)
+    out = "".join(a.all)
+    assert "report crashed not sent: no connection to NATS" in out, out
+    assert "not delivered" not in out, out  # nothing waited for an answer, nothing was buffered
+    assert out.index("report crashed not sent") < out.index("incarnation 1")
+
+
 def test_the_grace_period_is_honoured_for_a_rank_that_checkpoints(env: dict[str, str]) -> None:
     a = launch(
         env,
