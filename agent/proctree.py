@@ -85,6 +85,8 @@ async def end_leftovers(
     to ``grace_s``, SIGKILL the rest; reap the ones that are our children. Returns how many
     there were."""
     procs = await asyncio.to_thread(leftovers, spare)
+    _reap(procs)  # exited already (zombies re-parented to us): not left behind
+    procs = [p for p in procs if _running(p)]
     if not procs:
         return 0
     log.warning(

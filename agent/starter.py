@@ -20,7 +20,7 @@ import signal
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from agent import handoff
 from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
@@ -30,6 +30,8 @@ log = logging.getLogger("agent.supervisor")
 
 ZYGOTE_RETRIES = 3
 IMPORT_CHECK_TIMEOUT_S = 60.0
+SETTLE_TIMEOUT_S = 10.0  # at most, for a fork or a standby's start in flight
+T = TypeVar("T")
 PREFORK_AFTER_S = 1.0  # at the latest, after a start forked from the zygote: fork the next one
 
 
@@ -97,6 +99,9 @@ class Starter:
         self._zygote_failures = 0  # in a row; past ZYGOTE_RETRIES the standby is used instead
         self._imports_agent: bool | None = None  # can cmd's python import agent? (None: unknown)
         self._zygote_task: asyncio.Task[None] | None = None
+        # Processes of ours being made (a fork, a standby's or the zygote's exec): their pids
+        # are not known yet, so a sweep of leftovers must wait for them (``settle``).
+        self._in_flight: set[asyncio.Future[Any]] = set()
 
     def infrastructure_pids(self) -> set[int]:
         """Processes of ours that are not trainers: the zygote, forked and standby trainers
@@ -134,6 +139,18 @@ class Starter:
             # minute): importing a framework meanwhile would slow the restart it waits for.
             self._prepare(rank, self._prepare_standby(rank, env))
         return proc
+
+    async def settle(self, timeout: float = SETTLE_TIMEOUT_S) -> None:
+        """Until no process of ours is being made (each is then in ``infrastructure_pids``)."""
+        if self._in_flight:
+            await asyncio.wait(list(self._in_flight), timeout=timeout)
+
+    async def _made(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``await coro``, known to ``settle`` meanwhile."""
+        work = asyncio.ensure_future(coro)
+        self._in_flight.add(work)
+        work.add_done_callback(self._in_flight.discard)
+        return await work
 
     def stepped(self, rank: int) -> None:
         self.slots[rank].first_step.set()
@@ -227,7 +244,7 @@ class Starter:
         if zygote is None or not zygote.alive or slot.forked is not None:
             return
         try:
-            forked = await zygote.fork()
+            forked = await self._made(zygote.fork())
         except (ZygoteError, OSError) as e:  # the next start finds out again, and falls back
             log.warning("fork server: %s", e)
             return
@@ -239,7 +256,7 @@ class Starter:
     async def _start_zygote(self, env: dict[str, str]) -> Zygote | None:
         python, *target = self.cmd
         try:
-            zygote = await Zygote.start(python, target, self.preload, env)
+            zygote = await self._made(Zygote.start(python, target, self.preload, env))
         except OSError as e:
             log.warning("cannot start the fork server: %s", e)
             self._zygote_failures += 1
@@ -358,7 +375,7 @@ class Starter:
     async def _start_standby(self, rank: int, env: dict[str, str]) -> None:
         assert self.standby_cmd is not None
         slot = self.slots[rank]
-        proc = await exec_trainer(self.standby_cmd, env, stdin=True)
+        proc = await self._made(exec_trainer(self.standby_cmd, env, stdin=True))
         if slot.standby is None:
             slot.standby = proc
         else:  # a restart started its own meanwhile

@@ -605,6 +605,8 @@ class Supervisor:
         """SIGTERM every rank's group and every process the trainers left behind; the grace
         period; SIGKILL what is left; wait until all of it is gone."""
         running = [r for r in self.ranks if r.running]
+        # A trainer being forked ahead of time is ours before its pid is known: not a leftover.
+        await self.starter.settle()
         spare = self.starter.infrastructure_pids()
         deadline = time.monotonic() + self.config.grace_s
         termed: set[int] = set()  # processes sent SIGTERM already: one each, not a second

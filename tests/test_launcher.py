@@ -78,11 +78,33 @@ def test_four_ranks_get_torchruns_variables_and_one_crash_restarts_all_four_once
             assert e["MARDUK_RESTART_COUNT"] == str(attempt)
             assert e["MARDUK_AGENT_SOCKET"].endswith(f"agent-{local}.sock")
     assert any("local rank 2 crashed (exit code 3)" in line for line in a.all)
+    # The trainers forked ahead of time are the agent's own, not processes left behind.
+    assert not any("left behind" in line or "fork server:" in line for line in a.all)
     # torchrun's layout: attempt_N/LOCAL_RANK/{stdout,stderr}.log, without the console prefix.
     run = tmp_path / "logs" / "default_r1_0"
     assert "ValueError: rank crash" in (run / "attempt_0" / "2" / "stderr.log").read_text()
     out = (run / "attempt_1" / "3" / "stdout.log").read_text()
     assert out.startswith("ENV {") and "DONE rank 3" in out and "[rank" not in out
+
+
+CRASH_EARLY = ("--steps", "5", "--step-seconds", "0", "--crash-rank", "1")
+
+
+def test_restarts_right_after_the_first_step_sweep_neither_forks_nor_zombies(
+    env: dict[str, str],
+) -> None:
+    # Each incarnation crashes right after its first steps, while the next trainers are being
+    # forked ahead of time: those are the agent's own, not processes left behind to sweep; nor
+    # is a child that exited already (a zombie the agent adopts when its rank ends).
+    a = launch(
+        env,
+        *("--standalone", "--max-restarts", "4"),
+        trainer=[*RANKS, *CRASH_EARLY, "--crashes", "4", "--zombie"],
+    )
+    assert a.proc.wait(120) == ExitCode.OK, "".join(a.all)
+    out = "".join(a.all)
+    assert out.count("crashed (exit code 3)") == 4, out
+    assert "left behind" not in out and "fork server:" not in out, out
 
 
 def test_redirected_streams_go_to_files_only_and_the_filter_hides_ranks(

@@ -17,7 +17,9 @@ p.add_argument("--step-seconds", type=float, default=0.05)
 p.add_argument("--checkpoint-seconds", type=float, default=0.0, help="on SIGTERM, then exit")
 p.add_argument("--ignore-sigterm", action="store_true")
 p.add_argument("--crash-file", help="the crash rank crashes once this file exists (not at 3)")
+p.add_argument("--crashes", type=int, default=1, help="incarnations the crash rank crashes in")
 p.add_argument("--finish-rank", type=int, default=-1, help="this RANK exits 0 at step 1, once")
+p.add_argument("--zombie", action="store_true", help="leave an exited child unwaited for")
 p.add_argument("--long-line", type=int, default=0, help="first print one line this long")
 p.add_argument("--setsid-child", action="store_true", help="leave a setsid'd grandchild behind")
 args = p.parse_args()
@@ -48,6 +50,8 @@ rank = int(os.environ.get("RANK", "0"))
 inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("MARDUK_RESTART_COUNT", "0")))
 print("ENV " + json.dumps({**env, "pid": os.getpid()}), flush=True)
 print(f"to stderr from rank {rank}", file=sys.stderr, flush=True)
+if args.zombie and os.fork() == 0:
+    os._exit(0)
 if args.long_line:
     print("L" * args.long_line + " END-OF-LONG-LINE", flush=True)
 
@@ -78,7 +82,7 @@ while True:
     print(f"step {step}", flush=True)
     first = inc == 0
     crash_now = os.path.exists(args.crash_file) if args.crash_file else step == 3
-    if rank == args.crash_rank and crash_now and first:
+    if rank == args.crash_rank and crash_now and inc < args.crashes:
         print("Traceback (most recent call last):\nValueError: rank crash", file=sys.stderr)
         sys.exit(3)
     if rank == args.finish_rank and first:
