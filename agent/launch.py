@@ -21,6 +21,7 @@ import enum
 import os
 import socket
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -115,6 +116,13 @@ class LaunchSpec:
             out[handoff.DEVICES] = ",".join(mine)
             out["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_ids(devices, mine))
         return out
+
+    def thread_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """``OMP_NUM_THREADS=1`` for several ranks a node when the user set none, as torchrun
+        does: N ranks each with a thread per core oversubscribe the CPUs."""
+        if self.nproc_per_node > 1 and "OMP_NUM_THREADS" not in environ:
+            return {"OMP_NUM_THREADS": "1"}
+        return {}
 
     def port_for_incarnation(self) -> int:
         """MASTER_PORT for the next incarnation: the fixed one, or a free one on one node (a

@@ -219,6 +219,12 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        if self.launch is not None and self.launch.thread_env(os.environ):
+            log.warning(
+                "OMP_NUM_THREADS set to 1 for each of the %d local ranks (as torchrun does); "
+                "set it yourself to tune it",
+                self.nproc,
+            )
         # Orphans of our trainers (setsid'd helpers) become ours, not init's: ended with them.
         if not become_subreaper():
             log.warning(
@@ -501,7 +507,8 @@ class Supervisor:
             addr=o.addr,
             supervisor_pid=os.getpid(),
         )
-        return {**os.environ, "PYTHONUNBUFFERED": "1", **given.to_env()}
+        threads = self.launch.thread_env(os.environ) if self.launch is not None else {}
+        return {**os.environ, **threads, "PYTHONUNBUFFERED": "1", **given.to_env()}
 
     def _rank_env(self, rank: Rank, base: dict[str, str]) -> dict[str, str]:
         env = {**base, handoff.AGENT_SOCKET: rank.socket_path}

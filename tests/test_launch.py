@@ -37,6 +37,13 @@ def test_rank_variables_match_torchrun() -> None:
     }
 
 
+def test_several_ranks_get_one_openmp_thread_unless_the_user_chose() -> None:
+    four, one = LaunchSpec(nproc_per_node=4), LaunchSpec(nproc_per_node=1)
+    assert four.thread_env({}) == {"OMP_NUM_THREADS": "1"}  # torchrun's default
+    assert four.thread_env({"OMP_NUM_THREADS": "8"}) == {}
+    assert one.thread_env({}) == {}
+
+
 def test_split_devices_give_each_rank_its_share_and_cuda_visible_devices() -> None:
     spec = LaunchSpec(nproc_per_node=2, rank_devices="split")
     gpus = ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]

@@ -77,6 +77,7 @@ def test_four_ranks_get_torchruns_variables_and_one_crash_restarts_all_four_once
             assert e["CUDA_VISIBLE_DEVICES"] == str(local)
             assert e["MARDUK_RESTART_COUNT"] == str(attempt)
             assert e["MARDUK_AGENT_SOCKET"].endswith(f"agent-{local}.sock")
+            assert e["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
     assert any("local rank 2 crashed (exit code 3)" in line for line in a.all)
     # The trainers forked ahead of time are the agent's own, not processes left behind.
     assert not any("left behind" in line or "fork server:" in line for line in a.all)

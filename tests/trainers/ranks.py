@@ -44,6 +44,7 @@ NAMES = [
     "CUDA_VISIBLE_DEVICES",
     "MARDUK_AGENT_SOCKET",
     "MARDUK_WARM_START",
+    "OMP_NUM_THREADS",
 ]
 env = {k: os.environ.get(k) for k in NAMES}
 rank = int(os.environ.get("RANK", "0"))
