@@ -166,7 +166,7 @@ class Supervisor:
         self.channels: list[TrainerChannel] = []  # each rank's library (agent/local.py)
         self.master_port = 0
         self._master_first = False  # start rank 0 first, the others once it listens
-        self.run_dir = ""  # --log-dir/<job>_<replica>_<worker>, made at the first start
+        self.run_dir = ""  # --log-dir/<job>_<replica>_<worker>_<unique>, made at the first start
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(self.stats, self._gauges))
         self.link = ControllerLink(
@@ -219,6 +219,13 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        logs = self.config.logs
+        if logs.log_dir and not logs.wants_files:
+            log.warning(
+                "--log-dir %s: nothing is written there without --tee or --redirects "
+                "(e.g. --tee 3 for both streams of every rank)",
+                logs.log_dir,
+            )
         if self.launch is not None and self.launch.thread_env(os.environ):
             log.warning(
                 "OMP_NUM_THREADS set to 1 for each of the %d local ranks (as torchrun does); "
@@ -667,7 +674,9 @@ class Supervisor:
         if logs.wants_files and not self.run_dir:
             base = logs.log_dir or tempfile.mkdtemp(prefix="marduk_logs_")
             o = self.opts
-            self.run_dir = os.path.join(base, f"{o.job}_{o.replica}_{o.worker}")
+            # One directory per run, as torchrun makes: the last run's logs stay.
+            os.makedirs(base, exist_ok=True)
+            self.run_dir = tempfile.mkdtemp(prefix=f"{o.job}_{o.replica}_{o.worker}_", dir=base)
             log.info("rank logs under %s", self.run_dir)
         rank.open_logs(logs, self.run_dir, attempt)
 

@@ -82,7 +82,7 @@ def test_four_ranks_get_torchruns_variables_and_one_crash_restarts_all_four_once
     # The trainers forked ahead of time are the agent's own, not processes left behind.
     assert not any("left behind" in line or "fork server:" in line for line in a.all)
     # torchrun's layout: attempt_N/LOCAL_RANK/{stdout,stderr}.log, without the console prefix.
-    run = tmp_path / "logs" / "default_r1_0"
+    (run,) = (tmp_path / "logs").glob("default_r1_0_*")  # one directory per run
     assert "ValueError: rank crash" in (run / "attempt_0" / "2" / "stderr.log").read_text()
     out = (run / "attempt_1" / "3" / "stdout.log").read_text()
     assert out.startswith("ENV {") and "DONE rank 3" in out and "[rank" not in out
@@ -122,9 +122,8 @@ def test_redirected_streams_go_to_files_only_and_the_filter_hides_ranks(
     console = "".join(a.all)
     assert "[rank0]:ENV" not in console and "[rank0]:to stderr" in console  # stdout redirected
     assert "[rank1]:ENV" in console and "[rank2]:" not in console  # rank 2 filtered out
-    assert (
-        "DONE rank 0" in (tmp_path / "default_r1_0" / "attempt_0" / "0" / "stdout.log").read_text()
-    )
+    (run,) = tmp_path.glob("default_r1_0_*")
+    assert "DONE rank 0" in (run / "attempt_0" / "0" / "stdout.log").read_text()
 
 
 def test_an_output_line_longer_than_the_pipe_reader_limit_passes_through_whole(
@@ -203,6 +202,24 @@ def test_a_python_without_marduk_starts_four_ranks_cold_instead_of_giving_up(
     assert a.proc.wait(90) == ExitCode.OK, "".join(a.all)
     assert sum("DONE rank" in line for line in a.all) == 4
     assert sum("cannot import marduk's agent package" in line for line in a.all) == 1
+
+
+def test_each_run_logs_into_a_directory_of_its_own(env: dict[str, str], tmp_path: Path) -> None:
+    for _ in range(2):
+        a = launch(
+            env,
+            *("--standalone", "--log-dir", str(tmp_path), "--tee", "3"),
+            trainer=[*RANKS, "--steps", "1"],
+            nproc=2,
+        )
+        assert a.proc.wait(60) == ExitCode.OK, "".join(a.all)
+    runs = sorted(tmp_path.glob("default_r1_0_*"))
+    assert len(runs) == 2  # the second run did not overwrite the first one's logs
+    for run in runs:
+        assert "DONE rank 1" in (run / "attempt_0" / "1" / "stdout.log").read_text()
+    a = launch(env, "--standalone", "--log-dir", str(tmp_path / "x"), trainer=RANKS, nproc=2)
+    a.expect("nothing is written there without --tee or --redirects")
+    a.stop()
 
 
 def test_torch_gloo_four_ranks_restart_together_after_one_crashes(env: dict[str, str]) -> None:
