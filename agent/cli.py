@@ -144,7 +144,8 @@ def run(
         _opt(
             "MARDUK_PRELOAD",
             "Modules the pre-spawned trainer imports while it waits, comma-separated "
-            "(default: jax when installed; 'none' for nothing; e.g. torch).",
+            "(default: torch for a script that imports torch, else jax, when installed; "
+            "'none' for nothing).",
         ),
     ] = "",
     reclaim_timeout: Annotated[
@@ -383,7 +384,7 @@ def run(
         parse_std,
     )
     from agent.supervisor import Supervisor
-    from agent.supervisor_config import default_preload
+    from agent.supervisor_config import default_preload, script_source
     from marduk.logs import setup_logging
     from marduk.runtime import run as run_loop
 
@@ -451,8 +452,9 @@ def run(
         options.fail(f"--nproc-per-node or --local-ranks-filter: {e}", 2)
     if not cmd:
         options.fail("no trainer command given", 2)
+    command = trainer_command(cmd, module=module, no_python=no_python)
     config = Config(
-        cmd=trainer_command(cmd, module=module, no_python=no_python),
+        cmd=command,
         opts=opts,
         metrics_addr=metrics_addr,
         preflight=preflight,
@@ -475,7 +477,7 @@ def run(
         standalone=standalone,
         require_controller=require_controller,
         preload=(
-            default_preload()
+            default_preload(script_source(command))
             if not preload
             else [m.strip() for m in preload.split(",") if m.strip() and m.strip() != "none"]
         ),
