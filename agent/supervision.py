@@ -166,7 +166,9 @@ class Supervision:
         """A local rank's process ended (``returncode`` as asyncio gives it: -N for signal N)."""
         r = self.ranks[rank]
         if returncode == 0:
-            r.finished = True
+            # Progress too: the ranks still running (often silent: torch scripts print from
+            # rank 0) get a whole hang timeout from here to finish as well.
+            r.finished, r.progress_at = True, now
             return Finish() if all(x.finished for x in self.ranks) else None
         why = self._of(rank, f"exit {describe(returncode)}")
         return self._failure("crashed", rank, why, now, returncode)
@@ -197,8 +199,17 @@ class Supervision:
             last = f"after {max(steps)} " if steps else ""
             where = "on any local rank " if self.nproc > 1 else ""
             why = f"no step {last}{where}for {lim.hang_timeout_s:g}s"
-            return self._failure("hung", running[0], why, now)
+            return self._failure("hung", self._stuck_first(running), why, now)
         return None
+
+    def _stuck_first(self, running: list[int]) -> int:
+        """The rank to blame for a node-wide hang (its output is the report's): of the running
+        ranks that showed progress, the one that stopped first (the others likely wait for it
+        in a collective); none showed any: the first running rank."""
+        stepped = [i for i in running if self.ranks[i].progress_at]
+        if not stepped:
+            return running[0]
+        return min(stepped, key=lambda i: self.ranks[i].progress_at)
 
     def command(self, kind: CommandKind, epoch: int, reason: str) -> Decision:
         """A command from the controller (already verified and fenced by the client)."""

@@ -171,6 +171,23 @@ def test_a_silent_rank_is_not_hung_while_another_steps() -> None:
         assert s.tick(t + 0.5) is None  # past the startup and hang timeouts of ranks 1-3
 
 
+def test_a_node_wide_hang_blames_the_rank_that_stopped_first() -> None:
+    s = started(nproc=3)
+    s.progress(0, 5, now=5.0)
+    s.progress(1, 3, now=3.0)  # stuck since 3.0; 0 waits for it in a collective from 5.0
+    d = s.tick(16.0)  # rank 2 never printed a step: not the one to blame
+    assert isinstance(d, Restart) and d.failure == "hung" and d.rank == 1
+
+
+def test_a_finished_rank_gives_the_silent_ones_a_whole_hang_timeout() -> None:
+    s = started(nproc=2)
+    s.progress(0, 5, now=5.0)  # only rank 0 prints its steps
+    assert s.exited(0, 0, now=6.0) is None
+    assert s.tick(15.5) is None  # 10.5 s after rank 0's last step, 9.5 s after it finished
+    d = s.tick(16.5)
+    assert isinstance(d, Restart) and d.rank == 1
+
+
 def test_several_ranks_hang_when_none_steps() -> None:
     s = started(nproc=2)
     assert s.tick(59.0) is None
