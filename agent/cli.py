@@ -398,7 +398,10 @@ def run(
     if worker is None:
         worker = node_rank or 0  # one worker of the replica per node
     try:
-        re.compile(step_regex)
+        try:
+            re.compile(step_regex)
+        except re.error as e:
+            raise LaunchError(f"--step-regex {step_regex!r}: {e}") from None
         opts = resolve_options(
             replica or None,
             [d.strip() for d in devices.split(",") if d.strip()] if devices else None,
@@ -414,7 +417,7 @@ def run(
         launch = None
         if torchrun_style:
             nproc = nproc_per_node or str(LAUNCH.nproc_per_node)
-            n = (len(opts.devices) or 1) if nproc in ("gpu", "auto") else int(nproc)
+            n = (len(opts.devices) or 1) if nproc in ("gpu", "auto") else _count(nproc)
             host, port = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else (None, None)
             nodes = parse_nnodes(nnodes or str(LAUNCH.nnodes))
             if nodes > 1 and node_rank is None:
@@ -434,6 +437,7 @@ def run(
                 max_restarts=max_restarts,
             )
             launch.check_devices(opts.devices)
+            launch.check_master()
         nlocal = launch.nproc_per_node if launch is not None else 1
         logs = LogSpec(
             log_dir=log_dir,
@@ -483,6 +487,17 @@ def run(
         ),
     )
     raise typer.Exit(run_loop(Supervisor(config).run()))
+
+
+def _count(nproc: str) -> int:
+    """``--nproc-per-node N`` (N >= 1; ``gpu``/``auto`` are read by the caller)."""
+    from agent.launch import LaunchError
+
+    if not nproc.isdigit() or int(nproc) < 1:
+        raise LaunchError(
+            f"--nproc-per-node {nproc!r}: a number of ranks (1 or more), 'gpu' or 'auto'"
+        )
+    return int(nproc)
 
 
 def trainer_command(cmd: list[str], *, module: bool, no_python: bool) -> list[str]:

@@ -130,6 +130,11 @@ def test_node_name_is_a_valid_replica_id() -> None:
         (["--nproc-per-node", "3", "--devices", "a,b", "--rank-devices", "split"], "multiple of 3"),
         (["--nproc-per-node", "2", "--tee", "x"], "--tee 'x'"),
         (["--rdzv-endpoint", "h0:port"], "the port must be a number"),
+        (["--nproc-per-node", "2", "--redirects", "9"], "--redirects '9'"),
+        (["--nproc-per-node", "2", "--tee", "7:1"], "--tee '7:1': local rank 7 of 2"),
+        (["--nproc-per-node", "abc"], "--nproc-per-node 'abc': a number of ranks"),
+        (["--step-regex", "("], "--step-regex '('"),
+        (["--nproc-per-node", "2", "--master-addr", "192.0.2.1"], "not an address of this"),
     ],
 )
 def test_launch_mistakes_are_one_line_and_exit_2(options: list[str], message: str) -> None:
