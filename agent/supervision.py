@@ -24,6 +24,7 @@ a controller issues epochs; with one, at the epoch its reply names (``restart_ep
 from __future__ import annotations
 
 import enum
+import signal
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -275,13 +276,18 @@ class Supervision:
         return Restart(why, self.epoch, kind, rank, returncode)
 
 
-def describe(returncode: int) -> str:
-    """``3`` or ``SIGKILL``: an asyncio returncode (negative: killed by that signal)."""
-    import signal
-
-    if returncode < 0:
+def describe_returncode(code: int) -> tuple[int | None, str]:
+    """(exit code, signal name) of an asyncio returncode (negative: killed by that signal)."""
+    if code < 0:
         try:
-            return signal.Signals(-returncode).name
+            name = signal.Signals(-code).name
         except ValueError:
-            return f"signal {-returncode}"
-    return str(returncode)
+            name = f"signal {-code}"
+        return None, name
+    return code, ""
+
+
+def describe(returncode: int) -> str:
+    """``3`` or ``SIGKILL``: an asyncio returncode, in a word."""
+    code, name = describe_returncode(returncode)
+    return name or str(code)

@@ -80,6 +80,7 @@ from agent.supervision import (
     Limits,
     Restart,
     Supervision,
+    describe_returncode,
 )
 from agent.supervisor_config import SupervisorConfig, default_preload
 from agent.zygote import TrainerProcess
@@ -112,17 +113,6 @@ async def read_output(stream: asyncio.StreamReader) -> bytes:
         return e.partial  # the last line, without its newline (b"": the end)
     except asyncio.LimitOverrunError as e:
         return await stream.readexactly(max(e.consumed, 1))
-
-
-def describe_returncode(code: int) -> tuple[int | None, str]:
-    """(exit code, signal name) of an asyncio returncode (negative: killed by a signal)."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return None, name
-    return code, ""
 
 
 class Supervisor:

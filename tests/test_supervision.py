@@ -17,6 +17,8 @@ from agent.supervision import (
     Limits,
     Restart,
     Supervision,
+    describe,
+    describe_returncode,
 )
 
 LIMITS = Limits(max_restarts=2, restart_window_s=100.0, hang_timeout_s=10.0, startup_timeout_s=60.0)
@@ -293,3 +295,9 @@ def test_joining_a_controller_that_put_our_devices_out_of_service_gives_up() -> 
 def test_nproc_must_be_positive() -> None:
     with pytest.raises(ValueError):
         Supervision(LIMITS, 0)
+
+
+def test_a_returncode_in_words() -> None:
+    assert describe_returncode(3) == (3, "") and describe(3) == "3"
+    assert describe_returncode(-9) == (None, "SIGKILL") and describe(-9) == "SIGKILL"
+    assert describe(-99) == "signal 99"
