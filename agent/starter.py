@@ -18,7 +18,7 @@ import logging
 import os
 import signal
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -87,12 +87,14 @@ class Starter:
         preload: list[str],
         fork_server_timeout_s: float,
         stats: Counter[str],
+        spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
     ) -> None:
         self.cmd = cmd
         self.preload = preload
         self.fork_server = fork_server
         self.fork_server_timeout_s = fork_server_timeout_s
         self.stats = stats
+        self._spawn = spawn  # named, guarded background tasks (the supervisor's)
         self.standby_cmd = standby_command(cmd, preload) if prespawn else None
         self.slots = [RankSlot() for _ in range(nproc)]
         self.zygote: Zygote | None = None
@@ -202,7 +204,7 @@ class Starter:
             if self.standby_cmd is None:
                 return cold
             if self._fork_server_wanted() and self._zygote_task is None:
-                self._zygote_task = asyncio.create_task(self._prepare_zygote(rank, base_env))
+                self._zygote_task = self._spawn(self._prepare_zygote(rank, base_env), "zygote")
             return cold
         self._zygote_failures = 0
         slot.started_by = "zygote"
@@ -210,7 +212,9 @@ class Starter:
         # meanwhile would slow a restart (8 workers on 2 cores: 130 -> 280 ms). A fault before
         # that forks one directly. At the job's start, now: that start waits for imports
         # anyway, and a job's first step is when a bad device or a bug often shows.
-        slot.prefork_task = asyncio.create_task(self._prefork_later(rank, 0.0 if first else None))
+        slot.prefork_task = self._spawn(
+            self._prefork_later(rank, 0.0 if first else None), f"rank{rank}-prefork-later"
+        )
         return proc
 
     async def _prefork_later(self, rank: int, after: float | None) -> None:
@@ -218,7 +222,7 @@ class Starter:
         if after is None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(slot.first_step.wait(), PREFORK_AFTER_S)
-        slot.forking = asyncio.create_task(self._prefork(rank))
+        slot.forking = self._spawn(self._prefork(rank), f"rank{rank}-prefork")
 
     async def _take_forked(self, rank: int) -> ForkedProcess:
         slot = self.slots[rank]
@@ -341,7 +345,7 @@ class Starter:
         slot = self.slots[rank]
         if slot.standby_task is not None:
             slot.standby_task.cancel()
-        slot.standby_task = asyncio.create_task(coro)
+        slot.standby_task = self._spawn(coro, f"rank{rank}-standby")
 
     async def _activate_standby(self, rank: int, env: dict[str, str]) -> TrainerProcess:
         assert self.standby_cmd is not None

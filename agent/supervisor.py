@@ -142,6 +142,7 @@ class Supervisor:
             preload=config.preload,
             fork_server_timeout_s=config.fork_server_timeout_s,
             stats=self.stats,
+            spawn=self._spawn,
         )
         # A private directory (0700, made race-free by mkdtemp) holds the trainers' sockets: no
         # other user can connect to them, or guess and squat their paths.
