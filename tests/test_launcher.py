@@ -326,10 +326,10 @@ def test_sigterm_while_the_ranks_stop_for_a_restart_starts_nothing_new(
     a = launch(
         env,
         *("--standalone", "--grace", "20"),
-        trainer=[*RANKS, "--crash-rank", "1", "--checkpoint-seconds", "3"],
+        trainer=[*RANKS, "--crash-rank", "1", "--checkpoint-seconds", "5"],
         nproc=2,
     )
-    a.expect("SIGTERM rank 0: checkpointing")  # rank 1 crashed; rank 0 saves for 3 s
+    a.expect("SIGTERM rank 0: checkpointing")  # rank 1 crashed; rank 0 saves for 5 s
     a.proc.send_signal(signal.SIGTERM)
     assert a.proc.wait(60) == ExitCode.PREEMPTED, "".join(a.all)
     assert not any("incarnation 1" in line for line in a.all), "".join(a.all)
