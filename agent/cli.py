@@ -144,7 +144,8 @@ def run(
         _opt(
             "MARDUK_PRELOAD",
             "Modules the pre-spawned trainer imports while it waits, comma-separated "
-            "(default: jax when installed; 'none' for nothing; e.g. torch).",
+            "(default: torch for a script that imports torch, else jax, when installed; "
+            "'none' for nothing).",
         ),
     ] = "",
     reclaim_timeout: Annotated[
@@ -383,7 +384,7 @@ def run(
         parse_std,
     )
     from agent.supervisor import Supervisor
-    from agent.supervisor_config import default_preload
+    from agent.supervisor_config import default_preload, script_source
     from marduk.logs import setup_logging
     from marduk.runtime import run as run_loop
 
@@ -397,7 +398,10 @@ def run(
     if worker is None:
         worker = node_rank or 0  # one worker of the replica per node
     try:
-        re.compile(step_regex)
+        try:
+            re.compile(step_regex)
+        except re.error as e:
+            raise LaunchError(f"--step-regex {step_regex!r}: {e}") from None
         opts = resolve_options(
             replica or None,
             [d.strip() for d in devices.split(",") if d.strip()] if devices else None,
@@ -413,7 +417,7 @@ def run(
         launch = None
         if torchrun_style:
             nproc = nproc_per_node or str(LAUNCH.nproc_per_node)
-            n = (len(opts.devices) or 1) if nproc in ("gpu", "auto") else int(nproc)
+            n = (len(opts.devices) or 1) if nproc in ("gpu", "auto") else _count(nproc)
             host, port = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else (None, None)
             nodes = parse_nnodes(nnodes or str(LAUNCH.nnodes))
             if nodes > 1 and node_rank is None:
@@ -433,6 +437,7 @@ def run(
                 max_restarts=max_restarts,
             )
             launch.check_devices(opts.devices)
+            launch.check_master()
         nlocal = launch.nproc_per_node if launch is not None else 1
         logs = LogSpec(
             log_dir=log_dir,
@@ -451,8 +456,9 @@ def run(
         options.fail(f"--nproc-per-node or --local-ranks-filter: {e}", 2)
     if not cmd:
         options.fail("no trainer command given", 2)
+    command = trainer_command(cmd, module=module, no_python=no_python)
     config = Config(
-        cmd=trainer_command(cmd, module=module, no_python=no_python),
+        cmd=command,
         opts=opts,
         metrics_addr=metrics_addr,
         preflight=preflight,
@@ -475,12 +481,23 @@ def run(
         standalone=standalone,
         require_controller=require_controller,
         preload=(
-            default_preload()
+            default_preload(script_source(command))
             if not preload
             else [m.strip() for m in preload.split(",") if m.strip() and m.strip() != "none"]
         ),
     )
     raise typer.Exit(run_loop(Supervisor(config).run()))
+
+
+def _count(nproc: str) -> int:
+    """``--nproc-per-node N`` (N >= 1; ``gpu``/``auto`` are read by the caller)."""
+    from agent.launch import LaunchError
+
+    if not nproc.isdigit() or int(nproc) < 1:
+        raise LaunchError(
+            f"--nproc-per-node {nproc!r}: a number of ranks (1 or more), 'gpu' or 'auto'"
+        )
+    return int(nproc)
 
 
 def trainer_command(cmd: list[str], *, module: bool, no_python: bool) -> list[str]:

@@ -26,6 +26,8 @@ from marduk.metrics import StatsCollector
 log = logging.getLogger("agent.supervisor")
 
 JOIN_TIMEOUT_S = 5.0  # at most, per attempt to register in the background
+REPORT_TIMEOUT_S = 5.0  # for the controller's answer to a report
+STOPPING_REPORT_TIMEOUT_S = 1.0  # the same after SIGTERM: the grace is the trainers'
 
 
 class ControllerLink:
@@ -85,12 +87,21 @@ class ControllerLink:
             await on_joined(client)
             return
 
-    async def report(self, report: wire.Report) -> wire.ReportReply | None:
-        """The controller's answer; None with no controller, or when it was not delivered."""
+    async def report(
+        self, report: wire.Report, timeout: float = REPORT_TIMEOUT_S
+    ) -> wire.ReportReply | None:
+        """The controller's answer; None with no controller, or when it was not delivered
+        within ``timeout``."""
         if self.client is None:
             return None
+        if not self.client.connected:
+            # Not sent rather than buffered by nats-py and delivered on reconnect, after the
+            # ranks restarted locally: a stale crash report would restart the scope again.
+            # The controller hears from this node when it registers again.
+            log.warning("report %s not sent: no connection to NATS", report.status)
+            return None
         try:
-            return await self.client.report(report)
+            return await self.client.report(report, timeout)
         except MardukError as e:
             log.warning("report %s not delivered: %s", report.status, e)
             return None

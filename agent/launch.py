@@ -21,6 +21,7 @@ import enum
 import os
 import socket
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -116,6 +117,25 @@ class LaunchSpec:
             out["CUDA_VISIBLE_DEVICES"] = ",".join(cuda_ids(devices, mine))
         return out
 
+    def thread_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """``OMP_NUM_THREADS=1`` for several ranks a node when the user set none, as torchrun
+        does: N ranks each with a thread per core oversubscribe the CPUs."""
+        if self.nproc_per_node > 1 and "OMP_NUM_THREADS" not in environ:
+            return {"OMP_NUM_THREADS": "1"}
+        return {}
+
+    def check_master(self) -> None:
+        """On one node, a free MASTER_PORT is picked on ``master_addr`` at each start: it must
+        be an address of this machine (LaunchError, one line, if not)."""
+        if self.nnodes == 1 and self.master_port is None:
+            try:
+                free_port(self.master_addr)
+            except OSError as e:
+                raise LaunchError(
+                    f"--master-addr {self.master_addr}: not an address of this machine "
+                    f"({e.strerror}); on one node rank 0 listens there"
+                ) from None
+
     def port_for_incarnation(self) -> int:
         """MASTER_PORT for the next incarnation: the fixed one, or a free one on one node (a
         fresh port per restart, as torchrun's rendezvous picks: no wait on the old socket)."""
@@ -183,17 +203,30 @@ def parse_std(value: str, nproc: int, option: str) -> dict[int, Std]:
     """``--redirects``/``--tee``: ``3`` for every local rank, or ``0:1,1:2`` per rank."""
     try:
         if ":" not in value:
-            return dict.fromkeys(range(nproc), Std(int(value)))
+            return dict.fromkeys(range(nproc), _std(value))
         out = dict.fromkeys(range(nproc), Std.NONE)
         for part in value.split(","):
             rank, _, std = part.partition(":")
-            out[int(rank)] = Std(int(std))
+            if not 0 <= int(rank) < nproc:
+                raise LaunchError(
+                    f"{option} {value!r}: local rank {rank} of {nproc} (0-{nproc - 1})"
+                )
+            out[int(rank)] = _std(std)
         return out
+    except LaunchError:
+        raise
     except ValueError:
         raise LaunchError(
             f"{option} {value!r}: 0 (none), 1 (stdout), 2 (stderr), 3 (both), or "
             "LOCAL_RANK:N,... such as 0:1,1:2"
         ) from None
+
+
+def _std(text: str) -> Std:
+    n = int(text)
+    if not 0 <= n <= int(Std.OUT | Std.ERR):
+        raise ValueError(text)
+    return Std(n)
 
 
 @dataclass(frozen=True, slots=True)

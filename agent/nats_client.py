@@ -127,8 +127,8 @@ class AsyncClient(CommandInbox):
         deadline = time.monotonic() + timeout
         waiting_said = time.monotonic()
         if retry:
-            log.info(
-                "registering with the controller at %s (up to %.0f s)", redact(o.addr), timeout
+            log.debug(
+                "registering with the controller at %s (up to %.1f s)", redact(o.addr), timeout
             )
         async with self._register_lock:
             while True:
@@ -196,6 +196,7 @@ class AsyncClient(CommandInbox):
         if self.state != "closed":
             self.state = "disconnected"
             self.stats["disconnects"] += 1
+            log.warning("lost the connection to NATS at %s; reconnecting", redact(self.opts.addr))
 
     async def _on_reconnected(self) -> None:
         if self.state != "closed":
@@ -238,7 +239,12 @@ class AsyncClient(CommandInbox):
             return
         self._accept(command)
 
-    async def report(self, report: wire.Report) -> wire.ReportReply:
+    @property
+    def connected(self) -> bool:
+        """The connection to NATS is up now (a request can be answered)."""
+        return self._nc is not None and self._nc.is_connected
+
+    async def report(self, report: wire.Report, timeout: float = 5.0) -> wire.ReportReply:
         """Send a supervisor's report (marduk agent run); raises MardukError if unanswered."""
         assert self._nc is not None
         return await bus.request(
@@ -246,7 +252,7 @@ class AsyncClient(CommandInbox):
             self.subjects.report(self.opts.job),
             report,
             wire.ReportReply,
-            timeout=5.0,
+            timeout=timeout,
             addr=self.opts.addr,
         )
 
@@ -291,6 +297,9 @@ class AsyncClient(CommandInbox):
         command = self._clear_failure(command)
         if command is None:
             return True
+        if not self.connected:  # not buffered to be sent late: the next registration says it
+            self._record("ack not sent: no connection to NATS; the next registration reports it")
+            return False
         o = self.opts
         ack = wire.Ack(
             job=o.job,

@@ -52,6 +52,32 @@ def leftovers(spare: set[int]) -> list[psutil.Process]:
     return [p for p in everyone if p.pid not in spared]
 
 
+def in_groups(procs: list[psutil.Process], pgids: set[int]) -> list[psutil.Process]:
+    """Those of ``procs`` still running in one of the process groups ``pgids``."""
+    found = []
+    for p in procs:
+        with contextlib.suppress(OSError):
+            if os.getpgid(p.pid) in pgids and _running(p):
+                found.append(p)
+    return found
+
+
+async def wait_groups_gone(pgids: set[int], spare: set[int], deadline: float) -> None:
+    """Until no descendant of ours is left in the process groups ``pgids`` (children the
+    trainers forked there), or ``deadline`` (monotonic). Signals nothing.
+
+    Only our descendants are looked at, never the bare group id: once a group's leader is
+    reaped and its last member gone, the kernel may give that number to an unrelated process
+    (and its group); ``killpg`` would reach it. The agent is the subreaper of what is left
+    of its trainers, so every member that matters is a descendant."""
+    while pgids and time.monotonic() < deadline:
+        members = in_groups(await asyncio.to_thread(leftovers, spare), pgids)
+        if not members:
+            return
+        _reap(members)
+        await asyncio.sleep(0.02)
+
+
 async def end_leftovers(
     spare: set[int], grace_s: float, termed: frozenset[int] | set[int] = frozenset()
 ) -> int:
@@ -59,6 +85,8 @@ async def end_leftovers(
     to ``grace_s``, SIGKILL the rest; reap the ones that are our children. Returns how many
     there were."""
     procs = await asyncio.to_thread(leftovers, spare)
+    _reap(procs)  # exited already (zombies re-parented to us): not left behind
+    procs = [p for p in procs if _running(p)]
     if not procs:
         return 0
     log.warning(

@@ -31,7 +31,7 @@ class Tick:
 
 @dataclass(frozen=True, slots=True)
 class Preempted:
-    pass
+    signal: str = "SIGTERM"  # or SIGINT
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,9 +18,9 @@ import logging
 import os
 import signal
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from agent import handoff
 from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
@@ -29,6 +29,9 @@ from marduk.children import die_with_parent
 log = logging.getLogger("agent.supervisor")
 
 ZYGOTE_RETRIES = 3
+IMPORT_CHECK_TIMEOUT_S = 60.0
+SETTLE_TIMEOUT_S = 10.0  # at most, for a fork or a standby's start in flight
+T = TypeVar("T")
 PREFORK_AFTER_S = 1.0  # at the latest, after a start forked from the zygote: fork the next one
 
 
@@ -84,17 +87,23 @@ class Starter:
         preload: list[str],
         fork_server_timeout_s: float,
         stats: Counter[str],
+        spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
     ) -> None:
         self.cmd = cmd
         self.preload = preload
         self.fork_server = fork_server
         self.fork_server_timeout_s = fork_server_timeout_s
         self.stats = stats
+        self._spawn = spawn  # named, guarded background tasks (the supervisor's)
         self.standby_cmd = standby_command(cmd, preload) if prespawn else None
         self.slots = [RankSlot() for _ in range(nproc)]
         self.zygote: Zygote | None = None
         self._zygote_failures = 0  # in a row; past ZYGOTE_RETRIES the standby is used instead
+        self._imports_agent: bool | None = None  # can cmd's python import agent? (None: unknown)
         self._zygote_task: asyncio.Task[None] | None = None
+        # Processes of ours being made (a fork, a standby's or the zygote's exec): their pids
+        # are not known yet, so a sweep of leftovers must wait for them (``settle``).
+        self._in_flight: set[asyncio.Future[Any]] = set()
 
     def infrastructure_pids(self) -> set[int]:
         """Processes of ours that are not trainers: the zygote, forked and standby trainers
@@ -116,6 +125,8 @@ class Starter:
         ``base_env``: the environment the fork server imports in (no rank's variables)."""
         slot = self.slots[rank]
         env = {k: v for k, v in env.items() if k != handoff.WARM_START}  # set by what starts it
+        if self.standby_cmd is not None and not self._fork_server_wanted():
+            await self._check_warm_starts(env)
         if self.standby_cmd is None:
             slot.started_by = ""
             return await exec_trainer(self.cmd, env, stdin=False)
@@ -124,11 +135,24 @@ class Starter:
             proc = await self._fork(rank, env, first, base_env)
         else:
             proc = await self._activate_standby(rank, env)
-        if not self._fork_server_wanted():  # (or forking turned out unsafe just now)
+        if not self._fork_server_wanted() and self.standby_cmd is not None:
+            # (forking turned out unsafe just now, or is off)
             # The next one starts once this trainer has made its first step (or after a
             # minute): importing a framework meanwhile would slow the restart it waits for.
             self._prepare(rank, self._prepare_standby(rank, env))
         return proc
+
+    async def settle(self, timeout: float = SETTLE_TIMEOUT_S) -> None:
+        """Until no process of ours is being made (each is then in ``infrastructure_pids``)."""
+        if self._in_flight:
+            await asyncio.wait(list(self._in_flight), timeout=timeout)
+
+    async def _made(self, coro: Coroutine[Any, Any, T]) -> T:
+        """``await coro``, known to ``settle`` meanwhile."""
+        work = asyncio.ensure_future(coro)
+        self._in_flight.add(work)
+        work.add_done_callback(self._in_flight.discard)
+        return await work
 
     def stepped(self, rank: int) -> None:
         self.slots[rank].first_step.set()
@@ -163,8 +187,12 @@ class Starter:
             proc = await self._take_forked(rank)
             await proc.activate({**env, handoff.WARM_START: "zygote"})
         except (ZygoteError, OSError) as e:  # OSError: no pidfd (Linux < 5.3), no descriptors
-            self._zygote_failures += 1
-            await self._discard_zygote()
+            # One failure per fork server, not per rank: the ranks after the first of this
+            # start find none running (it was discarded) and start cold without counting.
+            if self.zygote is not None:
+                self._zygote_failures += 1
+                await self._discard_zygote()
+                await self._check_warm_starts(env)
             if isinstance(e, ZygoteUnsafe):
                 log.error("cannot fork trainers: %s; using a standby process instead", e)
                 self._zygote_failures = ZYGOTE_RETRIES
@@ -173,8 +201,10 @@ class Starter:
             self.stats["fork_server.failures"] += 1
             slot.started_by = ""
             cold = await exec_trainer(self.cmd, env, stdin=False)
+            if self.standby_cmd is None:
+                return cold
             if self._fork_server_wanted() and self._zygote_task is None:
-                self._zygote_task = asyncio.create_task(self._prepare_zygote(rank, base_env))
+                self._zygote_task = self._spawn(self._prepare_zygote(rank, base_env), "zygote")
             return cold
         self._zygote_failures = 0
         slot.started_by = "zygote"
@@ -182,7 +212,9 @@ class Starter:
         # meanwhile would slow a restart (8 workers on 2 cores: 130 -> 280 ms). A fault before
         # that forks one directly. At the job's start, now: that start waits for imports
         # anyway, and a job's first step is when a bad device or a bug often shows.
-        slot.prefork_task = asyncio.create_task(self._prefork_later(rank, 0.0 if first else None))
+        slot.prefork_task = self._spawn(
+            self._prefork_later(rank, 0.0 if first else None), f"rank{rank}-prefork-later"
+        )
         return proc
 
     async def _prefork_later(self, rank: int, after: float | None) -> None:
@@ -190,7 +222,7 @@ class Starter:
         if after is None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(slot.first_step.wait(), PREFORK_AFTER_S)
-        slot.forking = asyncio.create_task(self._prefork(rank))
+        slot.forking = self._spawn(self._prefork(rank), f"rank{rank}-prefork")
 
     async def _take_forked(self, rank: int) -> ForkedProcess:
         slot = self.slots[rank]
@@ -216,7 +248,7 @@ class Starter:
         if zygote is None or not zygote.alive or slot.forked is not None:
             return
         try:
-            forked = await zygote.fork()
+            forked = await self._made(zygote.fork())
         except (ZygoteError, OSError) as e:  # the next start finds out again, and falls back
             log.warning("fork server: %s", e)
             return
@@ -228,9 +260,10 @@ class Starter:
     async def _start_zygote(self, env: dict[str, str]) -> Zygote | None:
         python, *target = self.cmd
         try:
-            zygote = await Zygote.start(python, target, self.preload, env)
+            zygote = await self._made(Zygote.start(python, target, self.preload, env))
         except OSError as e:
             log.warning("cannot start the fork server: %s", e)
+            self._zygote_failures += 1
             return None
         log.info(
             "fork server started: pid %d, preloading %s",
@@ -272,6 +305,39 @@ class Starter:
         if zygote is not None:
             await zygote.close()
 
+    async def _check_warm_starts(self, env: dict[str, str]) -> None:
+        """Once: can the trainer's python import ``agent`` (the fork server and the standby
+        run in it)? If not (``-- python train.py`` with a python from another environment),
+        every start is cold: a warm start would die before the trainer runs, and that death
+        would count as the trainer's crash."""
+        if self._imports_agent is not None:
+            return
+        try:
+            check = await asyncio.create_subprocess_exec(
+                self.cmd[0],
+                "-c",
+                "import agent.standby, agent.zygote",
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+            )
+            _, err = await asyncio.wait_for(check.communicate(), IMPORT_CHECK_TIMEOUT_S)
+            self._imports_agent = check.returncode == 0
+        except (OSError, TimeoutError) as e:
+            err, self._imports_agent = str(e).encode(), False
+        if not self._imports_agent:
+            last = (err.decode(errors="replace").strip().splitlines() or ["?"])[-1]
+            log.warning(
+                "%s cannot import marduk's agent package (%s): starting every trainer cold "
+                "(install marduk in that environment for warm restarts)",
+                self.cmd[0],
+                last,
+            )
+            self.stats["warm_starts.unavailable"] += 1
+            self.standby_cmd = None
+            self.fork_server = False
+
     # --- standby processes ------------------------------------------------------------------------
 
     def _prepare(self, rank: int, coro: Coroutine[Any, Any, None]) -> None:
@@ -279,7 +345,7 @@ class Starter:
         slot = self.slots[rank]
         if slot.standby_task is not None:
             slot.standby_task.cancel()
-        slot.standby_task = asyncio.create_task(coro)
+        slot.standby_task = self._spawn(coro, f"rank{rank}-standby")
 
     async def _activate_standby(self, rank: int, env: dict[str, str]) -> TrainerProcess:
         assert self.standby_cmd is not None
@@ -313,7 +379,7 @@ class Starter:
     async def _start_standby(self, rank: int, env: dict[str, str]) -> None:
         assert self.standby_cmd is not None
         slot = self.slots[rank]
-        proc = await exec_trainer(self.standby_cmd, env, stdin=True)
+        proc = await self._made(exec_trainer(self.standby_cmd, env, stdin=True))
         if slot.standby is None:
             slot.standby = proc
         else:  # a restart started its own meanwhile

@@ -24,6 +24,7 @@ a controller issues epochs; with one, at the epoch its reply names (``restart_ep
 from __future__ import annotations
 
 import enum
+import signal
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -166,7 +167,9 @@ class Supervision:
         """A local rank's process ended (``returncode`` as asyncio gives it: -N for signal N)."""
         r = self.ranks[rank]
         if returncode == 0:
-            r.finished = True
+            # Progress too: the ranks still running (often silent: torch scripts print from
+            # rank 0) get a whole hang timeout from here to finish as well.
+            r.finished, r.progress_at = True, now
             return Finish() if all(x.finished for x in self.ranks) else None
         why = self._of(rank, f"exit {describe(returncode)}")
         return self._failure("crashed", rank, why, now, returncode)
@@ -197,8 +200,17 @@ class Supervision:
             last = f"after {max(steps)} " if steps else ""
             where = "on any local rank " if self.nproc > 1 else ""
             why = f"no step {last}{where}for {lim.hang_timeout_s:g}s"
-            return self._failure("hung", running[0], why, now)
+            return self._failure("hung", self._stuck_first(running), why, now)
         return None
+
+    def _stuck_first(self, running: list[int]) -> int:
+        """The rank to blame for a node-wide hang (its output is the report's): of the running
+        ranks that showed progress, the one that stopped first (the others likely wait for it
+        in a collective); none showed any: the first running rank."""
+        stepped = [i for i in running if self.ranks[i].progress_at]
+        if not stepped:
+            return running[0]
+        return min(stepped, key=lambda i: self.ranks[i].progress_at)
 
     def command(self, kind: CommandKind, epoch: int, reason: str) -> Decision:
         """A command from the controller (already verified and fenced by the client)."""
@@ -212,9 +224,11 @@ class Supervision:
             return GiveUp(ExitCode.STOPPED, f"stop command (epoch {epoch}): {reason}")
         return Restart(f"restart command epoch {epoch}: {reason}", epoch)
 
-    def preempted(self) -> GiveUp:
-        """SIGTERM or SIGINT to the agent: the ranks get the grace period, then the agent exits."""
-        return GiveUp(ExitCode.PREEMPTED, "SIGTERM to the agent (preemption or eviction)")
+    def preempted(self, signal_name: str = "SIGTERM") -> GiveUp:
+        """SIGTERM or SIGINT to the agent: the ranks get the grace period, then the agent exits
+        (the same code either way; the reason says which: Ctrl-C is no eviction)."""
+        what = "preemption or eviction" if signal_name == "SIGTERM" else "interrupted"
+        return GiveUp(ExitCode.PREEMPTED, f"{signal_name} to the agent ({what})")
 
     def joined(self, controller_epoch: int, unusable_devices: list[str]) -> GiveUp | None:
         """The controller answered a registration made while running standalone: its epochs
@@ -262,13 +276,18 @@ class Supervision:
         return Restart(why, self.epoch, kind, rank, returncode)
 
 
-def describe(returncode: int) -> str:
-    """``3`` or ``SIGKILL``: an asyncio returncode (negative: killed by that signal)."""
-    import signal
-
-    if returncode < 0:
+def describe_returncode(code: int) -> tuple[int | None, str]:
+    """(exit code, signal name) of an asyncio returncode (negative: killed by that signal)."""
+    if code < 0:
         try:
-            return signal.Signals(-returncode).name
+            name = signal.Signals(-code).name
         except ValueError:
-            return f"signal {-returncode}"
-    return str(returncode)
+            name = f"signal {-code}"
+        return None, name
+    return code, ""
+
+
+def describe(returncode: int) -> str:
+    """``3`` or ``SIGKILL``: an asyncio returncode, in a word."""
+    code, name = describe_returncode(returncode)
+    return name or str(code)

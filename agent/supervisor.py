@@ -41,19 +41,23 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Coroutine, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from agent import handoff, local
 from agent.client import AsyncClient, Command
-from agent.controller_link import ControllerLink
+from agent.controller_link import (
+    REPORT_TIMEOUT_S,
+    STOPPING_REPORT_TIMEOUT_S,
+    ControllerLink,
+)
 from agent.handoff import Handoff
 from agent.launch import Std, listening
 from agent.local import TrainerChannel
 from agent.preflight import run_check
-from agent.proctree import become_subreaper, end_leftovers, leftovers
+from agent.proctree import become_subreaper, end_leftovers, leftovers, wait_groups_gone
 from agent.ranks import (
     CommandArrived,
     Fact,
@@ -76,6 +80,7 @@ from agent.supervision import (
     Limits,
     Restart,
     Supervision,
+    describe_returncode,
 )
 from agent.supervisor_config import SupervisorConfig, default_preload
 from agent.zygote import TrainerProcess
@@ -87,20 +92,27 @@ from marduk.metrics import MetricsServer, Probes, StatsCollector, gauge, histogr
 __all__ = ["ExitCode", "Supervisor", "SupervisorConfig", "default_preload", "standby_command"]
 
 log = logging.getLogger("agent.supervisor")
+T = TypeVar("T")
 
 MASTER_WAIT_S = 2.0  # at most, for rank 0 to listen on MASTER_PORT before the others start
+CANCEL_WAIT_S = 1.0  # at most, for work cut short by SIGTERM to end
 PUMP_DRAIN_S = 0.5  # after a rank exits: its output still in the pipe (a leftover may hold it)
 
 
-def describe_returncode(code: int) -> tuple[int | None, str]:
-    """(exit code, signal name) of an asyncio returncode (negative: killed by a signal)."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return None, name
-    return code, ""
+async def read_output(stream: asyncio.StreamReader) -> bytes:
+    """The next line of a trainer's output, its newline kept; b"" at the end.
+
+    A line longer than the reader's limit (a progress bar redrawn with \\r, a big tensor
+    printed, a JSON blob) comes back in pieces of at most the limit, without a newline until
+    the last: passed through whole, never an error. (``readline()`` raises ValueError there,
+    and a pump that stops reading blocks its trainer on a full pipe: a healthy trainer "hangs".)
+    """
+    try:
+        return await stream.readuntil(b"\n")
+    except asyncio.IncompleteReadError as e:
+        return e.partial  # the last line, without its newline (b"": the end)
+    except asyncio.LimitOverrunError as e:
+        return await stream.readexactly(max(e.consumed, 1))
 
 
 class Supervisor:
@@ -130,6 +142,7 @@ class Supervisor:
             preload=config.preload,
             fork_server_timeout_s=config.fork_server_timeout_s,
             stats=self.stats,
+            spawn=self._spawn,
         )
         # A private directory (0700, made race-free by mkdtemp) holds the trainers' sockets: no
         # other user can connect to them, or guess and squat their paths.
@@ -144,7 +157,7 @@ class Supervisor:
         self.channels: list[TrainerChannel] = []  # each rank's library (agent/local.py)
         self.master_port = 0
         self._master_first = False  # start rank 0 first, the others once it listens
-        self.run_dir = ""  # --log-dir/<job>_<replica>_<worker>, made at the first start
+        self.run_dir = ""  # --log-dir/<job>_<replica>_<worker>_<unique>, made at the first start
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(self.stats, self._gauges))
         self.link = ControllerLink(
@@ -165,6 +178,11 @@ class Supervisor:
             "From a trainer's start to its first step (or heartbeat).",
         )
         self._ended_at: float | None = None
+        # SIGTERM/SIGINT: set at once, whatever the agent is doing (connecting, starting,
+        # stopping, reporting); a second signal cuts the grace period short.
+        self._signalled = asyncio.Event()
+        self._signal_name = "SIGTERM"
+        self._hurry = asyncio.Event()
 
     # --- what the rest of the code reads ----------------------------------------------------------
 
@@ -191,7 +209,20 @@ class Supervisor:
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.facts.put_nowait, Preempted())
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        logs = self.config.logs
+        if logs.log_dir and not logs.wants_files:
+            log.warning(
+                "--log-dir %s: nothing is written there without --tee or --redirects "
+                "(e.g. --tee 3 for both streams of every rank)",
+                logs.log_dir,
+            )
+        if self.launch is not None and self.launch.thread_env(os.environ):
+            log.warning(
+                "OMP_NUM_THREADS set to 1 for each of the %d local ranks (as torchrun does); "
+                "set it yourself to tune it",
+                self.nproc,
+            )
         # Orphans of our trainers (setsid'd helpers) become ours, not init's: ended with them.
         if not become_subreaper():
             log.warning(
@@ -205,8 +236,15 @@ class Supervisor:
             )
             self.link.join_in_background(self._joined)
         else:
+            # Nothing starts until the controller answers: say so at once, not after the wait.
+            log.info(
+                "registering with the controller at %s: the trainers start once it answers "
+                "(up to %g s; --standalone starts them now and joins it later)",
+                redact(self.opts.addr),
+                self.opts.timeout,
+            )
             try:
-                client = await self.link.connect()
+                client = await self._or_signal(self.link.connect())
             except MardukError as e:
                 if self.config.require_controller:
                     log.error("cannot register with the controller: %s", e)
@@ -218,6 +256,10 @@ class Supervisor:
                 )
                 self.link.join_in_background(self._joined)
             else:
+                if client is None:
+                    log.warning("%s before the trainers started: exiting", self._signal_name)
+                    await self.link.close(deregister=False)
+                    return ExitCode.PREEMPTED
                 self.core.joined(client.epoch, [])
                 if client.unusable_devices:
                     # Quarantined or drained by the controller: running here cannot help; the
@@ -267,6 +309,31 @@ class Supervisor:
             await self.link.close(deregister=False)
             if metrics is not None:
                 await metrics.stop()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self._signalled.is_set():
+            log.warning("%s again: the trainers get no more grace (SIGKILL)", sig.name)
+            self._hurry.set()
+            return
+        self._signal_name = sig.name
+        self._signalled.set()
+        self.facts.put_nowait(Preempted(sig.name))
+
+    async def _or_signal(self, coro: Coroutine[Any, Any, T]) -> T | None:
+        """``coro``'s result, or None when SIGTERM/SIGINT came first (it is cancelled)."""
+        if self._signalled.is_set():
+            coro.close()
+            return None
+        work = asyncio.ensure_future(coro)
+        signalled = asyncio.ensure_future(self._signalled.wait())
+        await asyncio.wait({work, signalled}, return_when=asyncio.FIRST_COMPLETED)
+        signalled.cancel()
+        if work.done():
+            return work.result()
+        work.cancel()
+        # Not forever: a library may hold on to its cancellation (nats-py while connecting).
+        await asyncio.wait([work], timeout=CANCEL_WAIT_S)
+        return None
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """A named background task whose failure is logged and counted, not lost."""
@@ -324,6 +391,10 @@ class Supervisor:
 
     async def _loop(self) -> int:
         while True:
+            if self._signalled.is_set():  # came while stopping or between incarnations
+                code = await self._apply(self.core.preempted(self._signal_name), None)
+                assert code is not None
+                return code
             try:
                 await self._start_all()
             except OSError as e:
@@ -338,7 +409,7 @@ class Supervisor:
             code = await self._apply(decision, command)
             if code is not None:
                 return code
-            await self._cleanup()
+            await self._or_signal(self._cleanup())
 
     async def _supervise(self) -> tuple[Decision, Command | None]:
         """Feed the core what happens until it decides something the ranks must stop for."""
@@ -356,7 +427,7 @@ class Supervisor:
             elif isinstance(fact, Tick):
                 decision = self.core.tick(now)
             elif isinstance(fact, Preempted):
-                decision = self.core.preempted()
+                decision = self.core.preempted(fact.signal)
             elif isinstance(fact, Joined):
                 decision = self.core.joined(fact.epoch, fact.unusable_devices)
             else:
@@ -380,7 +451,8 @@ class Supervisor:
             return ExitCode.OK
         if isinstance(decision, GiveUp):
             if decision.code == ExitCode.PREEMPTED:
-                await self._report("preempted", summary="SIGTERM to the agent")
+                log.warning("%s: stopped the trainers", decision.why)
+                await self._report("preempted", summary=decision.why)
             elif decision.code == ExitCode.STOPPED:
                 log.warning("%s", decision.why)
             elif decision.failure is not None:
@@ -433,7 +505,8 @@ class Supervisor:
             addr=o.addr,
             supervisor_pid=os.getpid(),
         )
-        return {**os.environ, "PYTHONUNBUFFERED": "1", **given.to_env()}
+        threads = self.launch.thread_env(os.environ) if self.launch is not None else {}
+        return {**os.environ, **threads, "PYTHONUNBUFFERED": "1", **given.to_env()}
 
     def _rank_env(self, rank: Rank, base: dict[str, str]) -> dict[str, str]:
         env = {**base, handoff.AGENT_SOCKET: rank.socket_path}
@@ -444,6 +517,8 @@ class Supervisor:
         return env
 
     async def _start_all(self) -> None:
+        """Start every rank. A signal meanwhile: the ranks not started yet are not (the loop
+        then stops those that are)."""
         incarnation = self.core.started(time.monotonic())
         if self.launch is not None:
             self.master_port = self.launch.port_for_incarnation()
@@ -452,15 +527,23 @@ class Supervisor:
             rank.tail.clear()
             self._open_logs(rank, incarnation)
             try:
-                rank.proc = await self.starter.start(
-                    rank.index,
-                    self._rank_env(rank, base),
-                    first=incarnation == 0,
-                    base_env=base,
+                proc = await self._or_signal(
+                    self.starter.start(
+                        rank.index,
+                        self._rank_env(rank, base),
+                        first=incarnation == 0,
+                        base_env=base,
+                    )
                 )
             except OSError:
                 await self._stop_all("a local rank could not start")
                 raise
+            if proc is None:
+                log.warning(
+                    "%s while starting the trainers: not starting the rest", self._signal_name
+                )
+                return
+            rank.proc = proc
             self._watch(rank, incarnation)
             if rank.index == 0 and self._master_first:
                 await self._wait_for_master()
@@ -484,6 +567,11 @@ class Supervisor:
             incarnation,
             f" (pre-spawned), from the {by}" if by else "",
         )
+        # In the background: the loop must see crashes and signals while the controller
+        # answers (5 s at most when it is gone but NATS is not).
+        self._spawn(self._report_running(), "report-running")
+
+    async def _report_running(self) -> None:
         await self._report("running")
 
     def _watch(self, rank: Rank, incarnation: int) -> None:
@@ -522,6 +610,8 @@ class Supervisor:
         """SIGTERM every rank's group and every process the trainers left behind; the grace
         period; SIGKILL what is left; wait until all of it is gone."""
         running = [r for r in self.ranks if r.running]
+        # A trainer being forked ahead of time is ours before its pid is known: not a leftover.
+        await self.starter.settle()
         spare = self.starter.infrastructure_pids()
         deadline = time.monotonic() + self.config.grace_s
         termed: set[int] = set()  # processes sent SIGTERM already: one each, not a second
@@ -540,18 +630,26 @@ class Supervisor:
                     if os.getpgid(p.pid) not in groups:  # (killpg signalled those)
                         p.send_signal(signal.SIGTERM)
                     termed.add(p.pid)
-            waits = [r.proc.wait() for r in running if r.proc is not None]
-            try:
-                await asyncio.wait_for(asyncio.gather(*waits), self.config.grace_s)
-            except TimeoutError:
-                log.warning("trainer ignored SIGTERM for %gs; SIGKILL", self.config.grace_s)
+            ended = asyncio.gather(*(r.proc.wait() for r in running if r.proc is not None))
+            hurry: asyncio.Future[Any] = asyncio.ensure_future(self._hurry.wait())
+            await asyncio.wait(
+                [ended, hurry], timeout=self.config.grace_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            hurry.cancel()
+            if not ended.done():
+                if not self._hurry.is_set():
+                    log.warning("trainer ignored SIGTERM for %gs; SIGKILL", self.config.grace_s)
                 for r in running:
                     if r.proc is not None and r.proc.returncode is None:
                         with contextlib.suppress(ProcessLookupError):
                             os.killpg(r.proc.pid, signal.SIGKILL)
-                await asyncio.gather(*(r.proc.wait() for r in running if r.proc is not None))
-        for r in self.ranks:
-            await self._wait_group_gone(r)
+                await ended
+        # What stays of the ranks' groups (children forked in them) is ours to wait for: the
+        # agent is their subreaper. Never by bare pgid: a finished rank's pid may be reused.
+        if self._hurry.is_set():
+            deadline = time.monotonic()
+        groups = {r.proc.pid for r in self.ranks if r.proc is not None}
+        await wait_groups_gone(groups, spare, deadline)
         await end_leftovers(spare, max(0.0, deadline - time.monotonic()), termed)
         for r in self.ranks:
             for task in r.tasks:
@@ -560,21 +658,6 @@ class Supervisor:
                 task.cancel()
             r.close_logs()
 
-    async def _wait_group_gone(self, rank: Rank, timeout: float = 10.0) -> None:
-        """Until no process of the rank's group is left (children it forked included)."""
-        if rank.proc is None:
-            return
-        pgid = rank.proc.pid
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(pgid, 0)
-            except (ProcessLookupError, PermissionError):
-                return
-            await asyncio.sleep(0.01)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(pgid, signal.SIGKILL)
-
     # --- output -----------------------------------------------------------------------------------
 
     def _open_logs(self, rank: Rank, attempt: int) -> None:
@@ -582,7 +665,9 @@ class Supervisor:
         if logs.wants_files and not self.run_dir:
             base = logs.log_dir or tempfile.mkdtemp(prefix="marduk_logs_")
             o = self.opts
-            self.run_dir = os.path.join(base, f"{o.job}_{o.replica}_{o.worker}")
+            # One directory per run, as torchrun makes: the last run's logs stay.
+            os.makedirs(base, exist_ok=True)
+            self.run_dir = tempfile.mkdtemp(prefix=f"{o.job}_{o.replica}_{o.worker}_", dir=base)
             log.info("rank logs under %s", self.run_dir)
         rank.open_logs(logs, self.run_dir, attempt)
 
@@ -596,13 +681,15 @@ class Supervisor:
         show = logs.to_console(rank.index, which)
         prefix = logs.prefix(self.launch, rank.index) if self.launch is not None else b""
         file = rank.files[0 if which == Std.OUT else 1] if rank.files else None
+        at_start = True  # of a line: a long line's later pieces get no prefix
         while True:
-            line = await stream.readline()
+            line = await read_output(stream)
             if not line:
                 return
             if show:
-                console.write(prefix + line)
+                console.write(prefix + line if at_start else line)
                 console.flush()
+            at_start = line.endswith(b"\n")
             if file is not None and not file.closed:
                 file.write(line)
                 file.flush()
@@ -750,7 +837,10 @@ class Supervisor:
             step=self.step,
             **fields,  # type: ignore[arg-type]
         )
-        return await self.link.report(report)
+        stopping = self._signalled.is_set()
+        return await self.link.report(
+            report, STOPPING_REPORT_TIMEOUT_S if stopping else REPORT_TIMEOUT_S
+        )
 
 
 def decision_why(decision: Decision) -> str:

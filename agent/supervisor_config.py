@@ -9,6 +9,7 @@ directly cannot disagree. Light to import: the CLI reads it on every ``marduk`` 
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Final
 
@@ -80,6 +81,28 @@ class SupervisorConfig:
         return self.monitor_interval_s or min(1.0, self.hang_timeout_s / 4)
 
 
-def default_preload() -> list[str]:
-    """jax, when this interpreter has it: the import that dominates a JAX trainer's start."""
-    return ["jax"] if importlib.util.find_spec("jax") is not None else []
+def default_preload(script: str = "") -> list[str]:
+    """The framework whose import dominates the trainer's start, when this interpreter has it:
+    torch for a script that imports torch and not jax (a torchrun drop-in), else jax."""
+    if _imports(script, "torch") and not _imports(script, "jax") and _installed("torch"):
+        return ["torch"]
+    return ["jax"] if _installed("jax") else []
+
+
+def _imports(source: str, module: str) -> bool:
+    return re.search(rf"^\s*(import|from)\s+{module}\b", source, re.MULTILINE) is not None
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def script_source(cmd: list[str], limit: int = 1 << 16) -> str:
+    """The start of ``python SCRIPT``'s script ("" for anything else, or unreadable)."""
+    if len(cmd) < 2 or not cmd[1].endswith(".py"):
+        return ""
+    try:
+        with open(cmd[1], encoding="utf-8", errors="replace") as f:
+            return f.read(limit)
+    except OSError:
+        return ""

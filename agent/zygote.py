@@ -340,7 +340,9 @@ class Zygote:
         self.proc = proc
         self.sock = sock
         self.native_threads = 0
-        self._ready = asyncio.ensure_future(self._hello())
+        self._ready = asyncio.create_task(self._hello(), name="marduk-agent-zygote-hello")
+        # Its failure is wait_ready's to raise; retrieved here too, in case none waits.
+        self._ready.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._lock = asyncio.Lock()
 
     @classmethod

@@ -81,3 +81,18 @@ def test_torchrun_options_default_as_the_launch_contract(built: list[SupervisorC
     (config,) = built
     assert config.launch == LaunchSpec(nproc_per_node=2, max_restarts=config.max_restarts)
     assert config.logs.prefix_template is not None  # [rankN]: prefixes with several ranks
+
+
+def test_the_preload_default_follows_the_framework_the_script_imports() -> None:
+    pytest.importorskip("torch", reason="torch (CPU) is not installed: pip install torch")
+    pytest.importorskip("jax", reason="jax is not installed")
+    assert default_preload("import os\nimport torch.distributed as dist\n") == ["torch"]
+    assert default_preload("from torch import nn\nimport jax\n") == ["jax"]  # both: jax
+    assert default_preload("import numpy\n") == ["jax"]  # as before
+    assert default_preload("# import torch in a comment? no: not at a line's start\n") == ["jax"]
+
+
+def test_a_torchrun_drop_in_preloads_torch(built: list[SupervisorConfig]) -> None:
+    pytest.importorskip("torch", reason="torch (CPU) is not installed: pip install torch")
+    invoke("--nproc-per-node", "2", "tests/trainers/gloo.py")
+    assert built[0].preload == ["torch"]

@@ -37,6 +37,13 @@ def test_rank_variables_match_torchrun() -> None:
     }
 
 
+def test_several_ranks_get_one_openmp_thread_unless_the_user_chose() -> None:
+    four, one = LaunchSpec(nproc_per_node=4), LaunchSpec(nproc_per_node=1)
+    assert four.thread_env({}) == {"OMP_NUM_THREADS": "1"}  # torchrun's default
+    assert four.thread_env({"OMP_NUM_THREADS": "8"}) == {}
+    assert one.thread_env({}) == {}
+
+
 def test_split_devices_give_each_rank_its_share_and_cuda_visible_devices() -> None:
     spec = LaunchSpec(nproc_per_node=2, rank_devices="split")
     gpus = ["GPU-a", "GPU-b", "GPU-c", "GPU-d"]
@@ -123,6 +130,11 @@ def test_node_name_is_a_valid_replica_id() -> None:
         (["--nproc-per-node", "3", "--devices", "a,b", "--rank-devices", "split"], "multiple of 3"),
         (["--nproc-per-node", "2", "--tee", "x"], "--tee 'x'"),
         (["--rdzv-endpoint", "h0:port"], "the port must be a number"),
+        (["--nproc-per-node", "2", "--redirects", "9"], "--redirects '9'"),
+        (["--nproc-per-node", "2", "--tee", "7:1"], "--tee '7:1': local rank 7 of 2"),
+        (["--nproc-per-node", "abc"], "--nproc-per-node 'abc': a number of ranks"),
+        (["--step-regex", "("], "--step-regex '('"),
+        (["--nproc-per-node", "2", "--master-addr", "192.0.2.1"], "not an address of this"),
     ],
 )
 def test_launch_mistakes_are_one_line_and_exit_2(options: list[str], message: str) -> None:

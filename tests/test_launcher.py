@@ -6,7 +6,9 @@ started later, and nothing left behind (grace honoured, SIGTERM ignored, setsid'
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -75,12 +77,35 @@ def test_four_ranks_get_torchruns_variables_and_one_crash_restarts_all_four_once
             assert e["CUDA_VISIBLE_DEVICES"] == str(local)
             assert e["MARDUK_RESTART_COUNT"] == str(attempt)
             assert e["MARDUK_AGENT_SOCKET"].endswith(f"agent-{local}.sock")
+            assert e["OMP_NUM_THREADS"] == os.environ.get("OMP_NUM_THREADS", "1")
     assert any("local rank 2 crashed (exit code 3)" in line for line in a.all)
+    # The trainers forked ahead of time are the agent's own, not processes left behind.
+    assert not any("left behind" in line or "fork server:" in line for line in a.all)
     # torchrun's layout: attempt_N/LOCAL_RANK/{stdout,stderr}.log, without the console prefix.
-    run = tmp_path / "logs" / "default_r1_0"
+    (run,) = (tmp_path / "logs").glob("default_r1_0_*")  # one directory per run
     assert "ValueError: rank crash" in (run / "attempt_0" / "2" / "stderr.log").read_text()
     out = (run / "attempt_1" / "3" / "stdout.log").read_text()
     assert out.startswith("ENV {") and "DONE rank 3" in out and "[rank" not in out
+
+
+CRASH_EARLY = ("--steps", "5", "--step-seconds", "0", "--crash-rank", "1")
+
+
+def test_restarts_right_after_the_first_step_sweep_neither_forks_nor_zombies(
+    env: dict[str, str],
+) -> None:
+    # Each incarnation crashes right after its first steps, while the next trainers are being
+    # forked ahead of time: those are the agent's own, not processes left behind to sweep; nor
+    # is a child that exited already (a zombie the agent adopts when its rank ends).
+    a = launch(
+        env,
+        *("--standalone", "--max-restarts", "4"),
+        trainer=[*RANKS, *CRASH_EARLY, "--crashes", "4", "--zombie"],
+    )
+    assert a.proc.wait(120) == ExitCode.OK, "".join(a.all)
+    out = "".join(a.all)
+    assert out.count("crashed (exit code 3)") == 4, out
+    assert "left behind" not in out and "fork server:" not in out, out
 
 
 def test_redirected_streams_go_to_files_only_and_the_filter_hides_ranks(
@@ -97,9 +122,104 @@ def test_redirected_streams_go_to_files_only_and_the_filter_hides_ranks(
     console = "".join(a.all)
     assert "[rank0]:ENV" not in console and "[rank0]:to stderr" in console  # stdout redirected
     assert "[rank1]:ENV" in console and "[rank2]:" not in console  # rank 2 filtered out
-    assert (
-        "DONE rank 0" in (tmp_path / "default_r1_0" / "attempt_0" / "0" / "stdout.log").read_text()
+    (run,) = tmp_path.glob("default_r1_0_*")
+    assert "DONE rank 0" in (run / "attempt_0" / "0" / "stdout.log").read_text()
+
+
+def test_an_output_line_longer_than_the_pipe_reader_limit_passes_through_whole(
+    env: dict[str, str],
+) -> None:
+    # 70 KB on one line, then more than a pipe's 64 KiB of steps: a pump that died on the long
+    # line would leave the trainer blocked on write, "hung" with no restart left: exit 70.
+    a = launch(
+        env,
+        *("--standalone", "--hang-timeout", "30", "--max-restarts", "0"),
+        trainer=[*RANKS, "--long-line", "70000", "--steps", "8000", "--step-seconds", "0"],
+        nproc=2,
     )
+    assert a.proc.wait(120) == ExitCode.OK, "".join(a.all)[-2000:]
+    long = "L" * 70000 + " END-OF-LONG-LINE\n"
+    assert sorted(line[: line.index("L")] for line in a.all if line.endswith(long)) == [
+        "[rank0]:",
+        "[rank1]:",
+    ]
+    assert sum("DONE rank" in line for line in a.all) == 2
+
+
+def process_at_pid(pid: int, tries: int = 200) -> subprocess.Popen[bytes] | None:
+    """An unrelated ``setsid sleep`` given exactly ``pid`` (through ns_last_pid), or None."""
+    for _ in range(tries):
+        try:
+            Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        except OSError:
+            return None
+        p = subprocess.Popen(["sleep", "1000"], start_new_session=True)
+        if p.pid == pid:
+            return p
+        p.kill()
+        p.wait()
+    return None
+
+
+def test_a_finished_ranks_reused_pid_is_never_signalled(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    crash = tmp_path / "crash"
+    trainer = [*RANKS, "--steps", "3", "--finish-rank", "1", "--crash-rank", "0"]
+    a = launch(
+        env,
+        *("--standalone", "--grace", "5"),
+        trainer=[*trainer, "--crash-file", str(crash)],
+        nproc=2,
+    )
+    a.expect("local rank 1 finished")
+    pid = next(e["pid"] for e in envs(a) if e["RANK"] == "1")
+    stranger = process_at_pid(pid)
+    if stranger is None:
+        a.stop()
+        pytest.skip("cannot steer pids (/proc/sys/kernel/ns_last_pid not writable)")
+    try:
+        crash.touch()  # rank 0 crashes: every rank stops and restarts, rank 1's old pgid too
+        assert a.proc.wait(60) == ExitCode.OK, "".join(a.all)
+        assert stranger.poll() is None, "the agent signalled a process that reused a rank's pid"
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_python_without_marduk_starts_four_ranks_cold_instead_of_giving_up(
+    env: dict[str, str],
+) -> None:
+    # The interpreter the venv was made from: the trainer runs, the fork server cannot.
+    python = os.path.join(sys.base_prefix, "bin", "python3")
+    if subprocess.run([python, "-c", "import msgspec"], capture_output=True).returncode == 0:
+        pytest.skip(f"{python} has marduk's dependencies: no python without them here")
+    a = launch(
+        env,
+        *("--standalone", "--max-restarts", "0"),
+        trainer=[python, "tests/trainers/ranks.py", "--steps", "3"],
+    )
+    assert a.proc.wait(90) == ExitCode.OK, "".join(a.all)
+    assert sum("DONE rank" in line for line in a.all) == 4
+    assert sum("cannot import marduk's agent package" in line for line in a.all) == 1
+
+
+def test_each_run_logs_into_a_directory_of_its_own(env: dict[str, str], tmp_path: Path) -> None:
+    for _ in range(2):
+        a = launch(
+            env,
+            *("--standalone", "--log-dir", str(tmp_path), "--tee", "3"),
+            trainer=[*RANKS, "--steps", "1"],
+            nproc=2,
+        )
+        assert a.proc.wait(60) == ExitCode.OK, "".join(a.all)
+    runs = sorted(tmp_path.glob("default_r1_0_*"))
+    assert len(runs) == 2  # the second run did not overwrite the first one's logs
+    for run in runs:
+        assert "DONE rank 1" in (run / "attempt_0" / "1" / "stdout.log").read_text()
+    a = launch(env, "--standalone", "--log-dir", str(tmp_path / "x"), trainer=RANKS, nproc=2)
+    a.expect("nothing is written there without --tee or --redirects")
+    a.stop()
 
 
 def test_torch_gloo_four_ranks_restart_together_after_one_crashes(env: dict[str, str]) -> None:
@@ -150,6 +270,28 @@ def test_a_standalone_agent_joins_a_controller_started_later_and_follows_it(
         a.stop()
 
 
+def test_after_the_controller_disappears_a_crash_restarts_locally_without_waiting_on_it(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    ctl = controller(env)  # with its embedded NATS: both go
+    crash = tmp_path / "crash"
+    a = launch(
+        env,
+        *("--devices", "a,b"),
+        trainer=[*RANKS, "--steps", "30", "--crash-rank", "1", "--crash-file", str(crash)],
+        nproc=2,
+    )
+    a.expect("step 3")
+    ctl.stop(signal.SIGKILL)
+    a.expect("lost the connection to NATS")
+    crash.touch()
+    assert a.proc.wait(60) == ExitCode.OK, "".join(a.all)
+    out = "".join(a.all)
+    assert "report crashed not sent: no connection to NATS" in out, out
+    assert "not delivered" not in out, out  # nothing waited for an answer, nothing was buffered
+    assert out.index("report crashed not sent") < out.index("incarnation 1")
+
+
 def test_the_grace_period_is_honoured_for_a_rank_that_checkpoints(env: dict[str, str]) -> None:
     a = launch(
         env,
@@ -176,6 +318,49 @@ def test_a_rank_ignoring_sigterm_is_killed_after_the_grace(env: dict[str, str]) 
     first = next(e["pid"] for e in envs(a) if e["RANK"] == "0")
     assert gone(int(first))
     a.stop()
+
+
+def test_sigterm_while_the_ranks_stop_for_a_restart_starts_nothing_new(
+    env: dict[str, str],
+) -> None:
+    a = launch(
+        env,
+        *("--standalone", "--grace", "20"),
+        trainer=[*RANKS, "--crash-rank", "1", "--checkpoint-seconds", "5"],
+        nproc=2,
+    )
+    a.expect("SIGTERM rank 0: checkpointing")  # rank 1 crashed; rank 0 saves for 5 s
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(60) == ExitCode.PREEMPTED, "".join(a.all)
+    assert not any("incarnation 1" in line for line in a.all), "".join(a.all)
+    assert any("SIGTERM to the agent (preemption or eviction)" in line for line in a.all)
+
+
+def test_sigterm_while_waiting_for_the_controller_exits_without_starting(
+    env: dict[str, str],
+) -> None:
+    a = launch(env, "--connect-timeout", "60", trainer=RANKS, nproc=2)  # no NATS there
+    a.expect("the trainers start once it answers (up to 60 s; --standalone starts them now")
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(45) == ExitCode.PREEMPTED, "".join(a.all)
+    assert any("SIGTERM before the trainers started" in line for line in a.all)
+    assert not envs(a), "".join(a.all)
+
+
+def test_a_second_signal_ends_the_grace_period(env: dict[str, str]) -> None:
+    a = launch(
+        env,
+        *("--standalone", "--grace", "600"),
+        trainer=[*RANKS, "--ignore-sigterm"],
+        nproc=2,
+    )
+    a.expect("step 2")
+    a.proc.send_signal(signal.SIGINT)
+    a.expect("IGNORING SIGTERM")
+    a.proc.send_signal(signal.SIGINT)
+    assert a.proc.wait(60) == ExitCode.PREEMPTED, "".join(a.all)  # not after 600 s
+    assert any("SIGINT again: the trainers get no more grace" in line for line in a.all)
+    assert any("SIGINT to the agent (interrupted)" in line for line in a.all)
 
 
 def test_grandchildren_that_setsid_away_end_with_their_rank_and_with_the_agent(

@@ -17,6 +17,8 @@ from agent.supervision import (
     Limits,
     Restart,
     Supervision,
+    describe,
+    describe_returncode,
 )
 
 LIMITS = Limits(max_restarts=2, restart_window_s=100.0, hang_timeout_s=10.0, startup_timeout_s=60.0)
@@ -171,6 +173,23 @@ def test_a_silent_rank_is_not_hung_while_another_steps() -> None:
         assert s.tick(t + 0.5) is None  # past the startup and hang timeouts of ranks 1-3
 
 
+def test_a_node_wide_hang_blames_the_rank_that_stopped_first() -> None:
+    s = started(nproc=3)
+    s.progress(0, 5, now=5.0)
+    s.progress(1, 3, now=3.0)  # stuck since 3.0; 0 waits for it in a collective from 5.0
+    d = s.tick(16.0)  # rank 2 never printed a step: not the one to blame
+    assert isinstance(d, Restart) and d.failure == "hung" and d.rank == 1
+
+
+def test_a_finished_rank_gives_the_silent_ones_a_whole_hang_timeout() -> None:
+    s = started(nproc=2)
+    s.progress(0, 5, now=5.0)  # only rank 0 prints its steps
+    assert s.exited(0, 0, now=6.0) is None
+    assert s.tick(15.5) is None  # 10.5 s after rank 0's last step, 9.5 s after it finished
+    d = s.tick(16.5)
+    assert isinstance(d, Restart) and d.rank == 1
+
+
 def test_several_ranks_hang_when_none_steps() -> None:
     s = started(nproc=2)
     assert s.tick(59.0) is None
@@ -246,6 +265,13 @@ def test_epochs_never_go_backwards() -> None:
 def test_sigterm_to_the_agent_is_preemption() -> None:
     d = started().preempted()
     assert d.code == ExitCode.PREEMPTED == 143
+    assert d.why == "SIGTERM to the agent (preemption or eviction)"
+
+
+def test_ctrl_c_is_not_called_an_eviction() -> None:
+    d = started().preempted("SIGINT")
+    assert d.code == ExitCode.PREEMPTED
+    assert d.why == "SIGINT to the agent (interrupted)"
 
 
 def test_standalone_a_local_failure_keeps_the_epoch() -> None:
@@ -269,3 +295,9 @@ def test_joining_a_controller_that_put_our_devices_out_of_service_gives_up() -> 
 def test_nproc_must_be_positive() -> None:
     with pytest.raises(ValueError):
         Supervision(LIMITS, 0)
+
+
+def test_a_returncode_in_words() -> None:
+    assert describe_returncode(3) == (3, "") and describe(3) == "3"
+    assert describe_returncode(-9) == (None, "SIGKILL") and describe(-9) == "SIGKILL"
+    assert describe(-99) == "signal 99"

@@ -16,6 +16,11 @@ p.add_argument("--crash-rank", type=int, default=-1, help="this RANK crashes at 
 p.add_argument("--step-seconds", type=float, default=0.05)
 p.add_argument("--checkpoint-seconds", type=float, default=0.0, help="on SIGTERM, then exit")
 p.add_argument("--ignore-sigterm", action="store_true")
+p.add_argument("--crash-file", help="the crash rank crashes once this file exists (not at 3)")
+p.add_argument("--crashes", type=int, default=1, help="incarnations the crash rank crashes in")
+p.add_argument("--finish-rank", type=int, default=-1, help="this RANK exits 0 at step 1, once")
+p.add_argument("--zombie", action="store_true", help="leave an exited child unwaited for")
+p.add_argument("--long-line", type=int, default=0, help="first print one line this long")
 p.add_argument("--setsid-child", action="store_true", help="leave a setsid'd grandchild behind")
 args = p.parse_args()
 
@@ -39,12 +44,17 @@ NAMES = [
     "CUDA_VISIBLE_DEVICES",
     "MARDUK_AGENT_SOCKET",
     "MARDUK_WARM_START",
+    "OMP_NUM_THREADS",
 ]
 env = {k: os.environ.get(k) for k in NAMES}
 rank = int(os.environ.get("RANK", "0"))
 inc = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", os.environ.get("MARDUK_RESTART_COUNT", "0")))
 print("ENV " + json.dumps({**env, "pid": os.getpid()}), flush=True)
 print(f"to stderr from rank {rank}", file=sys.stderr, flush=True)
+if args.zombie and os.fork() == 0:
+    os._exit(0)
+if args.long_line:
+    print("L" * args.long_line + " END-OF-LONG-LINE", flush=True)
 
 if args.setsid_child:
     import subprocess
@@ -71,10 +81,16 @@ step = 0
 while True:
     step += 1
     print(f"step {step}", flush=True)
-    if rank == args.crash_rank and step == 3 and inc == 0:
+    first = inc == 0
+    crash_now = os.path.exists(args.crash_file) if args.crash_file else step == 3
+    if rank == args.crash_rank and crash_now and inc < args.crashes:
         print("Traceback (most recent call last):\nValueError: rank crash", file=sys.stderr)
         sys.exit(3)
-    if args.steps and step >= args.steps:
+    if rank == args.finish_rank and first:
+        print(f"DONE rank {rank}", flush=True)
+        sys.exit(0)
+    waiting = args.crash_file and rank == args.crash_rank and first
+    if args.steps and step >= args.steps and not waiting:
         print(f"DONE rank {rank}", flush=True)
         sys.exit(0)
     time.sleep(args.step_seconds)
