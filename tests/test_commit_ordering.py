@@ -546,3 +546,53 @@ async def test_a_leader_whose_lease_lapsed_does_not_answer_requests(
         finally:
             lease.healed.set()
             await nc.close()
+
+
+async def test_a_re_elected_leader_leads_from_the_store_not_from_its_dropped_decisions(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A leader whose write-ahead fails steps down and drops its undurable decisions; taking the
+    lease back, it must lead from what the bucket holds. Broken on purpose by letting
+    ``StateMirror.snapshot`` hand out its own records (the policy then edits the mirror in place,
+    and the re-elected leader counts event e3 twice and issues above a ceiling never written)."""
+
+    def settings() -> Any:
+        s = controller_settings(nats_server, tmp_path, epoch_block=3, pending_timeout_s=0.0)
+        s.lease_ttl = 1.0
+        return s
+
+    c0 = await start_serving(Controller(settings()))
+    nc = await nats.connect(nats_server.url)
+    await register(nc, "r9", ["d4"])
+    await health_event(nc, "d4", event_id="pre")  # a d4 record in the bucket
+    await register(nc, "r1", ["d1", "d2", "d3", "d4", "d5"])
+    for i in range(3):
+        await health_event(nc, f"d{i + 1}", event_id=f"e{i}")  # epochs 1..3, ceiling 3
+    await eventually(lambda: not c0._pipeline.busy())
+    await c0.stop()
+    c = await start_serving(Controller(settings()))  # leads from its state mirror
+    try:
+        before = await c.store.load()
+        d4_failures = next(len(d.failures) for d in before.devices if d.device == "d4")
+        tools = instrument(c)
+        tools.kv.floors[SCOPE_KEY] = 3
+        tools.kv.refuse = lambda op, key, value: key == SCOPE_KEY
+        await nc.jetstream().publish(
+            S.health, encode(wire.DeviceHealth(device="d4", state="failed", event_id="e3"))
+        )
+        await eventually(lambda: c.stats["store.write_ahead_failed"] >= 1, timeout=10)
+        await eventually(lambda: not c.serving.is_set(), timeout=10)
+        tools.kv.refuse = lambda op, key, value: False
+        await asyncio.wait_for(c.serving.wait(), 15)  # re-elected
+        await eventually(lambda: len(tools.sent) >= 1, timeout=10)  # e3 redelivered, decided once
+        await eventually(lambda: not c._pipeline.busy())
+        stored = await c.store.load()
+        store_d4 = next(d for d in stored.devices if d.device == "d4")
+        assert len(store_d4.failures) == d4_failures + 1
+        assert len(c.policy.devices["d4"].failures) == d4_failures + 1
+        # The refused write-ahead's ceiling (6) never reached the bucket: the new epoch is the
+        # first above the durable floor 3, not above 6.
+        assert [s.command.epoch for s in tools.sent][:1] == [4]
+    finally:
+        await nc.close()
+        await c.stop()
