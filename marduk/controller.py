@@ -168,6 +168,7 @@ class Controller:
                 persist=self._persist,
                 announce=self._announce_all,
                 stop=self._stop_committing,
+                publish_failed=self._publish_failed,
             )
         )
         # Requests in flight at once: each endpoint's handler spawns one task per request, so
@@ -927,6 +928,10 @@ class Controller:
         """Commit a decision (``marduk.commit``): back once its records are written; raises
         ``NotServing`` if it was fenced, and then nothing of it went out."""
         await self._pipeline.commit(outcome)
+
+    def _publish_failed(self, error: Exception) -> None:
+        self.stats["errors.publish"] += 1
+        self._log_limited("publish", f"a command could not be published: {error}")
 
     def _stop_committing(self, counter: str, why: str) -> None:
         self.stats[counter] += 1

@@ -596,3 +596,56 @@ async def test_a_re_elected_leader_leads_from_the_store_not_from_its_dropped_dec
     finally:
         await nc.close()
         await c.stop()
+
+
+async def test_a_failed_publish_fails_only_its_own_commit(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Two commits in one batch; the second's publish raises (say, a payload too large). The
+    first is published and durable, both records are written, the error is counted and the
+    controller still leads. Broken on purpose by letting the publish error fail the whole batch
+    (the code before the fix): the first commit failed too and nothing was written."""
+    from marduk.decisions import Outcome
+    from marduk.records import WorkerRecord
+
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    try:
+        real = c._publish_command
+
+        async def flaky(command: wire.Command) -> None:
+            if command.replica == "bad":
+                raise RuntimeError("nats: maximum payload exceeded")
+            await real(command)
+
+        c._publish_command = flaky  # type: ignore[method-assign]
+
+        def command(replica: str) -> wire.Command:
+            return wire.Command(
+                command_id=replica,
+                job="j",
+                replica=replica,
+                scope="replica",
+                kind="restart",
+                epoch=1,
+            )
+
+        def worker(replica: str) -> WorkerRecord:
+            reg = wire.Registration(
+                job="j", replica=replica, devices=[f"d-{replica}"], pid=1, host="h", incarnation=0
+            )
+            return WorkerRecord(registration=reg, registered_at=1.0, updated_at=1.0)
+
+        good = c._pipeline.submit(Outcome(commands=[command("good")], put_workers=[worker("good")]))
+        bad = c._pipeline.submit(Outcome(commands=[command("bad")], put_workers=[worker("bad")]))
+        results = await asyncio.gather(good.durable, bad.durable, return_exceptions=True)
+        assert results[0] is None
+        assert isinstance(results[1], RuntimeError)
+        await c._pipeline.drain()
+        assert c.store is not None
+        stored = sorted(w.registration.replica or "" for w in (await c.store.load()).workers)
+        assert stored == ["bad", "good"]
+        assert c.stats["errors.publish"] == 1
+        assert c._leading() and not c._pipeline._closed
+        await c._pipeline.submit(Outcome()).durable  # later commits go through
+    finally:
+        await c.stop()
