@@ -649,3 +649,22 @@ async def test_a_failed_publish_fails_only_its_own_commit(
         await c._pipeline.submit(Outcome()).durable  # later commits go through
     finally:
         await c.stop()
+
+
+async def test_an_error_in_a_spawned_task_is_counted(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Per-request and per-event tasks are not awaited: an error escaping one must be counted
+    (``errors.internal``), not lost. Broken on purpose by removing the done-callback."""
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    try:
+        before = c.stats["errors.internal"]
+
+        async def boom() -> None:
+            raise RuntimeError("a bug")
+
+        task = c._spawn_background(boom(), "probe")
+        await asyncio.wait([task])
+        await eventually(lambda: c.stats["errors.internal"] == before + 1)
+    finally:
+        await c.stop()
