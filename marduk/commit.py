@@ -171,6 +171,14 @@ class CommitPipeline:
                 return
         failed: dict[int, Exception] = {}
         for i, commit in enumerate(batch):
+            if i and not self.steps.leading():
+                # A publish can yield, and the lease can lapse meanwhile: nothing more goes out.
+                # What went out is covered by the durable ceilings; its records are not written
+                # (we step down; whoever leads next rebuilds from the store).
+                for done in batch[:i]:
+                    done.published.set_result(None)
+                self._give_up(batch, "fenced", "the lease lapsed while publishing")
+                return
             try:
                 await self.steps.publish(commit.outcome)
             except Exception as e:  # one commit's error, not its batch's

@@ -598,6 +598,12 @@ async def test_a_re_elected_leader_leads_from_the_store_not_from_its_dropped_dec
         await c.stop()
 
 
+def _command(replica: str) -> wire.Command:
+    return wire.Command(
+        command_id=replica, job="j", replica=replica, scope="replica", kind="restart", epoch=1
+    )
+
+
 async def test_a_failed_publish_fails_only_its_own_commit(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -619,24 +625,16 @@ async def test_a_failed_publish_fails_only_its_own_commit(
 
         c._publish_command = flaky  # type: ignore[method-assign]
 
-        def command(replica: str) -> wire.Command:
-            return wire.Command(
-                command_id=replica,
-                job="j",
-                replica=replica,
-                scope="replica",
-                kind="restart",
-                epoch=1,
-            )
-
         def worker(replica: str) -> WorkerRecord:
             reg = wire.Registration(
                 job="j", replica=replica, devices=[f"d-{replica}"], pid=1, host="h", incarnation=0
             )
             return WorkerRecord(registration=reg, registered_at=1.0, updated_at=1.0)
 
-        good = c._pipeline.submit(Outcome(commands=[command("good")], put_workers=[worker("good")]))
-        bad = c._pipeline.submit(Outcome(commands=[command("bad")], put_workers=[worker("bad")]))
+        good = c._pipeline.submit(
+            Outcome(commands=[_command("good")], put_workers=[worker("good")])
+        )
+        bad = c._pipeline.submit(Outcome(commands=[_command("bad")], put_workers=[worker("bad")]))
         results = await asyncio.gather(good.durable, bad.durable, return_exceptions=True)
         assert results[0] is None
         assert isinstance(results[1], RuntimeError)
@@ -666,5 +664,35 @@ async def test_an_error_in_a_spawned_task_is_counted(
         task = c._spawn_background(boom(), "probe")
         await asyncio.wait([task])
         await eventually(lambda: c.stats["errors.internal"] == before + 1)
+    finally:
+        await c.stop()
+
+
+async def test_a_lease_that_lapses_while_a_batch_is_publishing_stops_the_rest(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A publish can yield; if the lease lapses meanwhile, the rest of the batch must not go
+    out. Broken on purpose by checking the fence once per batch (the code before the fix)."""
+    from marduk.commit import NotServing
+    from marduk.decisions import Outcome
+
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    try:
+        real, published, lapsed = c._publish_command, [], []
+
+        async def lapsing(command: wire.Command) -> None:
+            await real(command)
+            published.append(command.replica)
+            lapsed.append(True)  # the lease lapses while this publish yields
+
+        c._publish_command = lapsing  # type: ignore[method-assign]
+        c._pipeline.steps.leading = lambda: not lapsed
+
+        first = c._pipeline.submit(Outcome(commands=[_command("first")]))
+        second = c._pipeline.submit(Outcome(commands=[_command("second")]))
+        results = await asyncio.gather(first.durable, second.durable, return_exceptions=True)
+        assert published == ["first"]
+        assert isinstance(results[1], NotServing)
+        assert first.published.done() and first.published.exception() is None
     finally:
         await c.stop()
