@@ -71,6 +71,8 @@ class Steps:
     announce: Callable[[Outcome], Awaitable[None]]
     stop: Callable[[str, str], None]
     """``stop(counter, why)``: count it and step down (called once per failure)."""
+    publish_failed: Callable[[Exception], None] = lambda e: None
+    """Count and log a publish that raised (one commit's; the rest of its batch goes on)."""
 
 
 class CommitPipeline:
@@ -167,19 +169,47 @@ class CommitPipeline:
             if not self.steps.leading():  # the lease lapsed while we were writing
                 self._give_up(batch, "fenced", "the lease lapsed during a write-ahead")
                 return
-        for commit in batch:
-            await self.steps.publish(commit.outcome)
-        for commit in batch:
-            commit.published.set_result(None)
+        failed: dict[int, Exception] = {}
+        for i, commit in enumerate(batch):
+            if i and not self.steps.leading():
+                # A publish can yield, and the lease can lapse meanwhile: nothing more goes out.
+                # What went out is covered by the durable ceilings; its records are not written
+                # (we step down; whoever leads next rebuilds from the store).
+                for done in batch[:i]:
+                    done.published.set_result(None)
+                self._give_up(batch, "fenced", "the lease lapsed while publishing")
+                return
+            try:
+                await self.steps.publish(commit.outcome)
+            except Exception as e:  # one commit's error, not its batch's
+                # Only this commit failed (a payload too large, a client error). The policy
+                # keeps its decision and its records are still written with the batch: the
+                # desired state in the bucket is level-triggered and a pending command is
+                # resent by the tick. Stepping down instead would loop on a command that can
+                # never go out. Its waiter gets the error (a health event is not acked).
+                failed[i] = e
+                self.steps.publish_failed(e)
+        for i, commit in enumerate(batch):
+            if i in failed:
+                commit.published.set_exception(failed[i])
+            else:
+                commit.published.set_result(None)
         previous = self._writing
-        self._writing = asyncio.create_task(self._write(batch, previous), name="commit-write")
+        self._writing = asyncio.create_task(
+            self._write(batch, previous, failed), name="commit-write"
+        )
         # The epoch keys being written, this batch's and (while they last) the earlier ones'
         # it waits for: the only keys a write-ahead also writes.
         keys = frozenset((r.job, r.replica) for c in batch for r in c.outcome.put_epochs)
         keys |= frozenset((k.job, k.replica) for c in batch for k in c.outcome.deleted_epochs)
         self._writing_keys = keys | (self._writing_keys if _running(previous) else frozenset())
 
-    async def _write(self, batch: list[Commit], previous: asyncio.Task[None] | None) -> None:
+    async def _write(
+        self,
+        batch: list[Commit],
+        previous: asyncio.Task[None] | None,
+        failed: dict[int, Exception],
+    ) -> None:
         try:
             if previous is not None:
                 await asyncio.wait([previous])  # the earlier batch's records land first
@@ -187,8 +217,12 @@ class CommitPipeline:
             for commit in batch:
                 await self.steps.announce(commit.outcome)
         finally:
-            for commit in batch:
-                if not commit.durable.done():
+            for i, commit in enumerate(batch):
+                if commit.durable.done():
+                    continue
+                if i in failed:
+                    commit.durable.set_exception(failed[i])
+                else:
                     commit.durable.set_result(None)
 
     def _give_up(self, batch: list[Commit], counter: str, why: str) -> None:

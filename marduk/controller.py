@@ -168,6 +168,7 @@ class Controller:
                 persist=self._persist,
                 announce=self._announce_all,
                 stop=self._stop_committing,
+                publish_failed=self._publish_failed,
             )
         )
         # Requests in flight at once: each endpoint's handler spawns one task per request, so
@@ -470,7 +471,22 @@ class Controller:
         task = asyncio.create_task(coro, name=name)
         self._background.add(task)  # held: the loop keeps only weak references to tasks
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_done)
         return task
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        """A spawned task's error would otherwise vanish (nobody awaits it): count and log it."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.stats["errors.internal"] += 1
+        bucket = f"internal.{task.get_name()}.{int(time.time() // 60)}"
+        self._warned[bucket] += 1
+        if self._warned[bucket] == 1:
+            log.error(
+                "internal error in task %s (repeats this minute are counted)",
+                task.get_name(),
+                exc_info=task.exception(),
+            )
 
     async def _on_deposed(self, why: str) -> None:
         if self._term_task is not None:
@@ -927,6 +943,10 @@ class Controller:
         """Commit a decision (``marduk.commit``): back once its records are written; raises
         ``NotServing`` if it was fenced, and then nothing of it went out."""
         await self._pipeline.commit(outcome)
+
+    def _publish_failed(self, error: Exception) -> None:
+        self.stats["errors.publish"] += 1
+        self._log_limited("publish", f"a command could not be published: {error}")
 
     def _stop_committing(self, counter: str, why: str) -> None:
         self.stats[counter] += 1

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
 import logging
 import re
 import time
@@ -444,10 +445,14 @@ class StateMirror:
         return True
 
     def snapshot(self) -> Loaded:
+        """Copies of the records: a policy built from them edits its records in place, and the
+        mirror must keep showing the bucket, not a leader's decisions (a leader that steps down
+        drops the ones it never wrote, and leads again from the mirror). Shallow copies do: the
+        policy replaces a record's lists and command, it never edits them."""
         return Loaded(
-            list(self._workers.values()),
-            list(self._epochs.values()),
-            list(self._devices.values()),
+            [copy.copy(r) for r in self._workers.values()],
+            [copy.copy(r) for r in self._epochs.values()],
+            [copy.copy(r) for r in self._devices.values()],
             skipped=len(self._unreadable),
         )
 

@@ -546,3 +546,153 @@ async def test_a_leader_whose_lease_lapsed_does_not_answer_requests(
         finally:
             lease.healed.set()
             await nc.close()
+
+
+async def test_a_re_elected_leader_leads_from_the_store_not_from_its_dropped_decisions(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A leader whose write-ahead fails steps down and drops its undurable decisions; taking the
+    lease back, it must lead from what the bucket holds. Broken on purpose by letting
+    ``StateMirror.snapshot`` hand out its own records (the policy then edits the mirror in place,
+    and the re-elected leader counts event e3 twice and issues above a ceiling never written)."""
+
+    def settings() -> Any:
+        s = controller_settings(nats_server, tmp_path, epoch_block=3, pending_timeout_s=0.0)
+        s.lease_ttl = 1.0
+        return s
+
+    c0 = await start_serving(Controller(settings()))
+    nc = await nats.connect(nats_server.url)
+    await register(nc, "r9", ["d4"])
+    await health_event(nc, "d4", event_id="pre")  # a d4 record in the bucket
+    await register(nc, "r1", ["d1", "d2", "d3", "d4", "d5"])
+    for i in range(3):
+        await health_event(nc, f"d{i + 1}", event_id=f"e{i}")  # epochs 1..3, ceiling 3
+    await eventually(lambda: not c0._pipeline.busy())
+    await c0.stop()
+    c = await start_serving(Controller(settings()))  # leads from its state mirror
+    try:
+        before = await c.store.load()
+        d4_failures = next(len(d.failures) for d in before.devices if d.device == "d4")
+        tools = instrument(c)
+        tools.kv.floors[SCOPE_KEY] = 3
+        tools.kv.refuse = lambda op, key, value: key == SCOPE_KEY
+        await nc.jetstream().publish(
+            S.health, encode(wire.DeviceHealth(device="d4", state="failed", event_id="e3"))
+        )
+        await eventually(lambda: c.stats["store.write_ahead_failed"] >= 1, timeout=10)
+        await eventually(lambda: not c.serving.is_set(), timeout=10)
+        tools.kv.refuse = lambda op, key, value: False
+        await asyncio.wait_for(c.serving.wait(), 15)  # re-elected
+        await eventually(lambda: len(tools.sent) >= 1, timeout=10)  # e3 redelivered, decided once
+        await eventually(lambda: not c._pipeline.busy())
+        stored = await c.store.load()
+        store_d4 = next(d for d in stored.devices if d.device == "d4")
+        assert len(store_d4.failures) == d4_failures + 1
+        assert len(c.policy.devices["d4"].failures) == d4_failures + 1
+        # The refused write-ahead's ceiling (6) never reached the bucket: the new epoch is the
+        # first above the durable floor 3, not above 6.
+        assert [s.command.epoch for s in tools.sent][:1] == [4]
+    finally:
+        await nc.close()
+        await c.stop()
+
+
+def _command(replica: str) -> wire.Command:
+    return wire.Command(
+        command_id=replica, job="j", replica=replica, scope="replica", kind="restart", epoch=1
+    )
+
+
+async def test_a_failed_publish_fails_only_its_own_commit(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Two commits in one batch; the second's publish raises (say, a payload too large). The
+    first is published and durable, both records are written, the error is counted and the
+    controller still leads. Broken on purpose by letting the publish error fail the whole batch
+    (the code before the fix): the first commit failed too and nothing was written."""
+    from marduk.decisions import Outcome
+    from marduk.records import WorkerRecord
+
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    try:
+        real = c._publish_command
+
+        async def flaky(command: wire.Command) -> None:
+            if command.replica == "bad":
+                raise RuntimeError("nats: maximum payload exceeded")
+            await real(command)
+
+        c._publish_command = flaky  # type: ignore[method-assign]
+
+        def worker(replica: str) -> WorkerRecord:
+            reg = wire.Registration(
+                job="j", replica=replica, devices=[f"d-{replica}"], pid=1, host="h", incarnation=0
+            )
+            return WorkerRecord(registration=reg, registered_at=1.0, updated_at=1.0)
+
+        good = c._pipeline.submit(
+            Outcome(commands=[_command("good")], put_workers=[worker("good")])
+        )
+        bad = c._pipeline.submit(Outcome(commands=[_command("bad")], put_workers=[worker("bad")]))
+        results = await asyncio.gather(good.durable, bad.durable, return_exceptions=True)
+        assert results[0] is None
+        assert isinstance(results[1], RuntimeError)
+        await c._pipeline.drain()
+        assert c.store is not None
+        stored = sorted(w.registration.replica or "" for w in (await c.store.load()).workers)
+        assert stored == ["bad", "good"]
+        assert c.stats["errors.publish"] == 1
+        assert c._leading() and not c._pipeline._closed
+        await c._pipeline.submit(Outcome()).durable  # later commits go through
+    finally:
+        await c.stop()
+
+
+async def test_an_error_in_a_spawned_task_is_counted(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Per-request and per-event tasks are not awaited: an error escaping one must be counted
+    (``errors.internal``), not lost. Broken on purpose by removing the done-callback."""
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    try:
+        before = c.stats["errors.internal"]
+
+        async def boom() -> None:
+            raise RuntimeError("a bug")
+
+        task = c._spawn_background(boom(), "probe")
+        await asyncio.wait([task])
+        await eventually(lambda: c.stats["errors.internal"] == before + 1)
+    finally:
+        await c.stop()
+
+
+async def test_a_lease_that_lapses_while_a_batch_is_publishing_stops_the_rest(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A publish can yield; if the lease lapses meanwhile, the rest of the batch must not go
+    out. Broken on purpose by checking the fence once per batch (the code before the fix)."""
+    from marduk.commit import NotServing
+    from marduk.decisions import Outcome
+
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    try:
+        real, published, lapsed = c._publish_command, [], []
+
+        async def lapsing(command: wire.Command) -> None:
+            await real(command)
+            published.append(command.replica)
+            lapsed.append(True)  # the lease lapses while this publish yields
+
+        c._publish_command = lapsing  # type: ignore[method-assign]
+        c._pipeline.steps.leading = lambda: not lapsed
+
+        first = c._pipeline.submit(Outcome(commands=[_command("first")]))
+        second = c._pipeline.submit(Outcome(commands=[_command("second")]))
+        results = await asyncio.gather(first.durable, second.durable, return_exceptions=True)
+        assert published == ["first"]
+        assert isinstance(results[1], NotServing)
+        assert first.published.done() and first.published.exception() is None
+    finally:
+        await c.stop()
