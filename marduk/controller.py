@@ -371,16 +371,13 @@ class Controller:
         assert self.nc is not None and self.store is not None and self.mirror is not None
         t0 = time.monotonic()
         js = self.nc.jetstream(timeout=5.0)
-        # The handled events are read while the mirror catches up (the events bucket is not
-        # mirrored: its keys expire without a delete a watch would see).
-        handled = asyncio.create_task(self.store.load_handled())
-        try:
-            up_to_date = await self.mirror.caught_up(js)
-        except BaseException:
-            handled.cancel()
-            raise
+        up_to_date = await self.mirror.caught_up(js)
         if up_to_date:
-            replies = await handled
+            # The handled events are read once the mirror has caught up, not while it does: a
+            # deposed leader's last dedup records land before the state they go with, and
+            # reading them first could miss one (the event would be handled twice). The events
+            # bucket is not mirrored: its keys expire without a delete a watch would see.
+            replies = await self.store.load_handled()
             prepared, self._prepared = self._prepared, None
             loaded, source = self.mirror.snapshot(), "mirror"
             if prepared is not None and prepared[0] == self.mirror.version:
@@ -391,7 +388,6 @@ class Controller:
             else:
                 self.policy = self._build_policy(loaded)
         else:
-            handled.cancel()
             self._prepared = None
             loaded, source = await self.store.load(), "bucket"
             replies = loaded.handled
@@ -647,17 +643,24 @@ class Controller:
 
         A full collection scans every tracked object: ~60 ms for the policy of 10k workers,
         more at 25k, and it ran every few thousand registrations, stalling commands (the p99
-        of notices). Objects that have lived a second are moved out of its reach
-        (``gc.freeze``): refcounting still frees them, only garbage *cycles* among them wait
-        for the one full collection every ``_GC_FULL_INTERVAL_S``.
+        of notices). Once a second the young generations are collected (cheap: they hold only
+        what was made since) and every object still tracked is then frozen (``gc.freeze``),
+        out of the full collections' reach: refcounting still frees frozen objects, only
+        garbage *cycles* among them wait for the one full collection every
+        ``_GC_FULL_INTERVAL_S``. That one blocks the loop (150-450 ms at 25k x 4 under load),
+        so it runs right after a lease renewal, when the most time is left before the fence.
         """
         last_full = time.monotonic()
         while True:
             await asyncio.sleep(1.0)
-            if time.monotonic() - last_full >= _GC_FULL_INTERVAL_S:
+            lead = self.leadership
+            due = time.monotonic() - last_full >= _GC_FULL_INTERVAL_S
+            if due and (lead is None or not lead.is_leader or lead.since_renewal() < lead.ttl / 8):
                 gc.unfreeze()
                 gc.collect()
                 last_full = time.monotonic()
+            else:
+                gc.collect(1)  # young garbage is reclaimed, not frozen
             gc.freeze()
 
     async def _tick_loop(self) -> None:
@@ -975,7 +978,7 @@ class Controller:
         if self.store is None:
             return True
         store = self.store
-        if await self._retry(lambda: store.write_ahead(ceilings), attempts=6):
+        if await self._retry(lambda: store.write_ahead(ceilings), budget_s=_WRITE_AHEAD_BUDGET_S):
             return True
         log.error("epoch ceilings not persisted; the commands do not go out")
         return False
@@ -985,29 +988,37 @@ class Controller:
         if self.store is None or not any(_has_writes(o) for o in outcomes):
             return
         store = self.store
-        if not await self._retry(lambda: store.apply(outcomes), attempts=3):
+        if not await self._retry(lambda: store.apply(outcomes), budget_s=_PERSIST_BUDGET_S):
             # The commands went out already (their ceilings are durable). Agents report the
             # epochs they applied when they re-register, which repairs the records.
             log.error("state not persisted after publishing; agents' re-registration repairs it")
 
-    async def _retry(self, write: Callable[[], Awaitable[None]], *, attempts: int) -> bool:
-        """Try a write a few times while we lead; False if it never succeeded."""
-        delay = 0.05
-        for attempt in range(1, attempts + 1):
+    async def _retry(self, write: Callable[[], Awaitable[None]], *, budget_s: float) -> bool:
+        """Try a write while we lead, for at most ``budget_s`` in all (each attempt at most
+        ``_WRITE_ATTEMPT_S``); False if it never succeeded.
+
+        Bounded, since later commits wait for this one: a write-ahead gives up after
+        ``_WRITE_AHEAD_BUDGET_S`` (then we step down and the event is redelivered to whoever
+        leads, which rebuilds from the store: a JetStream election is ridden out that way);
+        records written after publishing get ``_PERSIST_BUDGET_S``. Every write is idempotent,
+        and one acknowledged after we gave up only makes the store more current.
+        """
+        deadline = time.monotonic() + budget_s
+        delay, attempt = 0.05, 0
+        while True:
+            attempt += 1
+            remaining = deadline - time.monotonic()
             try:
-                await write()
+                await asyncio.wait_for(write(), min(_WRITE_ATTEMPT_S, max(remaining, 0.01)))
                 return True
-            except Exception as e:
+            except Exception as e:  # TimeoutError (not acknowledged in time) included
                 self.stats["store.errors"] += 1
-                self._log_limited("store", f"state write failed (attempt {attempt}): {e}")
-                # Bounded, since later commits wait for this one: ~1.25 s for a write-ahead
-                # (then we step down and the event is redelivered to whoever leads, which
-                # rebuilds from the store: a JetStream election is ridden out that way), 3
-                # quick tries for records written after publishing.
-                if not self._leading() or attempt >= attempts:
-                    break
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
+                why = str(e) or type(e).__name__
+                self._log_limited("store", f"state write failed (attempt {attempt}): {why}")
+            if not self._leading() or deadline - time.monotonic() <= delay:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
         self.stats["store.given_up"] += 1
         return False
 
@@ -1053,8 +1064,14 @@ class Controller:
 # control-line limit (4 KiB).
 _REPLY_SUBJECT = re.compile(r"[^\s.*>]+(\.[^\s.*>]+)*")
 _REPLY_SUBJECT_MAX = 512
-_REQUESTS_IN_FLIGHT = 4096
+_REQUESTS_IN_FLIGHT = 1024  # x 256 KiB at most each: a flood stays well under 500 MiB
 _GC_FULL_INTERVAL_S = 600.0
+# A write-ahead gives up (and the leader steps down) after this long in all; records written
+# after publishing after the second; each attempt waits at most the third for its
+# acknowledgements (BatchWriter's own 5 s would hold every later commit up to 30 s).
+_WRITE_AHEAD_BUDGET_S = 1.5
+_PERSIST_BUDGET_S = 3.0
+_WRITE_ATTEMPT_S = 0.5
 _PREPARE_QUIET_S = 0.2
 _PREPARE_EVERY_S = 1.0
 

@@ -115,6 +115,10 @@ class Leadership:
         """True while this controller may act as leader (checked before every commit)."""
         return self.is_leader and time.monotonic() - self._renewed_sent < FENCE * self.ttl
 
+    def since_renewal(self) -> float:
+        """Seconds since this leader last sent a renewal (the fence counts from it)."""
+        return time.monotonic() - self._renewed_sent
+
     def silent_for(self) -> float:
         """Seconds since the lease last changed hands or was renewed, as a standby sees it (0
         while we lead): past half a TTL, the leader has missed renewals and may be gone."""

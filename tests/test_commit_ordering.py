@@ -696,3 +696,34 @@ async def test_a_lease_that_lapses_while_a_batch_is_publishing_stops_the_rest(
         assert first.published.done() and first.published.exception() is None
     finally:
         await c.stop()
+
+
+async def test_a_write_ahead_that_is_never_acknowledged_is_given_up(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A server that takes a ceiling's write and never answers must not hold every later commit
+    (the write-ahead used to wait for as long as the write did): the leader gives up within its
+    write-ahead budget, sends nothing of that decision, and steps down. Broken on purpose by
+    awaiting the write without a deadline (``_retry``)."""
+    s = controller_settings(nats_server, tmp_path, epoch_block=1, pending_timeout_s=0.0)
+    c = await start_serving(Controller(s))
+    nc = await nats.connect(nats_server.url)
+    try:
+        await register(nc, "r1", ["d1"])
+        tools = instrument(c)
+        # The first restart is within the ceiling reserved at registration; the next needs a
+        # write-ahead of its ceiling.
+        await health_event(nc, "d1", event_id="x0")
+        await eventually(lambda: len(tools.sent) == 1 and not c._pipeline.busy())
+        tools.kv.hold = lambda op, key, value: key == SCOPE_KEY  # parked, never answered
+        await nc.jetstream().publish(
+            S.health, encode(wire.DeviceHealth(device="d1", state="failed", event_id="x1"))
+        )
+        await eventually(lambda: tools.kv.held.is_set(), timeout=10)
+        await eventually(lambda: c.stats["store.write_ahead_failed"] >= 1, timeout=10)
+        assert len(tools.sent) == 1  # no command above a ceiling that is not durable
+        await eventually(lambda: c.stats["store.given_up"] >= 1, timeout=10)
+    finally:
+        tools.kv.gate.set()
+        await nc.close()
+        await c.stop()
