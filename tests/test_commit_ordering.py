@@ -36,7 +36,7 @@ from marduk.controller import Controller
 from marduk.drmap import WorkerKey
 from marduk.protocol import decode, encode
 from marduk.records import EpochKey, EpochRecord
-from marduk.store import epoch_kv_key, worker_kv_key
+from marduk.store import epoch_kv_key, handled_kv_key, worker_kv_key
 from marduk.subjects import REPLY_HEADER, Subjects
 from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving
 
@@ -725,5 +725,49 @@ async def test_a_write_ahead_that_is_never_acknowledged_is_given_up(
         await eventually(lambda: c.stats["store.given_up"] >= 1, timeout=10)
     finally:
         tools.kv.gate.set()
+        await nc.close()
+        await c.stop()
+
+
+async def test_a_health_event_is_acknowledged_only_once_its_dedup_record_is_durable(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The stream message of a health event is acknowledged after its handled-event record is
+    written: acknowledged before, a failover in between would handle it a second time. Broken
+    on purpose by acknowledging once the command is published (not awaiting ``durable``)."""
+    from marduk.health_stream import CONSUMER, stream_name
+
+    s = controller_settings(nats_server, tmp_path, pending_timeout_s=0.0)
+    c = await start_serving(Controller(s))
+    nc = await nats.connect(nats_server.url)
+    try:
+        await register(nc, "r1", ["d1"])
+        assert c.store is not None
+        events = DurableKV(c.store.events)
+        c.store.events = events  # type: ignore[assignment]
+        tools = instrument(c)
+        events.hold = lambda op, key, value: True  # every handled-event record parked
+        js = nc.jetstream()
+        await js.publish(
+            S.health, encode(wire.DeviceHealth(device="d1", state="failed", event_id="h1"))
+        )
+        await eventually(lambda: events.held.is_set() and len(tools.sent) == 1)
+        await asyncio.sleep(0.3)  # time for an early acknowledgement to reach the server
+        info = await js.consumer_info(stream_name(s.prefix), CONSUMER)
+        assert info.num_ack_pending == 1  # the command went out; the event is not acked yet
+        events.gate.set()
+        await eventually(
+            lambda: ("put", handled_kv_key("h1")) in [(o, k) for o, k, _ in events.done]
+        )
+
+        async def acked() -> bool:
+            return (await js.consumer_info(stream_name(s.prefix), CONSUMER)).num_ack_pending == 0
+
+        for _ in range(250):
+            if await acked():
+                break
+            await asyncio.sleep(0.02)
+        assert await acked()
+    finally:
         await nc.close()
         await c.stop()
