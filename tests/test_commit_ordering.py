@@ -771,3 +771,29 @@ async def test_a_health_event_is_acknowledged_only_once_its_dedup_record_is_dura
     finally:
         await nc.close()
         await c.stop()
+
+
+async def test_a_registration_is_answered_only_once_its_worker_record_is_durable(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The registration reply waits for the worker's record: answered before, a failover in
+    between would lose a worker the agent believes registered (and the epoch it was told).
+    Broken on purpose by replying once the decision's commands are published."""
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    nc = await nats.connect(nats_server.url)
+    try:
+        tools = instrument(c)
+        worker = worker_kv_key(WorkerKey(JOB, "r1", 0))
+        tools.kv.hold = lambda op, key, value: key == worker
+        answer = asyncio.create_task(register(nc, "r1", ["d1"], timeout=20))
+        await eventually(lambda: tools.kv.held.is_set())
+        await asyncio.sleep(0.3)  # time for an early reply to arrive
+        assert not answer.done()
+        tools.kv.gate.set()
+        reply = await asyncio.wait_for(answer, 20)
+        assert isinstance(reply, wire.RegisterReply)
+        assert ("put", worker) in [(op, key) for op, key, _ in tools.kv.done]
+    finally:
+        tools.kv.gate.set()
+        await nc.close()
+        await c.stop()
