@@ -486,7 +486,7 @@ def run(
             else [m.strip() for m in preload.split(",") if m.strip() and m.strip() != "none"]
         ),
     )
-    raise typer.Exit(run_loop(Supervisor(config).run()))
+    raise typer.Exit(run_loop(Supervisor(config).main()))
 
 
 def _count(nproc: str) -> int:
