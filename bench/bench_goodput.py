@@ -50,12 +50,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
 from bench_notify import machine, source_version, start_nats_server
+from bench_restart import wait_for
 from goodput_account import CATEGORIES, Account, account, ettr, incarnations, slices
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,16 +114,6 @@ def read_jsonl(path: Path) -> list[dict[str, object]]:
         except ValueError:
             continue  # a line being written
     return out
-
-
-def wait_for(pred: Callable[[], object], timeout: float, what: str) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def alive(pid: int) -> bool:

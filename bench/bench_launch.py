@@ -49,7 +49,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -60,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench_notify import machine, source_version, start_nats_server
-from bench_restart import crash_time, events, stats, wait_for
+from bench_restart import crash_time, events, stats, stop, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "bench" / "restart_worker.py")
@@ -182,23 +181,6 @@ def start(name: str, job: Job, bench_dir: Path, env: dict[str, str]) -> Procs:
         for node in nodes
     ]
     return procs
-
-
-def stop(name: str, procs: Procs) -> None:
-    for p in reversed(procs):
-        try:
-            if name == "torchrun":
-                os.killpg(p.pid, signal.SIGTERM)
-            else:
-                p.send_signal(signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    for p in procs:
-        try:
-            p.wait(20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def run(name: str, job: Job, args: argparse.Namespace, closed_url: str) -> dict[str, object]:
