@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from pathlib import Path
 
 import nats
@@ -153,6 +154,9 @@ def test_forget_and_mark_healthy_all_from_the_cli(controller_env: dict[str, str]
         }
         r = marduk_cli("monitor", "forget", "bad/", env=controller_env)
         assert r.returncode == 1 and "is not JOB" in r.stderr and "Traceback" not in r.stderr
+        # Gone without a goodbye: its registration stays until the worker TTL, and nothing
+        # renews it between the two forgets (a live trainer re-registers every few seconds).
+        t.stop(signal.SIGKILL)
         r = marduk_cli("monitor", "forget", "default/r1", env=controller_env)
         assert r.returncode == 0 and "removed 1 worker: default/r1/0" in r.stdout, r.stdout
         assert status(controller_env)["workers"] == []
