@@ -174,6 +174,11 @@ class Policy(DevicePolicy):
         old = self.workers.get(key)
         if old is not None:
             self._check_duplicate(key, old, reg, now)
+        ekey = epoch_key_for(reg.job, reg.replica, reg.scope)
+        state = self.epochs.get(ekey)
+        # Every check before the first change: a refused registration leaves no trace (a
+        # worker heard from but never recorded would expire, and fail, forever).
+        self._check_adoptable(max(reg.epoch, reg.seen_epoch), state)
         was_stale = key in self.stale
         self._heard(key, now)
         self.stale.discard(key)
@@ -181,9 +186,6 @@ class Policy(DevicePolicy):
             old.registration.pid,
             old.registration.incarnation,
         ) != (reg.pid, reg.incarnation)
-        ekey = epoch_key_for(reg.job, reg.replica, reg.scope)
-        state = self.epochs.get(ekey)
-        self._check_adoptable(max(reg.epoch, reg.seen_epoch), state)
         if state is None:
             # Reserve the first block now, off the failure path. Written ahead: a command under
             # this ceiling needs no write of its own, so the ceiling must be durable first.

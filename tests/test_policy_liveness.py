@@ -164,6 +164,19 @@ def test_an_epoch_far_beyond_what_was_reserved_is_not_adopted() -> None:
     assert p.epoch_of(EpochKey("j", "r1")) == 5_000
 
 
+@pytest.mark.parametrize("epoch", [2**31, 2**53])
+def test_a_refused_registration_leaves_no_trace(epoch: int) -> None:
+    """Issue 15 item 5: an epoch refused as ``invalid`` once left the worker "heard from" but
+    never recorded: a TTL later the tick raised KeyError and worker_expired repeated forever."""
+    p = Policy(PolicyConfig(worker_ttl_s=15, worker_expiry_s=40))
+    with pytest.raises(PolicyError) as e:
+        p.register(reg("r1", ["d1"], epoch=epoch), now=0)
+    assert e.value.code == "invalid"
+    assert not p.last_seen and not p.stale and not p.workers and not p.epochs
+    for now in (16, 41, 100):
+        assert not p.tick(now).events
+
+
 def test_tick_finds_silent_workers_in_order_of_last_heard() -> None:
     # tick looks only at the oldest-heard workers: one renewed later must neither be missed
     # nor hide those behind it, and stale ones at the front must not stop the scan.
