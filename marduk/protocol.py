@@ -399,7 +399,7 @@ def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -
         str(data, "utf-8")
         msg = decoder.decode(data)
     except msgspec.ValidationError as e:
-        # A newer peer's message may fail our schema; its version is the better answer.
+        # The version first: a newer peer's message may fail our schema anywhere.
         _check_version(_peek_version(data))
         raise ProtocolError("invalid", f"invalid {_name(type_)}: {_readable(e)}") from None
     except msgspec.DecodeError as e:
@@ -408,6 +408,7 @@ def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -
         raise ProtocolError("malformed", f"malformed JSON: not UTF-8 at byte {e.start}") from None
     except RecursionError:
         # msgspec guards its recursion with the interpreter's limit (about 1,000 levels).
+        _check_version(_scan_version(data))
         raise ProtocolError("malformed", "malformed JSON: nested too deeply") from None
     except Exception as e:  # the sender's bytes, never our bug: see the docstring
         raise ProtocolError("malformed", f"malformed JSON: {type(e).__name__}: {e}") from None
@@ -420,11 +421,44 @@ class _Envelope(msgspec.Struct):
 
 
 def _peek_version(data: bytes) -> object:
-    """The ``v`` of a message that failed validation, or PROTOCOL_VERSION if there is none."""
+    """The ``v`` of a message that failed validation, or PROTOCOL_VERSION if there is none.
+
+    Validation stops at the first bad field, before the rest is parsed: bytes that are not
+    JSON after it are ``malformed`` here, so the answer does not depend on the fields' order.
+    """
     try:
         return msgspec.json.decode(data, type=_Envelope).v
-    except Exception:  # only a hint for the error message
+    except msgspec.ValidationError:  # not an object: no version to read
         return PROTOCOL_VERSION
+    except RecursionError:
+        return _scan_version(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError("malformed", f"malformed JSON: {e}") from None
+
+
+# A JSON string or a bracket; and what follows a key: an integer value (up to 4,000 digits,
+# Python's int() limit is 4,300), then the next member or the object's end.
+_JSON_TOKEN: Final = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+_INT_MEMBER: Final = re.compile(rb"\s*:\s*(-?\d{1,4000})\s*[,}]")
+
+
+def _scan_version(data: bytes) -> object:
+    """The top-level ``v`` of a payload nested too deeply for the decoder (one regex pass, no
+    recursion), or PROTOCOL_VERSION if none is found."""
+    if not data.lstrip().startswith(b"{"):
+        return PROTOCOL_VERSION
+    depth, version = 0, PROTOCOL_VERSION
+    for token in _JSON_TOKEN.finditer(data):
+        text = token.group()
+        if text in (b"{", b"["):
+            depth += 1
+        elif text in (b"}", b"]"):
+            depth -= 1
+        elif depth == 1 and text == b'"v"':
+            member = _INT_MEMBER.match(data, token.end())
+            if member is not None:
+                version = int(member.group(1))  # the last one wins, as in the decoder
+    return version
 
 
 def _check_version(version: object) -> None:
