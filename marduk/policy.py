@@ -384,18 +384,9 @@ class Policy(DevicePolicy):
                     detail="removed by an operator",
                 )
             )
-        if worker is None:
-            # A whole replica or job the operator says will not come back: its epoch records
-            # go too (the one exception to epochs outliving their workers), so ids that are
-            # never reused (pod names) do not grow the state forever.
-            for ekey in [k for k in self.epochs if k.job == job]:
-                if replica is not None and ekey.replica not in (replica, None):
-                    continue
-                if not self._scope_workers(ekey):
-                    del self.epochs[ekey]
-                    for table in (self._floor, self._awaiting, self._last_sent):
-                        table.pop(ekey, None)
-                    out.deleted_epochs.append(ekey)
+        # The scopes' epoch records stay, as after a deregistration: a forgotten worker still
+        # alive, or an id that comes back, must never see an epoch it has seen issued again
+        # (its agent would drop it as stale, and an old command could be replayed to it).
         return out
 
     def ack(self, key: WorkerKey, epoch: int, now: float) -> Outcome:

@@ -107,14 +107,20 @@ def test_forget_removes_a_job_a_replica_or_a_worker() -> None:
     assert not p.forget("nope", None, None, now=3).deleted_workers
 
 
-def test_forgetting_a_replica_drops_its_epochs_so_state_does_not_grow() -> None:
+@pytest.mark.parametrize("replica", ["pod-abc", None])
+def test_forgetting_keeps_the_epochs_so_they_never_go_backwards(replica: str | None) -> None:
+    """Issue 15 item 5: forgetting a replica (or its job) deleted its epoch record, so the id
+    coming back (or a forgotten worker still alive, a fresh process) restarted at epoch 1."""
     p = Policy()
     p.register(reg("pod-abc", ["d1"]), now=0)
-    p.on_health(failed("d1", "e1"), now=1)
-    p.deregister(WorkerKey("j", "pod-abc", 0), "exited", now=2)
-    assert EpochKey("j", "pod-abc") in p.epochs  # kept after a deregistration
-    out = p.forget("j", "pod-abc", None, now=3)
-    assert out.deleted_epochs == [EpochKey("j", "pod-abc")] and not p.epochs
+    for i in range(3):
+        p.on_health(failed("d1", f"e{i}"), now=1 + i)
+        p.ack(WorkerKey("j", "pod-abc", 0), i + 1, now=1.5 + i)
+    out = p.forget("j", replica, None, now=10)
+    assert not out.deleted_epochs and p.epoch_of(EpochKey("j", "pod-abc")) == 3
+    p.register(reg("pod-abc", ["d1"], pid=2), now=11)  # a fresh process: seen_epoch 0
+    r = p.on_health(failed("d1", "e9"), now=12)
+    assert [c.epoch for c in r.outcome.commands] == [4]
 
 
 def test_restore_gives_every_worker_a_full_ttl_and_remembers_handled_events() -> None:
