@@ -11,7 +11,7 @@ fields are ignored so that a newer peer may add optional fields without breaking
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar, get_args
 
 import msgspec
 
@@ -223,10 +223,51 @@ class HealthReply(Message, tag="health_reply", kw_only=True):
 # --- observers ---------------------------------------------------------------------------------
 
 
+# Every kind of ControllerEvent the controller publishes (docs/protocol.md lists each; a test
+# checks both the list and the code against this). The wire field stays a plain string, so an
+# observer decodes a kind a newer controller adds.
+EventKind = Literal[
+    # workers
+    "registered",
+    "reregistered",
+    "deregistered",
+    "forgotten",
+    "duplicate_worker",
+    "worker_stale",
+    "worker_live",
+    "worker_expired",
+    "worker_on_unusable_device",
+    # decisions
+    "restart_issued",
+    "fail_issued",
+    "checkpoint_issued",
+    "coalesced",
+    # devices
+    "unknown_device",
+    "device_failed",
+    "device_degraded",
+    "device_preempting",
+    "device_healthy",
+    "device_quarantined",
+    "device_drained",
+    "device_undrained",
+    # supervisors' reports
+    "trainer_started",
+    "trainer_restarting",
+    "trainer_exited",
+    "trainer_checkpointed",
+    "worker_crashed",
+    "worker_hung",
+    "worker_gave_up",
+    "worker_preempted",
+]
+EVENT_KINDS: Final = frozenset(get_args(EventKind))
+
+
 class ControllerEvent(Message, tag="event", kw_only=True):
     """Something the controller decided or observed, for ``marduk monitor watch`` and logs."""
 
-    kind: ShortText
+    kind: ShortText  # one of EVENT_KINDS (any string decodes: see EventKind)
     ts: float
     job: str | None = None
     replica: str | None = None
@@ -303,6 +344,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     pid: int
     incarnation: int
     applied_epoch: int
+    # The highest epoch the worker said it has received (its registration's seen_epoch).
+    seen_epoch: int = 0
     epoch: int
     registered_at: float
     updated_at: float
