@@ -8,9 +8,11 @@ import json
 import re
 import typing
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import nats
+import pytest
 import yaml
 
 from marduk import protocol as wire
@@ -295,3 +297,32 @@ def test_docker_compose_parses_and_wires_the_services() -> None:
         assert t["environment"]["MARDUK_ADDR"].split(",") == all_urls
         assert t["environment"]["MARDUK_NKEY"] == "/auth/agent.nk"  # controller.pub beside it
         assert set(controllers) <= set(t["depends_on"])
+
+
+OPERATIONS_MD = ROOT / "docs" / "operations.md"
+
+
+@pytest.mark.parametrize(
+    ("command", "heading"),
+    [
+        (["controller"], "### `marduk controller`"),
+        (["agent", "run"], "### `marduk agent run [OPTIONS] -- CMD [ARGS...]`"),
+        (["monitor", "run"], "## Monitors"),
+    ],
+)
+def test_every_option_is_in_its_commands_table(command: list[str], heading: str) -> None:
+    """Issue 15 item 6: `agent run --metrics-addr` (and `monitor run --dcgm-url`) were served
+    but missing from their tables. torchrun's underscore spellings are aliases, not listed."""
+    import typer.main
+
+    from marduk.cli import app
+
+    cli: Any = typer.main.get_command(app)
+    for name in command:
+        cli = cli.commands[name]
+    rows = " ".join(r[0] for r in _table_rows(_section(OPERATIONS_MD.read_text(), heading)))
+    options = {o for p in cli.params for o in p.opts if o.startswith("--") and "_" not in o}
+    # A --flag/--no-flag pair is listed once; --tls-* stands for the three TLS files.
+    listed = {o for o in options if any(f"{a}{o}{b}" in rows for a in "`/" for b in "`/ ")}
+    listed |= {o for o in options if o.startswith("--tls-") and "`--tls-*`" in rows}
+    assert options - listed == set()
