@@ -326,3 +326,51 @@ def test_every_option_is_in_its_commands_table(command: list[str], heading: str)
     listed = {o for o in options if any(f"{a}{o}{b}" in rows for a in "`/" for b in "`/ ")}
     listed |= {o for o in options if o.startswith("--tls-") and "`--tls-*`" in rows}
     assert options - listed == set()
+
+
+def _metrics_table() -> dict[str, list[str]]:
+    """operations.md's Prometheus table: metric name -> its row."""
+    section = _section(OPERATIONS_MD.read_text(), "### Prometheus metrics")
+    return {row[0].strip("`"): row for row in _table_rows(section)}
+
+
+def _registered_metric_names() -> set[str]:
+    """What the controller's and the agent's registries can serve besides plain counters: the
+    stats families, and every gauge and histogram their code builds (by name)."""
+    from marduk.metrics import FAMILIES
+
+    names = {name for name, _label, _doc in FAMILIES.values()}
+    for path in [*(ROOT / "marduk").glob("*.py"), *(ROOT / "agent").glob("*.py")]:
+        for call in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+                continue
+            index = {"gauge": 0, "histogram": 1}.get(call.func.id)
+            if index is not None and len(call.args) > index:
+                arg = call.args[index]
+                assert isinstance(arg, ast.Constant), f"{path}: a metric name the test cannot read"
+                names.add(arg.value)
+    return names
+
+
+def test_the_metrics_table_lists_every_family_gauge_and_histogram() -> None:
+    """Issue 15 item 6: the controller's and the agent's metric names were documented nowhere."""
+    table = _metrics_table()
+    assert set(table) == _registered_metric_names()
+    for name, row in table.items():
+        kind = row[1]
+        assert kind in {"counter", "gauge", "histogram"}
+        assert name.endswith("_total") == (kind == "counter"), name
+
+
+def documented_metric(name: str) -> bool:
+    """Is a scraped metric (``marduk_x_total`` for counters) in the table, or a counter of the
+    Counters section exported under the rule ``a.b`` -> ``marduk_a_b_total``?"""
+    if name in _metrics_table():
+        return True
+    counters = _section(OPERATIONS_MD.read_text(), "## Counters and metrics").split("###")[0]
+    for key in re.findall(r"`([a-z_.<>|/ -]+)`", counters):
+        flat = re.escape(key.replace(".", "_").replace("-", "_"))
+        pattern = re.sub(r"<[^>]+>", "[a-z0-9_]+", flat.replace(r"\<", "<").replace(r"\>", ">"))
+        if re.fullmatch(f"marduk_{pattern}_total", name):
+            return True
+    return False
