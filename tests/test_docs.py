@@ -374,3 +374,45 @@ def documented_metric(name: str) -> bool:
         if re.fullmatch(f"marduk_{pattern}_total", name):
             return True
     return False
+
+
+def _yaml_block(text: str, first_line: str) -> Any:
+    blocks = re.findall(r"^```yaml\n(.*?)^```$", text, flags=re.S | re.M)
+    (block,) = [b for b in blocks if b.startswith(first_line)]
+    return yaml.safe_load(block)
+
+
+def _seconds(duration: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)(ms|s|m|h)", duration).groups()  # type: ignore[union-attr]
+    return int(number) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
+def test_the_alertmanager_config_is_whole_and_routes_to_the_receiver() -> None:
+    """Issue 15 item 6: the documented alertmanager.yml had no default receiver on its root
+    route (amtool check-config: "root route must specify a default receiver"), and its
+    group_interval of 30 s held a device's next alert or resolve back up to 30 s."""
+    config = _yaml_block(OPERATIONS_MD.read_text(), "# alertmanager.yml")
+    assert set(config) <= {"global", "route", "receivers", "inhibit_rules", "templates"}
+    receivers = [r["name"] for r in config["receivers"]]
+    assert len(receivers) == len(set(receivers))
+    root = config["route"]
+    # Alertmanager's own rules for the root: a receiver, no matchers, no continue.
+    assert root["receiver"] in receivers
+    assert not {"matchers", "match", "match_re", "continue"} & set(root)
+    (marduk,) = [r for r in root["routes"] if r["receiver"] == "marduk"]
+    assert all(r["receiver"] in receivers for r in root["routes"])
+    assert marduk["group_by"] == ["UUID"] and marduk["matchers"] == ['UUID=~"GPU-.+"']
+    assert _seconds(marduk["group_wait"]) == 0 and 0 < _seconds(marduk["group_interval"]) <= 5
+    (hook,) = next(r for r in config["receivers"] if r["name"] == "marduk")["webhook_configs"]
+    assert hook["send_resolved"] is True and hook["url"].startswith("http")
+    assert set(hook["http_config"]["authorization"]) == {"credentials_file"}
+
+
+def test_the_prometheus_rules_are_a_whole_rules_file() -> None:
+    rules = _yaml_block(OPERATIONS_MD.read_text(), "# Prometheus rules file")
+    (group,) = rules["groups"]
+    assert group["name"] and group["rules"]
+    for rule in group["rules"]:
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}
+        assert rule["alert"] and "DCGM_FI_DEV_" in rule["expr"]
+        assert rule["labels"]["severity"] in {"critical", "warning"}
