@@ -416,3 +416,23 @@ def test_the_prometheus_rules_are_a_whole_rules_file() -> None:
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}
         assert rule["alert"] and "DCGM_FI_DEV_" in rule["expr"]
         assert rule["labels"]["severity"] in {"critical", "warning"}
+
+
+def test_the_error_code_table_lists_every_code_the_code_answers() -> None:
+    """Every ProtocolError/PolicyError reason and ErrorReply code in the code is in the table."""
+    codes: set[str] = set()
+    for path in [*(ROOT / "marduk").glob("*.py")]:
+        for call in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+                continue
+            if call.func.id in {"ProtocolError", "PolicyError"} and call.args:
+                arg = call.args[0]
+            elif call.func.id == "ErrorReply":
+                arg = next((k.value for k in call.keywords if k.arg == "code"), None)
+            else:
+                continue
+            if isinstance(arg, ast.Constant):
+                codes.add(arg.value)
+    table = _table_rows(_section(PROTOCOL_MD.read_text(), "### Errors"))
+    documented = {row[0].strip("`") for row in table}
+    assert len(codes) >= 10 and codes == documented
