@@ -479,28 +479,25 @@ def _peek_version(data: bytes) -> object:
         raise ProtocolError("malformed", f"malformed JSON: {e}") from None
 
 
-# A JSON string or a bracket; and what follows a key: an integer value (up to 4,000 digits,
-# Python's int() limit is 4,300), then the next member or the object's end.
-_JSON_TOKEN: Final = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
-_INT_MEMBER: Final = re.compile(rb"\s*:\s*(-?\d{1,4000})\s*[,}]")
+# A JSON string (group 1: the string "v"); a top-level-looking "v" member with an integer value (up
+# to 4,000 digits: Python's int() stops at 4,300).
+_STRING: Final = re.compile(rb'"(v)"|"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: fast on long ones
+_V_MEMBER: Final = re.compile(rb'"v"\s*:\s*(-?\d{1,4000})\s*[,}]')
 
 
 def _scan_version(data: bytes) -> object:
-    """The top-level ``v`` of a payload nested too deeply for the decoder (one regex pass, no
-    recursion), or PROTOCOL_VERSION if none is found."""
+    """The top-level ``v`` of a payload nested too deeply for the decoder, or PROTOCOL_VERSION
+    if none is found. No recursion, and no Python loop per byte: junk must stay cheap."""
     if not data.lstrip().startswith(b"{"):
         return PROTOCOL_VERSION
-    depth, version = 0, PROTOCOL_VERSION
-    for token in _JSON_TOKEN.finditer(data):
-        text = token.group()
-        if text in (b"{", b"["):
-            depth += 1
-        elif text in (b"}", b"]"):
-            depth -= 1
-        elif depth == 1 and text == b'"v"':
-            member = _INT_MEMBER.match(data, token.end())
-            if member is not None:
-                version = int(member.group(1))  # the last one wins, as in the decoder
+    flat = _STRING.sub(rb'"\1"', data)  # every string emptied but "v": no bracket inside
+    depth, done, version = 0, 0, PROTOCOL_VERSION
+    for member in _V_MEMBER.finditer(flat):
+        part = flat[done : member.start()]
+        depth += part.count(b"{") + part.count(b"[") - part.count(b"}") - part.count(b"]")
+        done = member.start()
+        if depth == 1:
+            version = int(member.group(1))  # the last one wins, as in the decoder
     return version
 
 
