@@ -711,10 +711,6 @@ class Controller:
                 reply = self._reject(kind, e.reason, str(e), request.subject)
             except PolicyError as e:
                 reply = self._reject(kind, e.code, str(e), request.subject)
-                if e.code == "duplicate_worker":
-                    await self._announce(
-                        ControllerEvent(kind="duplicate_worker", ts=time.time(), detail=str(e))
-                    )
             except Exception as e:  # the controller never crashes on input
                 self._log_internal(f"{kind} on {request.subject}")
                 reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
@@ -782,7 +778,22 @@ class Controller:
 
     async def _on_register(self, reg: Registration, subject: str) -> RegisterReply:
         self._check_subject_job(reg.job, subject)
-        result = self.policy.register(reg, time.time())
+        try:
+            result = self.policy.register(reg, time.time())
+        except PolicyError as e:
+            if e.code == "duplicate_worker":
+                # Who was refused: the worker's identity, for watchers and alerts.
+                await self._announce(
+                    ControllerEvent(
+                        kind="duplicate_worker",
+                        ts=time.time(),
+                        job=reg.job,
+                        replica=reg.replica,
+                        worker=reg.worker,
+                        detail=str(e),
+                    )
+                )
+            raise
         await self._commit(result.outcome)
         return RegisterReply(
             job=reg.job,

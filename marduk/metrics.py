@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -44,11 +44,21 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
 
 
 class StatsCollector:
-    """Exports a ``Counter`` of dotted names, read at each scrape (nothing copied)."""
+    """Exports a ``Counter`` of dotted names, read at each scrape (nothing copied).
 
-    def __init__(self, stats: Counter[str], gauges: Callable[[], Iterable[Metric]]) -> None:
+    ``help_texts``: the help text of a counter outside FAMILIES, by its dotted name (default
+    "Counter <name>.").
+    """
+
+    def __init__(
+        self,
+        stats: Counter[str],
+        gauges: Callable[[], Iterable[Metric]],
+        help_texts: Mapping[str, str] | None = None,
+    ) -> None:
         self.stats = stats
         self.gauges = gauges
+        self.help_texts = help_texts or {}
 
     def collect(self) -> Iterator[Metric]:
         families: dict[str, CounterMetricFamily] = {}
@@ -64,7 +74,9 @@ class StatsCollector:
                 fam.add_metric([rest], value)
             elif head not in FAMILIES:
                 name = "marduk_" + key.replace(".", "_").replace("-", "_")
-                yield CounterMetricFamily(name, f"Counter {key}.", value=value)
+                yield CounterMetricFamily(
+                    name, self.help_texts.get(key, f"Counter {key}."), value=value
+                )
         yield from families.values()
         yield from self.gauges()
 

@@ -174,6 +174,11 @@ class Policy(DevicePolicy):
         old = self.workers.get(key)
         if old is not None:
             self._check_duplicate(key, old, reg, now)
+        ekey = epoch_key_for(reg.job, reg.replica, reg.scope)
+        state = self.epochs.get(ekey)
+        # Every check before the first change: a refused registration leaves no trace (a
+        # worker heard from but never recorded would expire, and fail, forever).
+        self._check_adoptable(max(reg.epoch, reg.seen_epoch), state)
         was_stale = key in self.stale
         self._heard(key, now)
         self.stale.discard(key)
@@ -181,9 +186,6 @@ class Policy(DevicePolicy):
             old.registration.pid,
             old.registration.incarnation,
         ) != (reg.pid, reg.incarnation)
-        ekey = epoch_key_for(reg.job, reg.replica, reg.scope)
-        state = self.epochs.get(ekey)
-        self._check_adoptable(max(reg.epoch, reg.seen_epoch), state)
         if state is None:
             # Reserve the first block now, off the failure path. Written ahead: a command under
             # this ceiling needs no write of its own, so the ceiling must be durable first.
@@ -382,18 +384,9 @@ class Policy(DevicePolicy):
                     detail="removed by an operator",
                 )
             )
-        if worker is None:
-            # A whole replica or job the operator says will not come back: its epoch records
-            # go too (the one exception to epochs outliving their workers), so ids that are
-            # never reused (pod names) do not grow the state forever.
-            for ekey in [k for k in self.epochs if k.job == job]:
-                if replica is not None and ekey.replica not in (replica, None):
-                    continue
-                if not self._scope_workers(ekey):
-                    del self.epochs[ekey]
-                    for table in (self._floor, self._awaiting, self._last_sent):
-                        table.pop(ekey, None)
-                    out.deleted_epochs.append(ekey)
+        # The scopes' epoch records stay, as after a deregistration: a forgotten worker still
+        # alive, or an id that comes back, must never see an epoch it has seen issued again
+        # (its agent would drop it as stale, and an old command could be replayed to it).
         return out
 
     def ack(self, key: WorkerKey, epoch: int, now: float) -> Outcome:

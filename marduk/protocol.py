@@ -11,7 +11,7 @@ fields are ignored so that a newer peer may add optional fields without breaking
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, TypeVar, get_args
 
 import msgspec
 
@@ -223,10 +223,51 @@ class HealthReply(Message, tag="health_reply", kw_only=True):
 # --- observers ---------------------------------------------------------------------------------
 
 
+# Every kind of ControllerEvent the controller publishes (docs/protocol.md lists each; a test
+# checks both the list and the code against this). The wire field stays a plain string, so an
+# observer decodes a kind a newer controller adds.
+EventKind = Literal[
+    # workers
+    "registered",
+    "reregistered",
+    "deregistered",
+    "forgotten",
+    "duplicate_worker",
+    "worker_stale",
+    "worker_live",
+    "worker_expired",
+    "worker_on_unusable_device",
+    # decisions
+    "restart_issued",
+    "fail_issued",
+    "checkpoint_issued",
+    "coalesced",
+    # devices
+    "unknown_device",
+    "device_failed",
+    "device_degraded",
+    "device_preempting",
+    "device_healthy",
+    "device_quarantined",
+    "device_drained",
+    "device_undrained",
+    # supervisors' reports
+    "trainer_started",
+    "trainer_restarting",
+    "trainer_exited",
+    "trainer_checkpointed",
+    "worker_crashed",
+    "worker_hung",
+    "worker_gave_up",
+    "worker_preempted",
+]
+EVENT_KINDS: Final = frozenset(get_args(EventKind))
+
+
 class ControllerEvent(Message, tag="event", kw_only=True):
     """Something the controller decided or observed, for ``marduk monitor watch`` and logs."""
 
-    kind: ShortText
+    kind: ShortText  # one of EVENT_KINDS (any string decodes: see EventKind)
     ts: float
     job: str | None = None
     replica: str | None = None
@@ -303,6 +344,8 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     pid: int
     incarnation: int
     applied_epoch: int
+    # The highest epoch the worker said it has received (its registration's seen_epoch).
+    seen_epoch: int = 0
     epoch: int
     registered_at: float
     updated_at: float
@@ -399,7 +442,7 @@ def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -
         str(data, "utf-8")
         msg = decoder.decode(data)
     except msgspec.ValidationError as e:
-        # A newer peer's message may fail our schema; its version is the better answer.
+        # The version first: a newer peer's message may fail our schema anywhere.
         _check_version(_peek_version(data))
         raise ProtocolError("invalid", f"invalid {_name(type_)}: {_readable(e)}") from None
     except msgspec.DecodeError as e:
@@ -408,6 +451,7 @@ def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -
         raise ProtocolError("malformed", f"malformed JSON: not UTF-8 at byte {e.start}") from None
     except RecursionError:
         # msgspec guards its recursion with the interpreter's limit (about 1,000 levels).
+        _check_version(_scan_version(data))
         raise ProtocolError("malformed", "malformed JSON: nested too deeply") from None
     except Exception as e:  # the sender's bytes, never our bug: see the docstring
         raise ProtocolError("malformed", f"malformed JSON: {type(e).__name__}: {e}") from None
@@ -420,11 +464,41 @@ class _Envelope(msgspec.Struct):
 
 
 def _peek_version(data: bytes) -> object:
-    """The ``v`` of a message that failed validation, or PROTOCOL_VERSION if there is none."""
+    """The ``v`` of a message that failed validation, or PROTOCOL_VERSION if there is none.
+
+    Validation stops at the first bad field, before the rest is parsed: bytes that are not
+    JSON after it are ``malformed`` here, so the answer does not depend on the fields' order.
+    """
     try:
         return msgspec.json.decode(data, type=_Envelope).v
-    except Exception:  # only a hint for the error message
+    except msgspec.ValidationError:  # not an object: no version to read
         return PROTOCOL_VERSION
+    except RecursionError:
+        return _scan_version(data)
+    except msgspec.DecodeError as e:
+        raise ProtocolError("malformed", f"malformed JSON: {e}") from None
+
+
+# A JSON string (group 1: the string "v"); a top-level-looking "v" member with an integer value (up
+# to 4,000 digits: Python's int() stops at 4,300).
+_STRING: Final = re.compile(rb'"(v)"|"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: fast on long ones
+_V_MEMBER: Final = re.compile(rb'"v"\s*:\s*(-?\d{1,4000})\s*[,}]')
+
+
+def _scan_version(data: bytes) -> object:
+    """The top-level ``v`` of a payload nested too deeply for the decoder, or PROTOCOL_VERSION
+    if none is found. No recursion, and no Python loop per byte: junk must stay cheap."""
+    if not data.lstrip().startswith(b"{"):
+        return PROTOCOL_VERSION
+    flat = _STRING.sub(rb'"\1"', data)  # every string emptied but "v": no bracket inside
+    depth, done, version = 0, 0, PROTOCOL_VERSION
+    for member in _V_MEMBER.finditer(flat):
+        part = flat[done : member.start()]
+        depth += part.count(b"{") + part.count(b"[") - part.count(b"}") - part.count(b"]")
+        done = member.start()
+        if depth == 1:
+            version = int(member.group(1))  # the last one wins, as in the decoder
+    return version
 
 
 def _check_version(version: object) -> None:

@@ -35,6 +35,7 @@ def worker_infos(policy: Policy, job: str | None = None) -> list[WorkerInfo]:
                 pid=reg.pid,
                 incarnation=reg.incarnation,
                 applied_epoch=rec.applied_epoch,
+                seen_epoch=reg.seen_epoch,
                 epoch=policy.epoch_of(policy._epoch_key_of(rec)),
                 registered_at=rec.registered_at,
                 updated_at=rec.updated_at,

@@ -58,6 +58,18 @@ MAX_BODY_BYTES: Final = 8 * 1024 * 1024  # thousands of alerts in one notificati
 _MAX_HEADERS: Final = 100
 _SEVERITY: Final[dict[HealthState, int]] = {"failed": 3, "preempting": 2, "degraded": 1}
 _STATES: Final = frozenset(_SEVERITY)
+# /metrics help of the events the receiver published (marduk_alertmanager_events_*_total).
+_HELP: Final = {
+    **{
+        f"alertmanager_events.{state}": f"Events stored and decided by the controller, {state}."
+        for state in (*_STATES, "healthy")
+    },
+    "alertmanager_events.duplicate": "Events stored that repeat one already decided.",
+    "alertmanager_events.undecided": "Events stored that no controller decided within the "
+    "receiver's wait (one decides them once it serves); formerly "
+    "marduk_alertmanager_events_stored_total.",
+    "alertmanager_events.rejected": "Events the controller refused (not stored).",
+}
 
 
 # --- the webhook payload (wire types, decoded strictly at the edge) -----------------------------
@@ -399,7 +411,7 @@ class AlertmanagerReceiver:
             settings.addr, settings.prefix, self.stats, decide_timeout_s=settings.decide_timeout_s
         )
         self.registry = CollectorRegistry()
-        self.registry.register(StatsCollector(self.stats, list))
+        self.registry.register(StatsCollector(self.stats, list, help_texts=_HELP))
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task[Any]] = set()
         self._publishing = asyncio.Semaphore(settings.max_concurrent_publishes)
@@ -553,7 +565,7 @@ class AlertmanagerReceiver:
                 log.error("the controller refused %s: %s", event.event_id, e)
                 return {**result, "outcome": "rejected", "error": str(e)}
         if reply is None:
-            self.stats["alertmanager_events.stored"] += 1
+            self.stats["alertmanager_events.undecided"] += 1
             log.warning("%s %s: stored; no controller decided yet", event.device, event.state)
             return {**result, "outcome": "stored"}
         if reply.duplicate:

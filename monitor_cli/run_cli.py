@@ -335,7 +335,13 @@ def _daemon(
         bad = [d for d in device_list if not _HOST_RE.match(d)]
         if bad:
             raise UsageError(f"device id {bad[0]!r} must be printable, without spaces")
-    names = list(dict.fromkeys(names)) or detect_probes()
+    names = list(dict.fromkeys(names))
+    if not names:
+        names = detect_probes()
+        # A URL given for an opt-in probe asks for it, as its variable does in detect_probes.
+        for probe, url in (("dcgm", dcgm_url), ("gce", gce_metadata_url)):
+            if url and probe not in names:
+                names.append(probe)
     if not names:
         raise MardukError(
             "no probe can run here: no NVML GPU, no TPU chip, not a Kubernetes pod with "

@@ -233,6 +233,36 @@ async def test_firing_restarts_the_replica_once_and_resolved_marks_healthy(
         await trainer.close()
 
 
+async def test_an_event_no_controller_decided_is_counted_undecided(
+    nats_server: NatsServer,
+) -> None:
+    """Issue 15 item 6: this counter was marduk_alertmanager_events_stored_total, which read like
+    every event stored; it counts only those stored and not decided in time."""
+    import nats
+
+    from marduk.health_stream import ensure_stream
+    from marduk.subjects import Subjects
+
+    nc = await nats.connect(nats_server.url)
+    await ensure_stream(nc, "marduk", Subjects().health)  # stored, but no controller runs
+    await nc.close()
+    receiver = await start_receiver(nats_server.url, decide_timeout_s=0.3)
+    try:
+        await eventually(lambda: receiver.publisher.ready, timeout=10)
+        status, reply = await post(receiver, notification(alert(GPU0)))
+        assert status == 200 and reply["events"][0]["outcome"] == "stored"
+        assert receiver.stats["alertmanager_events.undecided"] == 1
+        _, metrics = await asyncio.to_thread(http, f"http://127.0.0.1:{receiver.port}/metrics")
+        assert "marduk_alertmanager_events_undecided_total 1.0" in metrics
+        assert "\nmarduk_alertmanager_events_stored_total" not in metrics
+        assert (
+            "# HELP marduk_alertmanager_events_undecided_total Events stored that no controller "
+            "decided within the receiver's wait" in metrics
+        )
+    finally:
+        await receiver.stop()
+
+
 async def test_bad_requests_are_counted_and_the_server_keeps_serving(tmp_path: Path) -> None:
     receiver = await start_receiver(
         f"nats://127.0.0.1:{free_port()}", token="s3cret", publish_timeout_s=0.5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -329,3 +330,29 @@ async def test_startup_failure_still_stops_the_embedded_server(
     assert await run_controller(settings, asyncio.Event()) == 1
     [proc] = started
     assert proc.poll() is not None  # type: ignore[attr-defined]
+
+
+async def test_a_refused_registration_leaves_no_phantom_worker(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Issue 15 item 5: a registration refused as `invalid` (an epoch far beyond the scope)
+    once left the worker 'heard from': a worker TTL later every tick raised KeyError
+    (errors.internal) and announced worker_expired for a worker that never registered."""
+    c = await start_serving(
+        Controller(
+            controller_settings(nats_server, tmp_path, worker_ttl_s=0.3, worker_expiry_s=0.6)
+        )
+    )
+    nc = await nats.connect(nats_server.url)
+    try:
+        events = await nc.subscribe(S.all_events)
+        reg = wire.Registration(job="default", replica="r1", devices=["d1"], epoch=2147483648)
+        msg = await nc.request(S.register("default"), encode(reg), timeout=5)
+        assert decode(msg.data, wire.ErrorReply).code == "invalid"
+        await asyncio.sleep(1.5)  # past the expiry, several ticks
+        assert c.stats["errors.internal"] == 0
+        assert not events.pending_msgs  # no worker_stale / worker_expired about it
+        assert not c.policy.workers and not c.policy.last_seen
+    finally:
+        await nc.close()
+        await c.stop()

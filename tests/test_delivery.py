@@ -132,6 +132,7 @@ async def test_a_second_live_process_is_refused_with_duplicate_worker(
         assert controller.stats["rejected.duplicate_worker"] == 1
         ev = decode((await events.next_msg(timeout=5)).data, wire.ControllerEvent)
         assert ev.kind == "duplicate_worker"
+        assert (ev.job, ev.replica, ev.worker) == ("default", "r1", 0)  # who was refused
         # Not merged: the map still has the live holder's devices only.
         assert controller.policy.drmap.devices_for_worker(("default", "r1", 0)) == {"d1"}  # type: ignore[arg-type]
     finally:

@@ -1,14 +1,24 @@
-"""The docs stay true to the code: every JSON example decodes strictly; compose parses."""
+"""The docs stay true to the code: every JSON example decodes strictly; every message, subject,
+event kind, state and field the code has is documented (and nothing else); compose parses."""
 
 from __future__ import annotations
 
+import ast
+import json
 import re
+import typing
 from pathlib import Path
+from typing import Any
 
 import msgspec
+import nats
+import pytest
 import yaml
 
 from marduk import protocol as wire
+from marduk.controller import Controller
+from marduk.subjects import REPLY_HEADER, Subjects
+from tests.conftest import NatsServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TAGGED = (
@@ -31,7 +41,19 @@ TAGGED = (
     | wire.Forget
     | wire.ForgetReply
     | wire.Standby
+    | wire.Drain
+    | wire.DrainReply
 )
+PROTOCOL_MD = ROOT / "docs" / "protocol.md"
+
+
+def _messages() -> set[str]:
+    """Every wire message class: the tagged Structs of marduk/protocol.py."""
+    return {
+        name
+        for name, obj in vars(wire).items()
+        if isinstance(obj, type) and issubclass(obj, wire.Message) and obj is not wire.Message
+    }
 
 
 def test_every_json_example_in_protocol_md_decodes() -> None:
@@ -47,21 +69,19 @@ def test_every_json_example_in_protocol_md_decodes() -> None:
             **msgspec.to_builtins(msg),
             **msgspec.json.decode(block.encode()),
         }
-    assert {"Registration", "DeviceHealth", "Command", "HealthReply", "ErrorReply"} <= types
+    assert types == _messages()  # every message has its example
 
 
 def test_every_subject_in_code_is_documented() -> None:
-    from marduk.subjects import Subjects
-
-    text = (ROOT / "docs" / "protocol.md").read_text()
+    text = PROTOCOL_MD.read_text()
     s = Subjects()
+    # Every fixed subject (a property of Subjects) is in the subject table, found by itself.
+    fixed = [v for k, v in vars(Subjects).items() if isinstance(v, property)]
+    assert len(fixed) >= 8
+    for prop in fixed:
+        subject = prop.fget(s)  # type: ignore[misc]
+        assert f"`{subject}`" in text, subject
     for subject in (
-        s.health,
-        s.query,
-        s.forget,
-        s.hello,
-        s.standby,
-        s.ctl_events,
         s.register("<job>"),
         s.deregister("<job>"),
         s.ack("<job>"),
@@ -71,6 +91,158 @@ def test_every_subject_in_code_is_documented() -> None:
         s.job_commands("<job>"),
     ):
         assert f"`{subject}`" in text, subject
+
+
+async def test_every_served_subject_is_in_the_subject_table(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    """What the leader serves, as NATS micro lists it, against the table (issue 15: drain was
+    served but not documented)."""
+    rows = _table_rows(_section(PROTOCOL_MD.read_text(), "## Subjects"))
+    documented = {row[0].strip("`") for row in rows}
+    nc = await nats.connect(nats_server.url)
+    try:
+        info = json.loads((await nc.request("$SRV.INFO.marduk", b"", timeout=5)).data)
+    finally:
+        await nc.close()
+    served = {e["subject"].replace(".*.", ".<job>.") for e in info["endpoints"]}
+    assert len(served) >= 7 and served <= documented, served - documented
+
+
+def _section(text: str, heading: str) -> str:
+    """From ``heading`` to the next heading of the same or a higher level."""
+    level = heading.split(" ")[0]
+    start = text.index(f"\n{heading}") + 1
+    stop = re.compile(rf"^#{{1,{len(level)}}} ", re.M).search(text, start + len(heading))
+    return text[start : stop.start() if stop else len(text)]
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """The cells of every markdown table row in ``text``, header rows left out."""
+    rows: list[list[str]] = []
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            continue
+        if set(line) <= set("|-: "):
+            rows.pop()  # the line above the rule is the header
+            continue
+        rows.append([cell.strip() for cell in line.strip("|").split(" | ")])
+    return rows
+
+
+def _ticked(cell: str) -> set[str]:
+    return set(re.findall(r"`([^`]+)`", cell))
+
+
+def test_the_event_kind_table_lists_every_kind_and_only_those() -> None:
+    section = _section(
+        PROTOCOL_MD.read_text(), "### ControllerEvent: `marduk.<job>.events`, `marduk.ctl.events`"
+    )
+    documented = set().union(*(_ticked(row[0]) for row in _table_rows(section)))
+    assert documented == wire.EVENT_KINDS
+
+
+# f-string kinds in the code, and what they expand to.
+_TEMPLATES = {
+    "device_{}": {f"device_{s}" for s in typing.get_args(wire.HealthState)},
+    "{}_issued": {"restart_issued", "fail_issued"},  # a device failure's command kinds
+    "trainer_{}": {"trainer_restarting", "trainer_exited", "trainer_checkpointed"},
+    "worker_{}": {"worker_crashed", "worker_hung", "worker_gave_up", "worker_preempted"},
+}
+
+
+def _emitted_kinds() -> set[str]:
+    """Every event kind the controller's code can publish: the ``kind`` of each ControllerEvent
+    it builds (a string, either branch of a conditional, a local assigned strings, or a
+    parameter: then the callers' arguments), f-strings expanded by _TEMPLATES."""
+    kinds: set[str] = set()
+
+    def values(node: ast.expr, func: ast.FunctionDef | None, tree: ast.Module) -> None:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            kinds.add(node.value)
+        elif isinstance(node, ast.IfExp):
+            values(node.body, func, tree)
+            values(node.orelse, func, tree)
+        elif isinstance(node, ast.JoinedStr):
+            template = "".join(
+                v.value if isinstance(v, ast.Constant) else "{}" for v in node.values
+            )
+            assert template in _TEMPLATES, f"new event kind template {template!r}: add it"
+            kinds.update(_TEMPLATES[template])
+        elif isinstance(node, ast.Name) and func is not None:
+            if node.id in {a.arg for a in func.args.args}:
+                index = [a.arg for a in func.args.args].index(node.id)
+                index -= 1 if func.args.args[0].arg == "self" else 0
+                for call in ast.walk(tree):
+                    if isinstance(call, ast.Call) and getattr(call.func, "attr", "") == func.name:
+                        values(call.args[index], None, tree)
+            else:
+                for stmt in ast.walk(func):
+                    if isinstance(stmt, ast.Assign) and any(
+                        isinstance(t, ast.Name) and t.id == node.id for t in stmt.targets
+                    ):
+                        values(stmt.value, None, tree)
+        else:
+            raise AssertionError(f"an event kind the test cannot read: {ast.dump(node)}")
+
+    for path in sorted((ROOT / "marduk").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for func in [
+            n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+        ]:
+            for call in ast.walk(func):
+                if isinstance(call, ast.Call) and getattr(call.func, "id", "") == "ControllerEvent":
+                    for kw in call.keywords:
+                        if kw.arg == "kind":
+                            values(kw.value, func, tree)  # type: ignore[arg-type]
+    return kinds
+
+
+def test_every_event_kind_the_code_publishes_is_in_the_list_and_no_other() -> None:
+    assert _emitted_kinds() == wire.EVENT_KINDS
+
+
+def test_state_and_status_tables_match_the_wire_types() -> None:
+    text = PROTOCOL_MD.read_text()
+    (state_row,) = [r for r in _table_rows(_section(text, "### DeviceHealth")) if r[0] == "`state`"]
+    assert _ticked(state_row[1]) == set(typing.get_args(wire.HealthState))
+    report = _section(text, "### Report: `marduk.<job>.report`")
+    statuses = set().union(*(_ticked(r[0]) for r in _table_rows(report)))
+    assert statuses == set(typing.get_args(wire.ReportStatus))
+
+
+def test_query_reply_field_tables_match_the_structs() -> None:
+    query = _section(PROTOCOL_MD.read_text(), "### Query: `marduk.ctl.query`")
+    cut = query.index("| `devices` field |")
+    tables = query[:cut], query[cut:]
+    workers = set().union(*(_ticked(r[0]) for r in _table_rows(tables[0])))
+    devices = set().union(*(_ticked(r[0]) for r in _table_rows(tables[1])))
+    assert workers == set(wire.WorkerInfo.__struct_fields__)
+    assert devices == set(wire.DeviceInfo.__struct_fields__)
+
+
+async def test_only_inbox_reply_subjects_are_answered_as_documented(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    """A plain subject in Marduk-Reply-To gets no answer (the controller would otherwise
+    publish wherever a client says, with its own rights); the doc says so."""
+    text = " ".join(PROTOCOL_MD.read_text().split())
+    assert "`Marduk-Reply-To`: a subject that starts with `_INBOX.`" in text
+    assert "Any other subject gets no answer" in text
+    s = Subjects()
+    nc = await nats.connect(nats_server.url)
+    try:
+        plain, inbox = await nc.subscribe("mon1.replies"), await nc.subscribe("_INBOX.mon1")
+        event = wire.DeviceHealth(device="GPU-x", state="failed")
+        for reply_to in ("mon1.replies", "_INBOX.mon1"):
+            await nc.jetstream().publish(
+                s.health, wire.encode(event), headers={REPLY_HEADER: reply_to}
+            )
+        assert wire.decode((await inbox.next_msg(timeout=5)).data, wire.HealthReply).known is False
+        assert controller.stats["rejected.reply_subject"] == 1
+        assert not plain.pending_msgs
+    finally:
+        await nc.close()
 
 
 def test_docker_compose_parses_and_wires_the_services() -> None:
@@ -125,3 +297,142 @@ def test_docker_compose_parses_and_wires_the_services() -> None:
         assert t["environment"]["MARDUK_ADDR"].split(",") == all_urls
         assert t["environment"]["MARDUK_NKEY"] == "/auth/agent.nk"  # controller.pub beside it
         assert set(controllers) <= set(t["depends_on"])
+
+
+OPERATIONS_MD = ROOT / "docs" / "operations.md"
+
+
+@pytest.mark.parametrize(
+    ("command", "heading"),
+    [
+        (["controller"], "### `marduk controller`"),
+        (["agent", "run"], "### `marduk agent run [OPTIONS] -- CMD [ARGS...]`"),
+        (["monitor", "run"], "## Monitors"),
+    ],
+)
+def test_every_option_is_in_its_commands_table(command: list[str], heading: str) -> None:
+    """Issue 15 item 6: `agent run --metrics-addr` (and `monitor run --dcgm-url`) were served
+    but missing from their tables. torchrun's underscore spellings are aliases, not listed."""
+    import typer.main
+
+    from marduk.cli import app
+
+    cli: Any = typer.main.get_command(app)
+    for name in command:
+        cli = cli.commands[name]
+    rows = " ".join(r[0] for r in _table_rows(_section(OPERATIONS_MD.read_text(), heading)))
+    options = {o for p in cli.params for o in p.opts if o.startswith("--") and "_" not in o}
+    # A --flag/--no-flag pair is listed once; --tls-* stands for the three TLS files.
+    listed = {o for o in options if any(f"{a}{o}{b}" in rows for a in "`/" for b in "`/ ")}
+    listed |= {o for o in options if o.startswith("--tls-") and "`--tls-*`" in rows}
+    assert options - listed == set()
+
+
+def _metrics_table() -> dict[str, list[str]]:
+    """operations.md's Prometheus table: metric name -> its row."""
+    section = _section(OPERATIONS_MD.read_text(), "### Prometheus metrics")
+    return {row[0].strip("`"): row for row in _table_rows(section)}
+
+
+def _registered_metric_names() -> set[str]:
+    """What the controller's and the agent's registries can serve besides plain counters: the
+    stats families, and every gauge and histogram their code builds (by name)."""
+    from marduk.metrics import FAMILIES
+
+    names = {name for name, _label, _doc in FAMILIES.values()}
+    for path in [*(ROOT / "marduk").glob("*.py"), *(ROOT / "agent").glob("*.py")]:
+        for call in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+                continue
+            index = {"gauge": 0, "histogram": 1}.get(call.func.id)
+            if index is not None and len(call.args) > index:
+                arg = call.args[index]
+                assert isinstance(arg, ast.Constant), f"{path}: a metric name the test cannot read"
+                names.add(arg.value)
+    return names
+
+
+def test_the_metrics_table_lists_every_family_gauge_and_histogram() -> None:
+    """Issue 15 item 6: the controller's and the agent's metric names were documented nowhere."""
+    table = _metrics_table()
+    assert set(table) == _registered_metric_names()
+    for name, row in table.items():
+        kind = row[1]
+        assert kind in {"counter", "gauge", "histogram"}
+        assert name.endswith("_total") == (kind == "counter"), name
+
+
+def documented_metric(name: str) -> bool:
+    """Is a scraped metric (``marduk_x_total`` for counters) in the table, or a counter of the
+    Counters section exported under the rule ``a.b`` -> ``marduk_a_b_total``?"""
+    if name in _metrics_table():
+        return True
+    counters = _section(OPERATIONS_MD.read_text(), "## Counters and metrics").split("###")[0]
+    for key in re.findall(r"`([a-z_.<>|/ -]+)`", counters):
+        flat = re.escape(key.replace(".", "_").replace("-", "_"))
+        pattern = re.sub(r"<[^>]+>", "[a-z0-9_]+", flat.replace(r"\<", "<").replace(r"\>", ">"))
+        if re.fullmatch(f"marduk_{pattern}_total", name):
+            return True
+    return False
+
+
+def _yaml_block(text: str, first_line: str) -> Any:
+    blocks = re.findall(r"^```yaml\n(.*?)^```$", text, flags=re.S | re.M)
+    (block,) = [b for b in blocks if b.startswith(first_line)]
+    return yaml.safe_load(block)
+
+
+def _seconds(duration: str) -> float:
+    number, unit = re.fullmatch(r"(\d+)(ms|s|m|h)", duration).groups()  # type: ignore[union-attr]
+    return int(number) * {"ms": 0.001, "s": 1, "m": 60, "h": 3600}[unit]
+
+
+def test_the_alertmanager_config_is_whole_and_routes_to_the_receiver() -> None:
+    """Issue 15 item 6: the documented alertmanager.yml had no default receiver on its root
+    route (amtool check-config: "root route must specify a default receiver"), and its
+    group_interval of 30 s held a device's next alert or resolve back up to 30 s."""
+    config = _yaml_block(OPERATIONS_MD.read_text(), "# alertmanager.yml")
+    assert set(config) <= {"global", "route", "receivers", "inhibit_rules", "templates"}
+    receivers = [r["name"] for r in config["receivers"]]
+    assert len(receivers) == len(set(receivers))
+    root = config["route"]
+    # Alertmanager's own rules for the root: a receiver, no matchers, no continue.
+    assert root["receiver"] in receivers
+    assert not {"matchers", "match", "match_re", "continue"} & set(root)
+    (marduk,) = [r for r in root["routes"] if r["receiver"] == "marduk"]
+    assert all(r["receiver"] in receivers for r in root["routes"])
+    assert marduk["group_by"] == ["UUID"] and marduk["matchers"] == ['UUID=~"GPU-.+"']
+    assert _seconds(marduk["group_wait"]) == 0 and 0 < _seconds(marduk["group_interval"]) <= 5
+    (hook,) = next(r for r in config["receivers"] if r["name"] == "marduk")["webhook_configs"]
+    assert hook["send_resolved"] is True and hook["url"].startswith("http")
+    assert set(hook["http_config"]["authorization"]) == {"credentials_file"}
+
+
+def test_the_prometheus_rules_are_a_whole_rules_file() -> None:
+    rules = _yaml_block(OPERATIONS_MD.read_text(), "# Prometheus rules file")
+    (group,) = rules["groups"]
+    assert group["name"] and group["rules"]
+    for rule in group["rules"]:
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}
+        assert rule["alert"] and "DCGM_FI_DEV_" in rule["expr"]
+        assert rule["labels"]["severity"] in {"critical", "warning"}
+
+
+def test_the_error_code_table_lists_every_code_the_code_answers() -> None:
+    """Every ProtocolError/PolicyError reason and ErrorReply code in the code is in the table."""
+    codes: set[str] = set()
+    for path in [*(ROOT / "marduk").glob("*.py")]:
+        for call in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+                continue
+            if call.func.id in {"ProtocolError", "PolicyError"} and call.args:
+                arg = call.args[0]
+            elif call.func.id == "ErrorReply":
+                arg = next((k.value for k in call.keywords if k.arg == "code"), None)
+            else:
+                continue
+            if isinstance(arg, ast.Constant):
+                codes.add(arg.value)
+    table = _table_rows(_section(PROTOCOL_MD.read_text(), "### Errors"))
+    documented = {row[0].strip("`") for row in table}
+    assert len(codes) >= 10 and codes == documented

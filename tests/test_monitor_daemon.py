@@ -458,6 +458,40 @@ def test_no_probe_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert result.exit_code == 1 and "no probe can run here" in result.output
 
 
+@pytest.mark.parametrize(
+    ("args", "probe"),
+    [
+        (["--dcgm-url", "http://127.0.0.1:9/metrics"], "DcgmExporterProbe"),
+        (["--gce-metadata-url", "http://127.0.0.1:9"], "GceMetadataProbe"),
+    ],
+)
+def test_a_probe_url_alone_enables_its_probe(
+    monkeypatch: pytest.MonkeyPatch, args: list[str], probe: str
+) -> None:
+    """Issue 15 item 6: `monitor run --dcgm-url URL` exited 1, "no probe can run here ... no
+    --dcgm-url"; only --probe dcgm or the variable enabled it."""
+    monkeypatch.setattr(run_cli, "detect_probes", lambda: [])
+    built: list[Any] = []
+    monkeypatch.setattr(run_cli, "run_loop", lambda coro: coro.close())
+    monkeypatch.setattr(run_cli, "setup_logging", lambda **kw: None)
+    real = run_cli._daemon
+
+    def daemon(*a: Any, **kw: Any) -> Any:
+        d = real(*a, **kw)
+        built.extend(type(p).__name__ for p in d.probes)
+        return d
+
+    monkeypatch.setattr(run_cli, "_daemon", daemon)
+    result = runner.invoke(run_cli.app, args)
+    assert result.exit_code == 0, result.output
+    assert probe in built
+    # Named probes stay what was named: the URL only configures them.
+    built.clear()
+    result = runner.invoke(run_cli.app, [*args, "--probe", "tpu", "--tpu-chips", "1"])
+    assert result.exit_code == 0, result.output
+    assert built == ["TpuProbe"]
+
+
 def test_detect_probes_does_not_raise() -> None:
     assert set(run_cli.detect_probes()) <= set(run_cli.PROBES)
 

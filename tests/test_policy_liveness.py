@@ -107,14 +107,20 @@ def test_forget_removes_a_job_a_replica_or_a_worker() -> None:
     assert not p.forget("nope", None, None, now=3).deleted_workers
 
 
-def test_forgetting_a_replica_drops_its_epochs_so_state_does_not_grow() -> None:
+@pytest.mark.parametrize("replica", ["pod-abc", None])
+def test_forgetting_keeps_the_epochs_so_they_never_go_backwards(replica: str | None) -> None:
+    """Issue 15 item 5: forgetting a replica (or its job) deleted its epoch record, so the id
+    coming back (or a forgotten worker still alive, a fresh process) restarted at epoch 1."""
     p = Policy()
     p.register(reg("pod-abc", ["d1"]), now=0)
-    p.on_health(failed("d1", "e1"), now=1)
-    p.deregister(WorkerKey("j", "pod-abc", 0), "exited", now=2)
-    assert EpochKey("j", "pod-abc") in p.epochs  # kept after a deregistration
-    out = p.forget("j", "pod-abc", None, now=3)
-    assert out.deleted_epochs == [EpochKey("j", "pod-abc")] and not p.epochs
+    for i in range(3):
+        p.on_health(failed("d1", f"e{i}"), now=1 + i)
+        p.ack(WorkerKey("j", "pod-abc", 0), i + 1, now=1.5 + i)
+    out = p.forget("j", replica, None, now=10)
+    assert not out.deleted_epochs and p.epoch_of(EpochKey("j", "pod-abc")) == 3
+    p.register(reg("pod-abc", ["d1"], pid=2), now=11)  # a fresh process: seen_epoch 0
+    r = p.on_health(failed("d1", "e9"), now=12)
+    assert [c.epoch for c in r.outcome.commands] == [4]
 
 
 def test_restore_gives_every_worker_a_full_ttl_and_remembers_handled_events() -> None:
@@ -162,6 +168,19 @@ def test_an_epoch_far_beyond_what_was_reserved_is_not_adopted() -> None:
     assert not p.epochs  # refused before anything changed
     p.register(reg("r1", ["d1"], epoch=5_000), now=1)  # a lost write's worth: adopted
     assert p.epoch_of(EpochKey("j", "r1")) == 5_000
+
+
+@pytest.mark.parametrize("epoch", [2**31, 2**53])
+def test_a_refused_registration_leaves_no_trace(epoch: int) -> None:
+    """Issue 15 item 5: an epoch refused as ``invalid`` once left the worker "heard from" but
+    never recorded: a TTL later the tick raised KeyError and worker_expired repeated forever."""
+    p = Policy(PolicyConfig(worker_ttl_s=15, worker_expiry_s=40))
+    with pytest.raises(PolicyError) as e:
+        p.register(reg("r1", ["d1"], epoch=epoch), now=0)
+    assert e.value.code == "invalid"
+    assert not p.last_seen and not p.stale and not p.workers and not p.epochs
+    for now in (16, 41, 100):
+        assert not p.tick(now).events
 
 
 def test_tick_finds_silent_workers_in_order_of_last_heard() -> None:

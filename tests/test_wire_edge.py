@@ -271,6 +271,43 @@ def test_version_wins_over_a_body_we_cannot_read(v: int) -> None:
     assert refused(data, wire.Registration).reason == "version"
 
 
+def _v2(*members: bytes) -> bytes:
+    return b'{"type":"register","v":2,' + b",".join(members) + b"}"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        # The first bad field holds JSON too deep to parse after it (issue 15 item 5: this
+        # was `invalid`), or a field the decoder skips is too deep (it was `malformed`).
+        _v2(b'"devices":' + _deep_list(1_000)),
+        _v2(b'"devices":' + _deep_list(100_000)),
+        _v2(b'"job":"j","replica":"r","devices":[],"x":' + _deep_list(5_000)),
+        _v2(b'"x":' + _deep_dict(5_000), b'"y":"}\\"{"'),
+        # Only the top-level v counts, wherever it stands.
+        b'{"x":{"v":1},"devices":' + _deep_list(2_000) + b',"v":3}',
+    ],
+    ids=["bad-deep-field", "bad-deep-field-100k", "deep-skipped", "deep-dict-strings", "last"],
+)
+def test_version_is_answered_before_any_other_fault_of_a_json_object(data: bytes) -> None:
+    e = refused(data, wire.Registration, max_bytes=BIG)
+    assert e.reason == "version", str(e)
+
+
+@pytest.mark.parametrize("type_", [wire.Registration, wire.DeviceHealth])
+@pytest.mark.parametrize("v", [1, 2])
+def test_broken_json_is_malformed_whatever_field_comes_first(type_: type[Any], v: int) -> None:
+    # Validation stops at the first bad field; the bytes after it went unread, and bytes that
+    # are not JSON were answered `invalid`, unlike the same bytes with the fields in another order.
+    data = b'{"v":%d,"devices":"x","device":7,"state":7,"y":tru}' % v
+    assert refused(data, type_).reason == "malformed"
+
+
+def test_a_deep_payload_without_a_version_is_still_malformed() -> None:
+    data = b'{"type":"register","x":' + _deep_list(2_000) + b',"y":{"v":2}}'
+    assert refused(data, wire.Registration).reason == "malformed"
+
+
 @pytest.mark.parametrize("v", ["1", 1.0, 1.5, None, True, [1], {"v": 1}])
 def test_non_integer_version_is_invalid(v: Any) -> None:
     e = refused(message(wire.Registration, v=v), wire.Registration)
