@@ -104,6 +104,20 @@ def revoke(
     typer.echo(_APPLY)
 
 
+@app.command("update-config")
+def update_config(directory: Dir) -> None:
+    """Write nats-server.conf again from DIR's identities (same keys), e.g. after an upgrade."""
+    from marduk import auth
+
+    try:
+        auth.update_config(directory)
+    except (auth.AuthError, OSError) as e:
+        _fail(e)
+        return
+    typer.echo(f"wrote {directory / auth.CONFIG_FILE}")
+    typer.echo(_APPLY)
+
+
 @app.command("list")
 def list_(directory: Dir) -> None:
     """Show the identities in DIR: name, role, job and public key (never a seed)."""

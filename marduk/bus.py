@@ -310,7 +310,9 @@ def _raise_if_denied(subject: str) -> None:
         raise PermissionDeniedError(denied[0])
 
 
-def denied(subject: str) -> str | None:
-    """The permission error the server reported for ``subject`` in the last minute, if any."""
+def denied(subject: str, since: float | None = None) -> str | None:
+    """The permission error the server reported for ``subject`` in the last minute (or since
+    ``since``, a ``time.time()``), if any."""
     entry = _denied.get(subject.lower())
-    return entry[0] if entry is not None and time.time() - entry[1] < 60 else None
+    after = time.time() - 60 if since is None else since
+    return entry[0] if entry is not None and entry[1] >= after else None

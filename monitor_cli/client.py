@@ -15,11 +15,16 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import PubAck
+from nats.aio.subscription import Subscription
 
 from marduk import bus
 from marduk.credentials import redact
-from marduk.errors import MardukError, NoControllerError, RequestRejected
+from marduk.errors import (
+    MardukError,
+    NoControllerError,
+    PermissionDeniedError,
+    RequestRejected,
+)
 from marduk.protocol import (
     ControllerEvent,
     DeviceHealth,
@@ -107,12 +112,12 @@ async def publish_durably(
     """Publish ``event`` to the health stream on ``nc`` and wait for the controller's reply."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    await nc.flush()
+    stored = await watch_stored(nc, subjects)
     deadline = time.monotonic() + timeout
     payload = encode(event)
     asked = 0
     try:
-        ack = await _store(nc, subjects, payload, inbox, timeout=timeout, addr=addr)
+        seq = await store(nc, subjects, payload, inbox, stored, timeout=timeout, addr=addr)
         while True:
             left = deadline - time.monotonic()
             try:
@@ -120,15 +125,16 @@ async def publish_durably(
                 break
             except (TimeoutError, nats.errors.TimeoutError):
                 if left <= 1.0:
-                    raise UndecidedError(event.event_id, ack.seq, timeout) from None
+                    raise UndecidedError(event.event_id, seq, timeout) from None
             # On a cluster the answer can beat our inbox's interest to the controller's node
             # and be dropped. Ask again with the same event id: the controller answers a
             # repeat with its first decision (and does nothing else).
             asked += 1
-            await _store(nc, subjects, payload, inbox, timeout=max(0.5, left), addr=addr)
+            await store(nc, subjects, payload, inbox, stored, timeout=max(0.5, left), addr=addr)
     finally:
-        with contextlib.suppress(Exception):
-            await sub.unsubscribe()
+        for s in (sub, stored):
+            with contextlib.suppress(Exception):
+                await s.unsubscribe()
     reply: Any = decode(msg.data, HealthReply | ErrorReply)  # type: ignore[arg-type]
     if isinstance(reply, ErrorReply):
         raise RequestRejected(reply.code, reply.message)
@@ -137,35 +143,61 @@ async def publish_durably(
     return reply  # type: ignore[no-any-return]
 
 
-async def _store(
-    nc: NATS, subjects: Subjects, payload: bytes, inbox: str, *, timeout: float, addr: str
-) -> PubAck:
-    """Publish to the health stream until it acknowledges (stored) or ``timeout`` runs out.
+async def watch_stored(nc: NATS, subjects: Subjects) -> Subscription:
+    """Subscribe to where the health stream republishes what it stored (before publishing)."""
+    since = time.time()
+    stored = await nc.subscribe(subjects.health_stored, pending_msgs_limit=100_000)
+    await nc.flush()
+    refused = bus.denied(subjects.health_stored, since)
+    if refused:
+        await stored.unsubscribe()
+        raise PermissionDeniedError(
+            f"{refused}: the server configuration predates it; regenerate it with "
+            "`marduk auth update-config DIR` and reload the server"
+        )
+    return stored
 
-    JetStream answers nothing (or 503) while the stream has no leader: a NATS node was lost and
-    the cluster is electing one (seconds). That is retried; a stream that does not exist is not.
+
+async def store(
+    nc: NATS,
+    subjects: Subjects,
+    payload: bytes,
+    inbox: str,
+    stored: Subscription,
+    *,
+    timeout: float,
+    addr: str = "",
+) -> int:
+    """Publish to the health stream until it has stored the event or ``timeout`` runs out;
+    return the event's stream sequence.
+
+    The stream sends no acknowledgement (it would go to any reply subject, with the server's
+    rights: see marduk/health_stream.py); it republishes the headers of what it stored on
+    ``stored``'s subject, where ours carries our ``inbox``. Nothing comes while the stream has
+    no leader (a NATS node was lost, an election: seconds): then we publish again.
     """
-    js = nc.jetstream(timeout=min(timeout, 2.0))
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            return await js.publish(subjects.health, payload, headers={REPLY_HEADER: inbox})
-        except (
-            nats.errors.NoRespondersError,
-            nats.js.errors.NoStreamResponseError,
-            nats.errors.TimeoutError,
-            TimeoutError,
-        ) as e:
-            if time.monotonic() + 0.25 >= deadline:
-                raise await _unstored(nc, subjects, addr, timeout, e) from None
-            await asyncio.sleep(0.25)
-        except nats.js.errors.Error as e:
-            raise MardukError(f"the health stream did not accept the event: {e}") from None
+        since = time.time()
+        await nc.publish(subjects.health, payload, headers={REPLY_HEADER: inbox})
+        await nc.flush(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
+        refused = bus.denied(subjects.health, since)
+        if refused:
+            raise PermissionDeniedError(refused)
+        attempt_ends = min(deadline, time.monotonic() + 1.0)
+        while (left := attempt_ends - time.monotonic()) > 0:
+            try:
+                msg = await stored.next_msg(timeout=left)
+            except (TimeoutError, nats.errors.TimeoutError):
+                break
+            headers = msg.headers or {}
+            if headers.get(REPLY_HEADER) == inbox:
+                return int(headers.get("Nats-Sequence", "0") or 0)
+        if time.monotonic() + 0.05 >= deadline:
+            raise await _unstored(nc, subjects, addr, timeout)
 
 
-async def _unstored(
-    nc: NATS, subjects: Subjects, addr: str, timeout: float, cause: Exception
-) -> MardukError:
+async def _unstored(nc: NATS, subjects: Subjects, addr: str, timeout: float) -> MardukError:
     from marduk.health_stream import stream_name
 
     try:
@@ -179,8 +211,9 @@ async def _unstored(
     except Exception:
         pass
     return MardukError(
-        f"the health stream did not store the event within {timeout:g}s "
-        f"({type(cause).__name__}): is JetStream available (a NATS node down, an election)?"
+        f"the health stream did not store the event within {timeout:g}s: is JetStream "
+        "available (a NATS node down, an election), and does a controller of this version "
+        f"run (the stream republishes what it stores on {subjects.health_stored})?"
     )
 
 

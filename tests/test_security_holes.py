@@ -5,17 +5,25 @@ commands moved to another destination, and permission errors as one line."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
+import nats.js.errors
 import pytest
 
 from marduk import auth, bus
+from marduk import protocol as wire
+from marduk.controller import Controller, ControllerSettings
 from marduk.credentials import Credentials
 from marduk.embedded import ServerKeeper
-from tests.conftest import eventually, free_port
+from marduk.leadership import lease_bucket_name
+from marduk.protocol import encode
+from monitor_cli import client as monitor
+from tests.conftest import NatsServer, eventually, free_port, start_serving
 
 
 @pytest.fixture
@@ -77,3 +85,76 @@ async def test_revoked_identity_is_refused_and_its_open_connection_closed_within
             await nats.NATS.close(nc)
         watching.cancel()
         await keeper.stop()
+
+
+@pytest.fixture
+async def secure(tmp_path: Path, auth_dir: Path) -> AsyncIterator[tuple[NatsServer, Controller]]:
+    server = NatsServer(tmp_path / "js", args=["-c", str(auth_dir / auth.CONFIG_FILE)]).start()
+    settings = ControllerSettings(
+        addr=server.url,
+        embedded=False,
+        state_dir=tmp_path / "state",
+        credentials=creds(auth_dir, "controller"),
+    )
+    c = await start_serving(Controller(settings))
+    yield server, c
+    await c.stop()
+    server.stop()
+
+
+async def test_no_role_writes_a_marduk_bucket_through_a_jetstream_acknowledgement(
+    secure: tuple[NatsServer, Controller], auth_dir: Path
+) -> None:
+    """Every subject each role may publish on, with a reply subject naming the lease, another
+    job's epoch and a handled-event record: JetStream would acknowledge there with its rights."""
+    server, c = secure
+    assert c.leadership is not None and c.store is not None
+    term = c.leadership.term
+    js = c.nc.jetstream()  # type: ignore[union-attr]
+    targets = [
+        "$KV.marduk_leader.leader",
+        "$KV.marduk_state.e.jobB.b1",
+        "$KV.marduk_events.attack",
+    ]
+    event = encode(wire.DeviceHealth(device="nowhere", state="healthy", event_id="ack-attack"))
+    sent = 0
+    for name in ("monitor", "admin", "agent", "agent-jobA"):
+        identity = next(i for i in auth.identities(auth_dir)[1] if i.name == name)
+        nc = await bus.connect(
+            server.url, name=f"attacker-{name}", credentials=creds(auth_dir, name)
+        )
+        try:
+            subjects = auth.permissions(identity.role, "marduk", identity.job, name)["publish"]
+            for subject in subjects:
+                subject = subject.replace("*", "jobA")
+                for target in targets:
+                    payload = event if subject.endswith(".health") else b"{}"
+                    await nc.publish(subject, payload, reply=target)
+                    sent += 1
+            await nc.flush()
+        finally:
+            await bus.close(nc, drain=False)
+    assert sent >= 3 * 9
+    # The health events were stored (the controller handled them) and nothing else happened.
+    await eventually(lambda: c.stats["health.unknown_device"] + c.stats["health.duplicates"] >= 1)
+    await asyncio.sleep(1.0)  # acknowledgements, had there been any, are in by now
+    # Every value the lease ever held (renewals included) is a lease, never a PubAck.
+    info = await js.stream_info(f"KV_{lease_bucket_name('marduk')}")
+    for seq in range(info.state.first_seq, info.state.last_seq + 1):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            msg = await js.get_msg(info.config.name, seq)
+            assert b'"holder"' in (msg.data or b""), msg.data
+    assert c._leading() and c.leadership.term == term
+    assert c.stats["leader.depositions"] == 0
+    for key in ("e.jobB.b1",):
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await c.store.kv.get(key)
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await c.store.events.get("attack")
+    # And a monitor still learns that its event is stored, and the decision.
+    bus.set_default_credentials(creds(auth_dir, "monitor"))
+    try:
+        reply = await monitor.publish_health(server.url, "marduk", "nowhere", "failed")
+        assert reply.actions == []
+    finally:
+        bus.set_default_credentials(Credentials())
