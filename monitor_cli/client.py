@@ -132,9 +132,9 @@ async def publish_durably(
             asked += 1
             await store(nc, subjects, payload, inbox, stored, timeout=max(0.5, left), addr=addr)
     finally:
-        for s in (sub, stored):
-            with contextlib.suppress(Exception):
-                await s.unsubscribe()
+        await stored.unsubscribe()
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
     reply: Any = decode(msg.data, HealthReply | ErrorReply)  # type: ignore[arg-type]
     if isinstance(reply, ErrorReply):
         raise RequestRejected(reply.code, reply.message)
@@ -143,19 +143,36 @@ async def publish_durably(
     return reply  # type: ignore[no-any-return]
 
 
-async def watch_stored(nc: NATS, subjects: Subjects) -> Subscription:
-    """Subscribe to where the health stream republishes what it stored (before publishing)."""
+async def subscribe(nc: NATS, subject: str, **kw: Any) -> Subscription:
+    """Subscribe, and raise PermissionDeniedError (one line naming the subject) if the server
+    refuses: it says so asynchronously, and a refused subscription would only stay silent."""
+    since = time.time()
+    sub = await nc.subscribe(subject, **kw)
+    await nc.flush()
+    refused = bus.denied(subject, since)
+    if refused:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        raise PermissionDeniedError(refused)
+    return sub
+
+
+@dataclass(slots=True)
+class StoredWatch:
+    """Where the health stream republishes what it stored, subscribed before publishing."""
+
+    sub: Subscription
+    since: float
+
+    async def unsubscribe(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.sub.unsubscribe()
+
+
+async def watch_stored(nc: NATS, subjects: Subjects) -> StoredWatch:
     since = time.time()
     stored = await nc.subscribe(subjects.health_stored, pending_msgs_limit=100_000)
-    await nc.flush()
-    refused = bus.denied(subjects.health_stored, since)
-    if refused:
-        await stored.unsubscribe()
-        raise PermissionDeniedError(
-            f"{refused}: the server configuration predates it; regenerate it with "
-            "`marduk auth update-config DIR` and reload the server"
-        )
-    return stored
+    return StoredWatch(stored, since)
 
 
 async def store(
@@ -163,7 +180,7 @@ async def store(
     subjects: Subjects,
     payload: bytes,
     inbox: str,
-    stored: Subscription,
+    stored: StoredWatch,
     *,
     timeout: float,
     addr: str = "",
@@ -184,10 +201,16 @@ async def store(
         refused = bus.denied(subjects.health, since)
         if refused:
             raise PermissionDeniedError(refused)
+        refused = bus.denied(subjects.health_stored, stored.since)
+        if refused:  # may publish health, may not see what is stored: an older server config
+            raise PermissionDeniedError(
+                f"{refused}, so it cannot tell the event is stored: regenerate the server "
+                "configuration with `marduk auth update-config DIR` and reload the server"
+            )
         attempt_ends = min(deadline, time.monotonic() + 1.0)
         while (left := attempt_ends - time.monotonic()) > 0:
             try:
-                msg = await stored.next_msg(timeout=left)
+                msg = await stored.sub.next_msg(timeout=left)
             except (TimeoutError, nats.errors.TimeoutError):
                 break
             headers = msg.headers or {}
@@ -413,7 +436,7 @@ async def events(
     )
     pinger: asyncio.Task[None] | None = None
     try:
-        await nc.subscribe(s.all_events if job is None else s.events(job), cb=on_event)
+        await subscribe(nc, s.all_events if job is None else s.events(job), cb=on_event)
         # Credentials of the admin role may not subscribe here; the pings still tell.
         await nc.subscribe(s.hello, cb=on_hello)
         await nc.flush()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -158,3 +160,35 @@ async def test_no_role_writes_a_marduk_bucket_through_a_jetstream_acknowledgemen
         assert reply.actions == []
     finally:
         bus.set_default_credentials(Credentials())
+
+
+async def test_every_monitor_command_refused_a_permission_says_so_in_one_line(
+    secure: tuple[NatsServer, Controller], auth_dir: Path
+) -> None:
+    server, _ = secure
+    env = {**os.environ, "MARDUK_ADDR": server.url, "MARDUK_NKEY": str(auth_dir / "agent.nk")}
+    commands = {
+        ("inject-failure", "d1"): "publish on marduk.health",
+        ("mark-healthy", "d1"): "publish on marduk.health",
+        ("status",): "publish on marduk.ctl.query",
+        ("drain", "--host", "h1"): "publish on marduk.ctl.drain",
+        ("forget", "jobA"): "publish on marduk.ctl.forget",
+        ("watch",): "subscribe to marduk.*.events",
+        ("top",): "subscribe to marduk.*.events",
+    }
+
+    async def run(args: tuple[str, ...]) -> tuple[int | None, str]:
+        p = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "marduk", "monitor", *args, "--timeout", "2",
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, stderr = await asyncio.wait_for(p.communicate(), 30)
+        return p.returncode, stderr.decode()
+
+    results = await asyncio.gather(*(run(args) for args in commands))
+    for (args, permission), (code, stderr) in zip(commands.items(), results, strict=True):
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        assert code == 1 and len(lines) == 1, (args, stderr)
+        assert (
+            lines[0] == f"error: authorization violation: the agent credential may not {permission}"
+        )
