@@ -17,6 +17,8 @@ import nats
 import nats.js.errors
 import pytest
 
+import agent
+from agent.client import AsyncClient
 from marduk import auth, bus
 from marduk import protocol as wire
 from marduk.controller import Controller, ControllerSettings
@@ -24,8 +26,11 @@ from marduk.credentials import Credentials
 from marduk.embedded import ServerKeeper
 from marduk.leadership import lease_bucket_name
 from marduk.protocol import encode
+from marduk.subjects import Subjects
 from monitor_cli import client as monitor
 from tests.conftest import NatsServer, eventually, free_port, start_serving
+
+S = Subjects()
 
 
 @pytest.fixture
@@ -177,12 +182,18 @@ async def test_every_monitor_command_refused_a_permission_says_so_in_one_line(
         ("top",): "subscribe to marduk.*.events",
     }
 
+    two_at_a_time = asyncio.Semaphore(2)
+
     async def run(args: tuple[str, ...]) -> tuple[int | None, str]:
+        async with two_at_a_time:
+            return await run_one(args)
+
+    async def run_one(args: tuple[str, ...]) -> tuple[int | None, str]:
         p = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "marduk", "monitor", *args, "--timeout", "2",
             env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
-        _, stderr = await asyncio.wait_for(p.communicate(), 30)
+        _, stderr = await asyncio.wait_for(p.communicate(), 60)
         return p.returncode, stderr.decode()
 
     results = await asyncio.gather(*(run(args) for args in commands))
@@ -192,3 +203,59 @@ async def test_every_monitor_command_refused_a_permission_says_so_in_one_line(
         assert (
             lines[0] == f"error: authorization violation: the agent credential may not {permission}"
         )
+
+
+async def test_a_signed_command_moved_to_another_destination_is_dropped_and_counted(
+    nats_server: NatsServer, tmp_path: Path, auth_dir: Path
+) -> None:
+    """Defence in depth on an open server: a command the controller really signed for job A's
+    replica a1, replayed on job B's subjects or on job A's job-wide subject."""
+    settings = ControllerSettings(
+        addr=nats_server.url, embedded=False, state_dir=tmp_path / "state"
+    )
+    c = Controller(settings)
+    seed = auth.read_seed(auth_dir / "controller.nk")
+    c._signing_seed = seed
+    await start_serving(c)
+    key = str(auth_dir / auth.CONTROLLER_PUB)
+
+    async def join(job: str, replica: str) -> AsyncClient:
+        return await agent.connect_async(
+            replica, [f"{replica}-gpu"], job=job, addr=nats_server.url, timeout=5,
+            controller_key=key,
+        )  # fmt: skip
+
+    a1, a2, b1 = await join("jobA", "a1"), await join("jobA", "a2"), await join("jobB", "b1")
+    nc = await nats.connect(nats_server.url)
+    try:
+        signed = encode(
+            wire.Command(
+                command_id="real", job="jobA", replica="a1", kind="fail", epoch=7, reason="x"
+            )
+        )
+        headers = {auth.SIG_HEADER: auth.sign(seed, signed)}
+        for subject in (
+            S.replica_commands("jobB", "b1"),
+            S.job_commands("jobB"),
+            S.job_commands("jobA"),  # a2 would take a1's command
+            S.replica_commands("jobA", "a2"),
+        ):
+            await nc.publish(subject, signed, headers=headers)
+        await nc.flush()
+        await eventually(
+            lambda: b1.stats["dropped_misdirected"] == 2 and a2.stats["dropped_misdirected"] == 2
+        )
+        assert a1.stats["dropped_misdirected"] == 1  # the job-wide copy
+        for client in (a1, a2, b1):
+            assert await client.wait(0.2) is None and not client.failed
+            assert client.stats["dropped_forged"] == 0  # the signature was good
+        assert any("not for jobB/b1" in e for e in b1.errors)
+        # On its own subject the same bytes are obeyed.
+        await nc.publish(S.replica_commands("jobA", "a1"), signed, headers=headers)
+        got = await a1.wait(5)
+        assert got is not None and got.kind == "fail" and got.epoch == 7
+    finally:
+        await nc.close()
+        for client in (a1, a2, b1):
+            await client.close()
+        await c.stop()
