@@ -827,7 +827,11 @@ class Controller:
     async def _on_drain(self, req: Drain, subject: str) -> DrainReply:
         result = self.policy.drain(req.devices, req.host, req.undrain, req.reason, time.time())
         await self._commit(result.outcome)
-        return DrainReply(devices=result.devices, actions=result.actions)
+        for conflict in result.conflicts:
+            log.warning("drain --host %s: conflicting claim: %s", req.host, conflict)
+        return DrainReply(
+            devices=result.devices, actions=result.actions, conflicts=result.conflicts
+        )
 
     async def _on_health_msg(self, msg: Msg) -> None:
         # One task per event, started in delivery order (so decided in it): the next event is

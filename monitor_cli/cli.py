@@ -237,6 +237,8 @@ def _drain(devices: list[str], host: str, undrain: bool, reason: str, addr: str,
     if as_json:
         _print_json(reply)
         return
+    for conflict in reply.conflicts:
+        err.print(f"[yellow]warning:[/yellow] conflicting claim: {escape(conflict)}")
     verb = "back in service" if undrain else "drained"
     if not reply.devices:
         where = "out of service" if undrain else "in service"

@@ -24,6 +24,7 @@ from marduk import protocol as wire
 from marduk.controller import Controller, ControllerSettings
 from marduk.credentials import Credentials
 from marduk.embedded import ServerKeeper
+from marduk.errors import RequestRejected
 from marduk.leadership import lease_bucket_name
 from marduk.protocol import encode
 from marduk.subjects import Subjects
@@ -38,6 +39,7 @@ def auth_dir(tmp_path: Path) -> Path:
     d = tmp_path / "auth"
     auth.init(d)
     auth.add_agent(d, "jobA")
+    auth.add_agent(d, "jobB")
     return d
 
 
@@ -79,9 +81,9 @@ async def test_revoked_identity_is_refused_and_its_open_connection_closed_within
         with pytest.raises(Exception, match="authorization violation"):
             await bus.connect(url, name="revoked", credentials=Credentials(nkey=kept))
         # Addition takes effect too: a new job's agent connects at once.
-        auth.add_agent(auth_dir, "jobB")
+        auth.add_agent(auth_dir, "jobC")
         await eventually(lambda: stats["auth.reloads"] == 2, timeout=3)
-        nb = await bus.connect(url, name="new", credentials=creds(auth_dir, "agent-jobB"))
+        nb = await bus.connect(url, name="new", credentials=creds(auth_dir, "agent-jobC"))
         await bus.close(nb, drain=False)
         # A configuration the server refuses is said so, not assumed applied.
         conf = auth_dir / auth.CONFIG_FILE
@@ -259,3 +261,46 @@ async def test_a_signed_command_moved_to_another_destination_is_dropped_and_coun
         for client in (a1, a2, b1):
             await client.close()
         await c.stop()
+
+
+async def test_a_job_cannot_claim_another_jobs_device_nor_get_it_drained_by_host(
+    secure: tuple[NatsServer, Controller], auth_dir: Path
+) -> None:
+    server, c = secure
+    b1 = await agent.connect_async(
+        "b1", ["dB"], job="jobB", addr=server.url, timeout=5,
+        credentials=creds(auth_dir, "agent-jobB"),
+    )  # fmt: skip
+    nc = await bus.connect(server.url, name="attacker", credentials=creds(auth_dir, "agent-jobA"))
+    try:
+
+        async def register(replica: str, devices: list[str], host: str) -> wire.RegisterReply:
+            reg = wire.Registration(
+                job="jobA", replica=replica, devices=devices, host=host, pid=4242
+            )
+            return await bus.request(nc, S.register("jobA"), reg, wire.RegisterReply, timeout=5)
+
+        # Job A's identity claims job B's device from its own host: refused, said why.
+        with pytest.raises(RequestRejected, match=r"device dB is held by worker jobB/b1/0") as e:
+            await register("a1", ["dA", "dB"], "nodeA-attacker")
+        assert e.value.code == "device_claimed"
+        assert c.stats["rejected.device_claimed"] == 1
+        # Its own devices are fine; a second job-A worker on another host claims dA as well.
+        await register("a1", ["dA"], "nodeA-attacker")
+        await register("a2", ["dA"], "nodeA2")
+        # Drain by the attacker's host: neither job B's device nor the contested one.
+        bus.set_default_credentials(creds(auth_dir, "admin"))
+        try:
+            reply = await monitor.drain(server.url, "marduk", [], host="nodeA-attacker")
+            status = await monitor.query(server.url, "marduk", "map")
+        finally:
+            bus.set_default_credentials(Credentials())
+        assert reply.devices == [] and reply.actions == []
+        assert reply.conflicts == [
+            "dA: also claimed by jobA/a2/0 on nodeA2; not drained by host (name it to drain it)"
+        ]
+        assert await b1.wait(0.5) is None and not b1.failed
+        assert not any(d.drained for d in status.devices)
+    finally:
+        await bus.close(nc, drain=False)
+        await b1.close()
