@@ -30,6 +30,8 @@ TAGGED = (
     | wire.ErrorReply
     | wire.Forget
     | wire.ForgetReply
+    | wire.Drain
+    | wire.DrainReply
     | wire.Standby
 )
 
