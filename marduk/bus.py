@@ -310,6 +310,12 @@ def _raise_if_denied(subject: str) -> None:
         raise PermissionDeniedError(denied[0])
 
 
+def last_denial(since: float) -> str | None:
+    """The last permission error the server reported since ``since`` (``time.time()``)."""
+    recent = [entry for entry in _denied.values() if entry[1] >= since]
+    return max(recent, key=lambda entry: entry[1])[0] if recent else None
+
+
 def denied(subject: str, since: float | None = None) -> str | None:
     """The permission error the server reported for ``subject`` in the last minute (or since
     ``since``, a ``time.time()``), if any."""

@@ -304,3 +304,48 @@ async def test_a_job_cannot_claim_another_jobs_device_nor_get_it_drained_by_host
     finally:
         await bus.close(nc, drain=False)
         await b1.close()
+
+
+async def test_a_health_stream_made_by_an_older_controller_stops_acknowledging(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    from nats.js.api import StreamConfig
+
+    from marduk.health_stream import stream_name
+
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name=stream_name("marduk"), subjects=[S.health]))
+    c = await start_serving(
+        Controller(
+            ControllerSettings(addr=nats_server.url, embedded=False, state_dir=tmp_path / "s")
+        )
+    )
+    try:
+        config = (await js.stream_info(stream_name("marduk"))).config
+        assert config.no_ack and config.republish is not None
+        assert config.republish.dest == S.health_stored and config.republish.headers_only
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.publish(S.health, b"{}", timeout=0.5)  # no acknowledgement any more
+        reply = await monitor.publish_health(nats_server.url, "marduk", "nowhere", "failed")
+        assert reply.known is False
+    finally:
+        await nc.close()
+        await c.stop()
+
+
+async def test_a_controller_started_with_another_roles_credential_names_the_permission(
+    secure: tuple[NatsServer, Controller], auth_dir: Path, tmp_path: Path
+) -> None:
+    server, _ = secure
+    env = {**os.environ, "MARDUK_ADDR": server.url, "MARDUK_STATE_DIR": str(tmp_path / "s2")}
+    p = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "marduk", "controller", "--no-embedded",
+        "--nkey", str(auth_dir / "admin.nk"),
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(p.communicate(), 60)
+    text = stderr.decode()
+    assert p.returncode == 1 and "Traceback" not in text
+    assert "cannot open the JetStream state at" in text
+    assert "the admin credential may not publish on $js.api." in text.lower()
