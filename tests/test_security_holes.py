@@ -350,3 +350,35 @@ async def test_a_controller_started_with_another_roles_credential_names_the_perm
     # The error itself names the permission (the warning before it is not enough).
     error = next(line for line in text.splitlines() if "cannot open the JetStream state" in line)
     assert "the admin credential may not publish on $js.api." in error.lower(), error
+
+
+@pytest.mark.e2e
+async def test_marduk_auth_revoke_on_a_running_controller_closes_the_open_connection(
+    env: dict[str, str], auth_dir: Path
+) -> None:
+    """What the issue's reporter did: `marduk controller --auth DIR`, then `marduk auth revoke`."""
+    from tests.processes import Proc
+
+    ctl = Proc([sys.executable, "-m", "marduk", "controller", "--auth", str(auth_dir)], env)
+    try:
+        await asyncio.to_thread(ctl.expect, "serving prefix", 60)
+        closed = asyncio.Event()
+
+        async def on_closed() -> None:
+            closed.set()
+
+        nc = await bus.connect(
+            env["MARDUK_ADDR"], name="victim", credentials=creds(auth_dir, "agent-jobA"),
+            on_closed=on_closed,
+        )  # fmt: skip
+        p = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "marduk", "auth", "revoke", str(auth_dir), "agent-jobA",
+            stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, _ = await asyncio.wait_for(p.communicate(), 60)
+        assert p.returncode == 0
+        await asyncio.wait_for(closed.wait(), 5)
+        assert nc.is_closed and b"applies it within a second" in out
+        await asyncio.to_thread(ctl.expect, "the embedded server applied it", 5)
+    finally:
+        ctl.stop()
