@@ -148,8 +148,7 @@ async def subscribe(nc: NATS, subject: str, **kw: Any) -> Subscription:
     refuses: it says so asynchronously, and a refused subscription would only stay silent."""
     since = time.time()
     sub = await nc.subscribe(subject, **kw)
-    await nc.flush()
-    refused = bus.denied(subject, since)
+    refused = await bus.refused(nc, [subject], since)
     if refused:
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
@@ -197,11 +196,11 @@ async def store(
     while True:
         since = time.time()
         await nc.publish(subjects.health, payload, headers={REPLY_HEADER: inbox})
-        # After the flush the server has answered the publish (or refused it). A slow one
-        # (a node lost) is waited for below, and published to again.
+        # The server has now accepted the publish or refused it. A slow one (a node lost) is
+        # waited for below, and published to again.
+        refused = None
         with contextlib.suppress(nats.errors.TimeoutError):
-            await nc.flush(timeout=2)
-        refused = bus.denied(subjects.health, since)
+            refused = await bus.refused(nc, [subjects.health], since)
         if refused:
             raise PermissionDeniedError(refused)
         refused = bus.denied(subjects.health_stored, stored.since)
