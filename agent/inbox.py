@@ -69,6 +69,20 @@ class CommandInbox:
         self.errors.append(f"{time.strftime('%H:%M:%S')} {message}")
         log.warning("%s", message)
 
+    def _misdirected(self, c: wire.Command, subject: str, expected: str) -> bool:
+        """True (counted, recorded) if ``c``, as signed, is not for this replica: another job
+        or replica, or not the subject it was sent to. The destination is inside the signed
+        bytes, so a valid command moved to another replica's subject is refused here."""
+        o = self.opts
+        if c.job == o.job and c.replica in (None, o.replica) and subject == expected:
+            return False
+        self.stats["dropped_misdirected"] += 1
+        self._record(
+            f"dropped a command for {c.job}/{c.replica or '(whole job)'} (epoch {c.epoch}, "
+            f"{c.kind}) that came on {subject}: not for {o.job}/{o.replica}"
+        )
+        return True
+
     def _accept(self, c: wire.Command, *, confirmed: bool = False) -> None:
         """Fence and deliver a command. ``confirmed``: it came in the controller's reply."""
         last = self.fence.received

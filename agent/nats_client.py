@@ -237,6 +237,14 @@ class AsyncClient(CommandInbox):
             self.stats["bad_commands"] += 1
             self._record(f"dropped an undecodable command on {msg.subject}: {e}")
             return
+        s, job = self.subjects, command.job
+        to = (
+            s.job_commands(job)
+            if command.replica is None
+            else s.replica_commands(job, command.replica)
+        )
+        if self._misdirected(command, msg.subject, to):
+            return
         self._accept(command)
 
     @property

@@ -7,8 +7,8 @@ grants each role only what it needs under the prefix (DESIGN.md decision 10):
 * ``agent``: request ``<job>.register|deregister|ack|report``, subscribe to command subjects and
   ``ctl.hello``, and its own reply inboxes: it cannot publish commands, health, hello or queries;
   ``add-agent --job NAME`` makes one valid for one job only;
-* ``monitor``: publish health events (and receive the stream's acknowledgement and the
-  controller's decision);
+* ``monitor``: publish health events (and see the stream's ``health.stored`` notices and
+  receive the controller's decision);
 * ``admin``: what ``marduk monitor`` does: health, query, forget, and watching events.
 
 Files in DIR: ``<name>.nk`` (the seed, mode 0600, what nats-py's ``nkeys_seed=`` and the ``nats``
@@ -190,6 +190,13 @@ def revoke(directory: Path, name: str) -> Identity:
     return old
 
 
+def update_config(directory: Path) -> None:
+    """Write DIR's server configuration again from its identities (same keys): after an
+    upgrade that changed the permissions."""
+    prefix, identities = _load(directory)
+    _save(Path(directory), prefix, identities)
+
+
 def identities(directory: Path) -> tuple[str, list[Identity]]:
     return _load(directory)
 
@@ -273,13 +280,14 @@ def permissions(
             "subscribe": [f"{p}.{j}.cmd.>", f"{p}.ctl.hello", inbox],
         }
     if role == "monitor":
-        return {"publish": [f"{p}.health"], "subscribe": [inbox]}
+        # health.stored: what the stream stored (it sends no acknowledgement: health_stream.py).
+        return {"publish": [f"{p}.health"], "subscribe": [f"{p}.health.stored", inbox]}
     if role == "admin":
         return {
             # Not $SRV.>: the micro library answers on whatever reply subject it is given,
             # with the controller's rights. Discover it with the controller or system account.
             "publish": [f"{p}.health", f"{p}.ctl.query", f"{p}.ctl.forget", f"{p}.ctl.drain"],
-            "subscribe": [f"{p}.*.events", f"{p}.ctl.hello", inbox],
+            "subscribe": [f"{p}.*.events", f"{p}.ctl.hello", f"{p}.health.stored", inbox],
         }
     raise AuthError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")
 

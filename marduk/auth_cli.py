@@ -18,6 +18,12 @@ app = typer.Typer(
 Dir = Annotated[Path, typer.Argument(help="The auth directory (private: 0700, seeds 0600).")]
 
 
+_APPLY = (
+    "a `marduk controller --auth` running its embedded server applies it within a second; "
+    "reload other servers: nats-server --signal reload"
+)
+
+
 def _fail(e: Exception) -> None:
     typer.echo(f"error: {e}", err=True)
     raise typer.Exit(1) from None
@@ -61,7 +67,7 @@ def add_agent(
         _fail(e)
         return
     typer.echo(f"agent for job {job}: {directory / (i.name + '.nk')}  {i.public_key}")
-    typer.echo("reload the NATS server to apply (the embedded one reloads by itself)")
+    typer.echo(_APPLY)
 
 
 @app.command()
@@ -77,6 +83,7 @@ def rotate(
         _fail(e)
         return
     typer.echo(f"{name}: new key {i.public_key} in {directory / (name + '.nk')}")
+    typer.echo(_APPLY)
     if i.role == "controller":
         typer.echo("agents verify commands with controller.pub: hand them the new one")
 
@@ -93,7 +100,22 @@ def revoke(
     except (auth.AuthError, OSError) as e:
         _fail(e)
         return
-    typer.echo(f"revoked {name} ({i.public_key}); reload the NATS server to apply")
+    typer.echo(f"revoked {name} ({i.public_key})")
+    typer.echo(_APPLY)
+
+
+@app.command("update-config")
+def update_config(directory: Dir) -> None:
+    """Write nats-server.conf again from DIR's identities (same keys), e.g. after an upgrade."""
+    from marduk import auth
+
+    try:
+        auth.update_config(directory)
+    except (auth.AuthError, OSError) as e:
+        _fail(e)
+        return
+    typer.echo(f"wrote {directory / auth.CONFIG_FILE}")
+    typer.echo(_APPLY)
 
 
 @app.command("list")

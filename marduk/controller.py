@@ -232,6 +232,7 @@ class Controller:
             raise StartupError(f"{e} (--no-embedded: start NATS there first)") from None
         bus.require_jetstream(self.nc, redact(self.url))  # one clear line, not an API error
         st = self.settings
+        opened_at = time.time()
         try:
             self.store = await StateStore.open(
                 self.nc, st.prefix, replicas=st.kv_replicas, dedup_window_s=st.dedup_window_s
@@ -252,7 +253,11 @@ class Controller:
             )
             await self.leadership.open()
         except Exception as e:
-            raise StartupError(f"cannot open the JetStream state at {redact(self.url)}: {e}") from e
+            # A credential without the controller's rights shows as a timeout: say which.
+            why = bus.last_denial(opened_at) or str(e)
+            raise StartupError(
+                f"cannot open the JetStream state at {redact(self.url)}: {why}"
+            ) from e
         self._health = HealthConsumer(
             self.nc, st.prefix, self.subjects.health, ack_wait_s=st.ack_wait_s
         )
@@ -838,7 +843,11 @@ class Controller:
     async def _on_drain(self, req: Drain, subject: str) -> DrainReply:
         result = self.policy.drain(req.devices, req.host, req.undrain, req.reason, time.time())
         await self._commit(result.outcome)
-        return DrainReply(devices=result.devices, actions=result.actions)
+        for conflict in result.conflicts:
+            log.warning("drain --host %s: conflicting claim: %s", req.host, conflict)
+        return DrainReply(
+            devices=result.devices, actions=result.actions, conflicts=result.conflicts
+        )
 
     async def _on_health_msg(self, msg: Msg) -> None:
         # One task per event, started in delivery order (so decided in it): the next event is

@@ -103,6 +103,7 @@ class DrainResult:
     outcome: Outcome
     devices: list[str]
     actions: list[Action]
+    conflicts: list[str] = field(default_factory=list)  # by host: devices other hosts claim
 
 
 def scope_order(key: EpochKey) -> tuple[str, str]:

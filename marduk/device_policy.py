@@ -25,6 +25,7 @@ from marduk.decisions import (
     HealthResult,
     Outcome,
     PolicyConfig,
+    PolicyError,
     scope_order,
 )
 from marduk.drmap import DRMap, WorkerKey
@@ -35,6 +36,7 @@ from marduk.protocol import (
     ControllerEvent,
     DeviceHealth,
     HealthReply,
+    Registration,
 )
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 
@@ -47,6 +49,8 @@ class DevicePolicy:
     devices: dict[str, DeviceRecord]
     epochs: dict[EpochKey, EpochRecord]
     workers: dict[WorkerKey, WorkerRecord]
+    last_seen: dict[WorkerKey, float]
+    stale: set[WorkerKey]
     _recent_events: OrderedDict[str, HealthReply]
     _last_sent: dict[EpochKey, float]
 
@@ -337,16 +341,61 @@ class DevicePolicy:
             )
         )
 
+    def check_claims(self, reg: Registration, now: float) -> None:
+        """Refuse a worker claiming a device that a live worker of another job holds on another
+        host. Device ids are physical, so one of the two claims is false; the first stands
+        until its holder deregisters or goes silent. A job-scoped agent identity may register
+        only for its own job (the server enforces that), so it cannot claim another job's
+        devices, and so cannot get them drained or failed (issue 16)."""
+        for device in reg.devices:
+            for key in self.drmap.workers_for_device(device):
+                holder = self.workers.get(key)
+                if holder is None or key.job == reg.job or holder.registration.host == reg.host:
+                    continue
+                if key in self.stale or now - self.last_seen.get(key, 0.0) >= (
+                    self.config.worker_ttl_s
+                ):
+                    continue
+                raise PolicyError(
+                    "device_claimed",
+                    f"device {device} is held by worker {key} on "
+                    f"{holder.registration.host or '?'}; a worker of job {reg.job} on "
+                    f"{reg.host or '?'} may not claim it (forget that worker if it is gone)",
+                )
+
+    def _claims_elsewhere(self, device: str, host: str) -> list[str]:
+        """Workers on hosts other than ``host`` that claim ``device``."""
+        return sorted(
+            f"{key} on {self.workers[key].registration.host or '?'}"
+            for key in self.drmap.workers_for_device(device)
+            if key in self.workers and self.workers[key].registration.host != host
+        )
+
     def drain(
         self, devices: list[str], host: str, undrain: bool, reason: str, now: float
     ) -> DrainResult:
-        """An operator takes devices (or every device of ``host``) out of service, or back."""
+        """An operator takes devices (or every device of ``host``) out of service, or back.
+
+        By host: only devices that no worker on another host claims too. A conflicting claim
+        is reported (``conflicts``), not acted on: the operator names the device to drain it.
+        """
         out = Outcome()
         names = set(devices)
+        conflicts: list[str] = []
         if host:
+            claimed: set[str] = set()
             for key, worker in self.workers.items():
                 if worker.registration.host == host:
-                    names |= self.drmap.devices_for_worker(key)
+                    claimed |= self.drmap.devices_for_worker(key)
+            for name in sorted(claimed - names):
+                elsewhere = self._claims_elsewhere(name, host)
+                if elsewhere:
+                    conflicts.append(
+                        f"{name}: also claimed by {', '.join(elsewhere)}; not drained by host "
+                        "(name it to drain it)"
+                    )
+                else:
+                    names.add(name)
         changed: list[str] = []
         for name in sorted(names):
             rec = self.devices.get(name)
@@ -375,7 +424,7 @@ class DevicePolicy:
             actions = self._fail_scopes(
                 changed, why, f"drain:{host or ','.join(changed)}", now, out
             )
-        return DrainResult(out, changed, actions)
+        return DrainResult(out, changed, actions, conflicts)
 
     def _fail_scopes(
         self, devices: list[str], reason: str, cause: str, now: float, out: Outcome

@@ -10,7 +10,8 @@ If the server dies while the controller runs, the controller starts it again on 
 and store (``restart``); clients reconnect and JetStream recovers its state from disk.
 
 State directory: ``--state-dir`` or MARDUK_STATE_DIR, else ``$XDG_STATE_HOME/marduk``
-(``~/.local/state/marduk``). It holds ``jetstream/`` (the store), ``nats-server.log``,
+(``~/.local/state/marduk``). It holds ``jetstream/`` (the store), ``nats-server.conf`` (the
+server's name and an ``include`` of the auth configuration), ``nats-server.log``,
 ``nats-server.pid`` and ``controller.lock`` (one controller per state directory).
 """
 
@@ -192,12 +193,11 @@ class EmbeddedServer:
         bind = "127.0.0.1" if self.host == "localhost" else self.host
         cmd = [
             find_binary(),
-            *(["--config", str(self.config)] if self.config else []),
+            "--config", str(self._write_config()),
             "--addr", bind,
             "--port", str(self.port),
             "--jetstream",
             "--store_dir", str(self.state_dir / "jetstream"),
-            "--server_name", f"marduk-embedded-{socket.gethostname()}",
             "--pid", str(self.pid_file),
             "--log", str(self.log_file),
         ]  # fmt: skip
@@ -223,6 +223,23 @@ class EmbeddedServer:
             time.sleep(0.02)
         self.stop()
         raise EmbeddedServerError(f"embedded nats-server did not listen within {timeout:g}s")
+
+    def _write_config(self) -> Path:
+        """The server's own configuration file: its name, and the auth configuration included.
+
+        The name is set here, not by ``--server_name``: nats-server refuses to reload a server
+        whose name came from the command line ("config reload not supported for ServerName"),
+        which would leave every revoked key working. ``include`` takes a relative path only.
+        """
+        path = self.state_dir / "nats-server.conf"
+        lines = [
+            "# Written by the marduk controller at each start of its embedded server.",
+            f'server_name: "marduk-embedded-{socket.gethostname()}"',
+        ]
+        if self.config is not None:
+            lines.append(f'include "{os.path.relpath(self.config.resolve(), self.state_dir)}"')
+        path.write_text("\n".join(lines) + "\n")
+        return path
 
     def _log_tail(self, lines: int = 3) -> str:
         try:
@@ -252,11 +269,36 @@ class EmbeddedServer:
             proc.kill()
             proc.wait(5)
 
-    def reload(self) -> None:
-        """Make the server re-read its configuration (new or revoked identities)."""
-        if self.alive():
-            assert self.proc is not None
-            self.proc.send_signal(signal.SIGHUP)
+    def reload(self, timeout: float = 2.0) -> None:
+        """Make the server re-read its configuration (new or revoked identities), and read its
+        answer in its log: raises EmbeddedServerError with the server's reason if it refused
+        or did not say within ``timeout``. On success the server has already closed the
+        connections of identities it no longer knows."""
+        if not self.alive():
+            raise EmbeddedServerError("the embedded nats-server is not running")
+        assert self.proc is not None
+        try:
+            offset = self.log_file.stat().st_size
+        except OSError:
+            offset = 0
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            outcome = _reload_outcome(self._log_since(offset))
+            if outcome == "":
+                return
+            if outcome is not None:
+                raise EmbeddedServerError(f"nats-server refused the new configuration: {outcome}")
+            time.sleep(0.02)
+        raise EmbeddedServerError(f"nats-server did not confirm the reload within {timeout:g}s")
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_file, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -288,6 +330,17 @@ class EmbeddedServer:
         with contextlib.suppress(OSError):
             self.pid_file.unlink()
         return proc.returncode
+
+
+def _reload_outcome(log_text: str) -> str | None:
+    """What nats-server logged about a reload: "" (done), its error, or None (nothing yet)."""
+    for line in log_text.splitlines():
+        if "Reloaded server configuration" in line:
+            return ""
+        _, found, reason = line.partition("Failed to reload server configuration: ")
+        if found:
+            return reason.strip() or "no reason given"
+    return None
 
 
 class ServerKeeper:
@@ -361,7 +414,7 @@ class ServerKeeper:
         backoff = 0.1
         while self.server is not None:
             await asyncio.sleep(0.2)
-            self._reload_if_auth_changed()
+            await self._reload_if_auth_changed()
             if self.server.alive() or stopping():
                 backoff = 0.1
                 continue
@@ -377,19 +430,30 @@ class ServerKeeper:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    def _reload_if_auth_changed(self) -> None:
-        """`marduk auth add-agent|rotate|revoke` rewrote the config: the server re-reads it."""
-        if self.server is None or self.server.config is None:
+    async def _reload_if_auth_changed(self) -> None:
+        """`marduk auth add-agent|rotate|revoke` rewrote the config: the server re-reads it,
+        and what it answered (in its log) is what we report, not what we asked for."""
+        server = self.server
+        if server is None or server.config is None:
             return
         try:
-            mtime = self.server.config.stat().st_mtime
+            mtime = server.config.stat().st_mtime
         except OSError:
             return
-        if mtime != self._config_mtime:
-            self._config_mtime = mtime
-            self.server.reload()
-            self.stats["auth.reloads"] += 1
-            log.info("auth configuration changed; the embedded server reloaded it")
+        if mtime == self._config_mtime or not server.alive():
+            return
+        self._config_mtime = mtime
+        try:
+            await asyncio.to_thread(server.reload)
+        except EmbeddedServerError as e:
+            self.stats["auth.reload_failures"] += 1
+            log.error("auth configuration changed but is NOT in effect: %s", e)
+            return
+        self.stats["auth.reloads"] += 1
+        log.info(
+            "auth configuration changed; the embedded server applied it (connections of "
+            "removed identities closed)"
+        )
 
     async def stop(self) -> None:
         server, self.server = self.server, None

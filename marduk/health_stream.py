@@ -8,6 +8,12 @@ an event only after its decision is committed; an unacked event is redelivered a
 
 A monitor that wants the decision names a subject in the ``Marduk-Reply-To`` header; the
 controller publishes its ``HealthReply`` there after committing (``docs/protocol.md``).
+
+The stream sends no acknowledgement (``no_ack``): JetStream acknowledges on whatever reply
+subject the publisher names, with the server's rights, so a monitor naming
+``$KV.marduk_leader.leader`` would have overwritten the lease. Instead the stream republishes the
+headers of each stored event on ``<prefix>.health.stored`` (after storing it, and on a cluster
+after its replicas agree); a monitor finds its own there by its ``Marduk-Reply-To`` inbox.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DeliverPolicy,
+    RePublish,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -39,11 +46,13 @@ def stream_name(prefix: str) -> str:
 async def ensure_stream(
     nc: NATS, prefix: str, subject: str, *, replicas: int = 1, max_age_s: float = 86400.0
 ) -> str:
-    """Create the health stream if it does not exist; return its name."""
+    """Create the health stream if it does not exist (or make an older one stop acknowledging
+    and start republishing); return its name."""
     js = nc.jetstream(timeout=5.0)
     name = stream_name(prefix)
+    stored = stored_subject(subject)
     try:
-        await js.stream_info(name)
+        info = await js.stream_info(name)
     except NotFoundError:
         await js.add_stream(
             StreamConfig(
@@ -55,10 +64,24 @@ async def ensure_stream(
                 max_age=max_age_s,
                 max_msgs=1_000_000,
                 description="Marduk: device health events, kept until handled (and a day more)",
+                no_ack=True,
+                republish=RePublish(src=subject, dest=stored, headers_only=True),
             )
         )
         log.info("created stream %s for %s", name, subject)
+        return name
+    config = info.config
+    if not config.no_ack or config.republish is None or config.republish.dest != stored:
+        config.no_ack = True
+        config.republish = RePublish(src=subject, dest=stored, headers_only=True)
+        await js.update_stream(config)
+        log.info("stream %s: acknowledgements off, stored events republished on %s", name, stored)
     return name
+
+
+def stored_subject(health_subject: str) -> str:
+    """Where the stream republishes the headers of what it stored (``Subjects.health_stored``)."""
+    return health_subject + ".stored"
 
 
 class HealthConsumer:

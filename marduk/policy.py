@@ -170,6 +170,7 @@ class Policy(DevicePolicy):
     def register(self, reg: Registration, now: float) -> Registered:
         key = worker_key(reg)
         self._check_scope(reg)
+        self.check_claims(reg, now)
         out = Outcome()
         old = self.workers.get(key)
         if old is not None:

@@ -313,6 +313,9 @@ class Drain(Message, tag="drain", kw_only=True):
 class DrainReply(Message, tag="drain_reply", kw_only=True):
     devices: list[str] = []  # the devices whose service state changed
     actions: list[Action] = []  # the `fail` commands sent (drain only)
+    # By host: devices that host's workers claim but workers on other hosts claim too; not
+    # drained (one claim is false), one line each.
+    conflicts: list[str] = []
 
 
 # --- queries -----------------------------------------------------------------------------------

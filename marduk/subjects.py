@@ -4,6 +4,8 @@ Layout (prefix ``marduk`` by default)::
 
     marduk.health                          device health events (any monitor; job-agnostic),
                                            captured by the JetStream stream ``<PREFIX>_health``
+    marduk.health.stored                   the headers of each stored health event, republished
+                                           by the stream (it sends no acknowledgements)
     marduk.ctl.query                       request/reply: map, replicas, devices, stats
     marduk.ctl.forget                      request/reply: an operator removes workers
     marduk.ctl.drain                       request/reply: an operator drains/undrains devices
@@ -81,6 +83,10 @@ class Subjects:
     @property
     def health(self) -> str:
         return f"{self.prefix}.health"
+
+    @property
+    def health_stored(self) -> str:
+        return f"{self.prefix}.health.stored"
 
     @property
     def query(self) -> str:

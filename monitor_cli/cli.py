@@ -23,7 +23,7 @@ from rich.live import Live
 from rich.markup import escape
 
 from marduk import bus, options
-from marduk.errors import MardukError
+from marduk.errors import MardukError, PermissionDeniedError
 from marduk.protocol import ControllerEvent, HealthReply, QueryReply, decode
 from marduk.runtime import run
 from marduk.subjects import Subjects
@@ -237,6 +237,8 @@ def _drain(devices: list[str], host: str, undrain: bool, reason: str, addr: str,
     if as_json:
         _print_json(reply)
         return
+    for conflict in reply.conflicts:
+        err.print(f"[yellow]warning:[/yellow] conflicting claim: {escape(conflict)}")
     verb = "back in service" if undrain else "drained"
     if not reply.devices:
         where = "out of service" if undrain else "in service"
@@ -392,7 +394,7 @@ def top(
 
         live = Live(console=out, auto_refresh=False) if out.is_terminal else None
         try:
-            await nc.subscribe(s.all_events if job is None else s.events(job), cb=on_event)
+            await client.subscribe(nc, s.all_events if job is None else s.events(job), cb=on_event)
             reply: QueryReply | None = None
             with live if live is not None else contextlib.nullcontext():
                 for n in itertools.count(1):
@@ -402,6 +404,8 @@ def top(
                         reply = await client.query_on(nc, prefix, "map", job, timeout, addr=addr)
                         if first:
                             recent.extend(status_view.current_failures(reply))
+                    except PermissionDeniedError:
+                        raise  # asking again will not help: one line, and stop
                     except MardukError as e:
                         problem = f"{_ts(time.time())} {e}"
                     blocks = status_view.top_blocks(

@@ -15,11 +15,16 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import PubAck
+from nats.aio.subscription import Subscription
 
 from marduk import bus
 from marduk.credentials import redact
-from marduk.errors import MardukError, NoControllerError, RequestRejected
+from marduk.errors import (
+    MardukError,
+    NoControllerError,
+    PermissionDeniedError,
+    RequestRejected,
+)
 from marduk.protocol import (
     ControllerEvent,
     DeviceHealth,
@@ -107,12 +112,12 @@ async def publish_durably(
     """Publish ``event`` to the health stream on ``nc`` and wait for the controller's reply."""
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
-    await nc.flush()
+    stored = await watch_stored(nc, subjects)
     deadline = time.monotonic() + timeout
     payload = encode(event)
     asked = 0
     try:
-        ack = await _store(nc, subjects, payload, inbox, timeout=timeout, addr=addr)
+        seq = await store(nc, subjects, payload, inbox, stored, timeout=timeout, addr=addr)
         while True:
             left = deadline - time.monotonic()
             try:
@@ -120,13 +125,14 @@ async def publish_durably(
                 break
             except (TimeoutError, nats.errors.TimeoutError):
                 if left <= 1.0:
-                    raise UndecidedError(event.event_id, ack.seq, timeout) from None
+                    raise UndecidedError(event.event_id, seq, timeout) from None
             # On a cluster the answer can beat our inbox's interest to the controller's node
             # and be dropped. Ask again with the same event id: the controller answers a
             # repeat with its first decision (and does nothing else).
             asked += 1
-            await _store(nc, subjects, payload, inbox, timeout=max(0.5, left), addr=addr)
+            await store(nc, subjects, payload, inbox, stored, timeout=max(0.5, left), addr=addr)
     finally:
+        await stored.unsubscribe()
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
     reply: Any = decode(msg.data, HealthReply | ErrorReply)  # type: ignore[arg-type]
@@ -137,35 +143,86 @@ async def publish_durably(
     return reply  # type: ignore[no-any-return]
 
 
-async def _store(
-    nc: NATS, subjects: Subjects, payload: bytes, inbox: str, *, timeout: float, addr: str
-) -> PubAck:
-    """Publish to the health stream until it acknowledges (stored) or ``timeout`` runs out.
+async def subscribe(nc: NATS, subject: str, **kw: Any) -> Subscription:
+    """Subscribe, and raise PermissionDeniedError (one line naming the subject) if the server
+    refuses: it says so asynchronously, and a refused subscription would only stay silent."""
+    since = time.time()
+    sub = await nc.subscribe(subject, **kw)
+    refused = await bus.refused(nc, [subject], since)
+    if refused:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
+        raise PermissionDeniedError(refused)
+    return sub
 
-    JetStream answers nothing (or 503) while the stream has no leader: a NATS node was lost and
-    the cluster is electing one (seconds). That is retried; a stream that does not exist is not.
+
+@dataclass(slots=True)
+class StoredWatch:
+    """Where the health stream republishes what it stored, subscribed before publishing."""
+
+    sub: Subscription
+    since: float
+
+    async def unsubscribe(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.sub.unsubscribe()
+
+
+async def watch_stored(nc: NATS, subjects: Subjects) -> StoredWatch:
+    since = time.time()
+    stored = await nc.subscribe(subjects.health_stored, pending_msgs_limit=100_000)
+    return StoredWatch(stored, since)
+
+
+async def store(
+    nc: NATS,
+    subjects: Subjects,
+    payload: bytes,
+    inbox: str,
+    stored: StoredWatch,
+    *,
+    timeout: float,
+    addr: str = "",
+) -> int:
+    """Publish to the health stream until it has stored the event or ``timeout`` runs out;
+    return the event's stream sequence.
+
+    The stream sends no acknowledgement (it would go to any reply subject, with the server's
+    rights: see marduk/health_stream.py); it republishes the headers of what it stored on
+    ``stored``'s subject, where ours carries our ``inbox``. Nothing comes while the stream has
+    no leader (a NATS node was lost, an election: seconds): then we publish again.
     """
-    js = nc.jetstream(timeout=min(timeout, 2.0))
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            return await js.publish(subjects.health, payload, headers={REPLY_HEADER: inbox})
-        except (
-            nats.errors.NoRespondersError,
-            nats.js.errors.NoStreamResponseError,
-            nats.errors.TimeoutError,
-            TimeoutError,
-        ) as e:
-            if time.monotonic() + 0.25 >= deadline:
-                raise await _unstored(nc, subjects, addr, timeout, e) from None
-            await asyncio.sleep(0.25)
-        except nats.js.errors.Error as e:
-            raise MardukError(f"the health stream did not accept the event: {e}") from None
+        since = time.time()
+        await nc.publish(subjects.health, payload, headers={REPLY_HEADER: inbox})
+        # The server has now accepted the publish or refused it. A slow one (a node lost) is
+        # waited for below, and published to again.
+        refused = None
+        with contextlib.suppress(nats.errors.TimeoutError):
+            refused = await bus.refused(nc, [subjects.health], since)
+        if refused:
+            raise PermissionDeniedError(refused)
+        refused = bus.denied(subjects.health_stored, stored.since)
+        if refused:  # may publish health, may not see what is stored: an older server config
+            raise PermissionDeniedError(
+                f"{refused}, so it cannot tell the event is stored: regenerate the server "
+                "configuration with `marduk auth update-config DIR` and reload the server"
+            )
+        attempt_ends = min(deadline, time.monotonic() + 1.0)
+        while (left := attempt_ends - time.monotonic()) > 0:
+            try:
+                msg = await stored.sub.next_msg(timeout=left)
+            except (TimeoutError, nats.errors.TimeoutError):
+                break
+            headers = msg.headers or {}
+            if headers.get(REPLY_HEADER) == inbox:
+                return int(headers.get("Nats-Sequence", "0") or 0)
+        if time.monotonic() + 0.05 >= deadline:
+            raise await _unstored(nc, subjects, addr, timeout)
 
 
-async def _unstored(
-    nc: NATS, subjects: Subjects, addr: str, timeout: float, cause: Exception
-) -> MardukError:
+async def _unstored(nc: NATS, subjects: Subjects, addr: str, timeout: float) -> MardukError:
     from marduk.health_stream import stream_name
 
     try:
@@ -179,8 +236,9 @@ async def _unstored(
     except Exception:
         pass
     return MardukError(
-        f"the health stream did not store the event within {timeout:g}s "
-        f"({type(cause).__name__}): is JetStream available (a NATS node down, an election)?"
+        f"the health stream did not store the event within {timeout:g}s: is JetStream "
+        "available (a NATS node down, an election), and does a controller of this version "
+        f"run (the stream republishes what it stores on {subjects.health_stored})?"
     )
 
 
@@ -380,7 +438,7 @@ async def events(
     )
     pinger: asyncio.Task[None] | None = None
     try:
-        await nc.subscribe(s.all_events if job is None else s.events(job), cb=on_event)
+        await subscribe(nc, s.all_events if job is None else s.events(job), cb=on_event)
         # Credentials of the admin role may not subscribe here; the pings still tell.
         await nc.subscribe(s.hello, cb=on_hello)
         await nc.flush()

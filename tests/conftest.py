@@ -121,13 +121,24 @@ async def health_event(  # type: ignore[no-untyped-def]
     return await publish_durably(nc, Subjects(), event, timeout=timeout)
 
 
+async def store_health(nc, payload: bytes, inbox: str = "") -> int:  # type: ignore[no-untyped-def]
+    """Publish to the health stream and wait until it stored the event (it sends no ack);
+    the controller's answer, if any, goes to ``inbox``. Returns the stream sequence."""
+    from marduk.subjects import Subjects
+    from monitor_cli.client import store, watch_stored
+
+    stored = await watch_stored(nc, Subjects())
+    try:
+        return await store(nc, Subjects(), payload, inbox or nc.new_inbox(), stored, timeout=5)
+    finally:
+        await stored.unsubscribe()
+
+
 async def health_raw(nc, payload: bytes, timeout: float = 5.0) -> bytes:  # type: ignore[no-untyped-def]
     """Publish raw bytes to the health stream with a reply header; return the controller's answer."""
-    from marduk.subjects import REPLY_HEADER, Subjects
-
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, max_msgs=1)
-    await nc.jetstream().publish(Subjects().health, payload, headers={REPLY_HEADER: inbox})
+    await store_health(nc, payload, inbox)
     msg = await sub.next_msg(timeout=timeout)
     return msg.data  # type: ignore[no-any-return]
 

@@ -46,7 +46,7 @@ from marduk import protocol as wire
 from marduk.protocol import decode, encode
 from marduk.store import events_bucket_name, handled_kv_key
 from marduk.subjects import Subjects
-from tests.conftest import NatsServer
+from tests.conftest import NatsServer, store_health
 from tests.processes import Proc
 
 SECONDS = float(os.environ.get("MARDUK_CHAOS_SECONDS", "60"))
@@ -234,7 +234,6 @@ async def publish_events(
     """Failure events at random intervals: most through JetStream (``accepted`` once the stream
     confirmed), a quarter as plain publishes (``plain``: stored unless the server was down).
     Returns how many the stream did not confirm."""
-    js = nc.jetstream(timeout=2.0)
     devices = sorted({d for *_, ds, _ in TOPOLOGY for d in ds})
     weights = [DEVICE_WEIGHTS.get(d, 1) for d in devices]
     unconfirmed = 0
@@ -251,7 +250,7 @@ async def publish_events(
                 plain[event_id] = device
             continue
         try:
-            await js.publish(S.health, encode(event))
+            await store_health(nc, encode(event))
             accepted[event_id] = device
         except Exception:  # the server is down: a monitor would retry; we only count it
             unconfirmed += 1

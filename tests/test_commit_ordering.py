@@ -37,8 +37,15 @@ from marduk.drmap import WorkerKey
 from marduk.protocol import decode, encode
 from marduk.records import EpochKey, EpochRecord
 from marduk.store import epoch_kv_key, handled_kv_key, worker_kv_key
-from marduk.subjects import REPLY_HEADER, Subjects
-from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving
+from marduk.subjects import Subjects
+from tests.conftest import (
+    NatsServer,
+    controller_settings,
+    eventually,
+    health_event,
+    start_serving,
+    store_health,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -194,7 +201,7 @@ async def health_reply_task(nc: NATS, device: str, event_id: str) -> asyncio.Tas
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, max_msgs=1)
     event = wire.DeviceHealth(device=device, state="failed", event_id=event_id)
-    await nc.jetstream().publish(S.health, encode(event), headers={REPLY_HEADER: inbox})
+    await store_health(nc, encode(event), inbox)
 
     async def answer() -> bytes:
         data: bytes = (await sub.next_msg(timeout=20)).data
@@ -504,7 +511,7 @@ async def test_a_command_whose_ceiling_could_not_be_written_is_not_reissued(
             await health_event(nc, "d1", event_id="one")
             tools.kv.refuse = lambda op, key, value: key == SCOPE_KEY
             event = wire.DeviceHealth(device="d2", state="failed", event_id="two")
-            await nc.jetstream().publish(S.health, encode(event))
+            await store_health(nc, encode(event))
             # Handled once every attempt to write the ceiling has failed (answered or not).
             await eventually(lambda: c1.stats["store.errors"] >= 3)
             await eventually(lambda: not c1._pipeline.busy())
@@ -577,8 +584,8 @@ async def test_a_re_elected_leader_leads_from_the_store_not_from_its_dropped_dec
         tools = instrument(c)
         tools.kv.floors[SCOPE_KEY] = 3
         tools.kv.refuse = lambda op, key, value: key == SCOPE_KEY
-        await nc.jetstream().publish(
-            S.health, encode(wire.DeviceHealth(device="d4", state="failed", event_id="e3"))
+        await store_health(
+            nc, encode(wire.DeviceHealth(device="d4", state="failed", event_id="e3"))
         )
         await eventually(lambda: c.stats["store.write_ahead_failed"] >= 1, timeout=10)
         await eventually(lambda: not c.serving.is_set(), timeout=10)
@@ -716,8 +723,8 @@ async def test_a_write_ahead_that_is_never_acknowledged_is_given_up(
         await health_event(nc, "d1", event_id="x0")
         await eventually(lambda: len(tools.sent) == 1 and not c._pipeline.busy())
         tools.kv.hold = lambda op, key, value: key == SCOPE_KEY  # parked, never answered
-        await nc.jetstream().publish(
-            S.health, encode(wire.DeviceHealth(device="d1", state="failed", event_id="x1"))
+        await store_health(
+            nc, encode(wire.DeviceHealth(device="d1", state="failed", event_id="x1"))
         )
         await eventually(lambda: tools.kv.held.is_set(), timeout=10)
         await eventually(lambda: c.stats["store.write_ahead_failed"] >= 1, timeout=10)
@@ -748,8 +755,8 @@ async def test_a_health_event_is_acknowledged_only_once_its_dedup_record_is_dura
         tools = instrument(c)
         events.hold = lambda op, key, value: True  # every handled-event record parked
         js = nc.jetstream()
-        await js.publish(
-            S.health, encode(wire.DeviceHealth(device="d1", state="failed", event_id="h1"))
+        await store_health(
+            nc, encode(wire.DeviceHealth(device="d1", state="failed", event_id="h1"))
         )
         await eventually(lambda: events.held.is_set() and len(tools.sent) == 1)
         await asyncio.sleep(0.3)  # time for an early acknowledgement to reach the server

@@ -106,3 +106,43 @@ def test_preempting_asks_each_scope_on_the_host_to_checkpoint_once_and_holds_not
     p.register(reg("r1", ["d1", "d2"]), now=3)
     r = p.on_health(failed("d1", "f1"), now=4)
     assert [(c.replica, c.kind, c.epoch) for c in r.outcome.commands] == [("r1", "restart", 2)]
+
+
+def test_a_device_another_job_holds_on_another_host_cannot_be_claimed_until_it_is_free() -> None:
+    import pytest
+
+    from marduk.decisions import PolicyError
+
+    p = Policy(PolicyConfig(worker_ttl_s=15))
+    p.register(reg("b1", ["dB"], job="B"), now=0)  # host "h"
+    evil = reg("a1", ["dA", "dB"], job="A", pid=2)
+    evil.host = "attacker"
+    with pytest.raises(PolicyError, match="device dB is held by worker B/b1/0 on h") as e:
+        p.register(evil, now=1)
+    assert e.value.code == "device_claimed" and WorkerKey("A", "a1", 0) not in p.workers
+    # Another job on the same host may (jobs sharing a node's device); so may the same job on
+    # another host (a replica moving).
+    p.register(reg("c1", ["dB"], job="C", pid=3), now=1)
+    moved = reg("b2", ["dA"], job="A", pid=4)
+    moved.host = "other"
+    p.register(moved, now=1)
+    # Holders silent for the TTL no longer hold it.
+    p.register(reg("c1", ["dB"], job="C", pid=3), now=20)  # renews; b1 went silent
+    with pytest.raises(PolicyError, match="held by worker C/c1/0 on h"):
+        p.register(evil, now=20)
+    assert p.register(evil, now=40).result == "new"
+
+
+def test_drain_by_host_leaves_devices_another_host_claims_and_says_so() -> None:
+    p = Policy()
+    p.register(reg("r1", ["a0", "shared"]), now=0)  # host "h"
+    other = reg("r2", ["shared"], pid=2)
+    other.host = "elsewhere"
+    p.register(other, now=0)
+    r = p.drain([], host="h", undrain=False, reason="", now=1)
+    assert r.devices == ["a0"] and [c.replica for c in r.outcome.commands] == ["r1"]
+    assert r.conflicts == [
+        "shared: also claimed by j/r2/0 on elsewhere; not drained by host (name it to drain it)"
+    ]
+    # Named, it is drained: the operator decided.
+    assert p.drain(["shared"], host="", undrain=False, reason="", now=2).devices == ["shared"]

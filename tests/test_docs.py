@@ -40,6 +40,8 @@ TAGGED = (
     | wire.ErrorReply
     | wire.Forget
     | wire.ForgetReply
+    | wire.Drain
+    | wire.DrainReply
     | wire.Standby
     | wire.Drain
     | wire.DrainReply

@@ -37,7 +37,7 @@ from marduk.controller import Controller
 from marduk.health_stream import CONSUMER, stream_name
 from marduk.protocol import decode, encode
 from marduk.subjects import REPLY_HEADER, Subjects
-from tests.conftest import NatsServer, eventually, health_event
+from tests.conftest import NatsServer, eventually, health_event, store_health
 
 S = Subjects()
 MESSAGES = int(os.environ.get("MARDUK_FUZZ_MESSAGES", "3000"))
@@ -329,7 +329,6 @@ async def fuzz(nc: NATS, gen: Gen, count: int) -> tuple[list[Sent], dict[int, li
         replies.setdefault(int(msg.subject.rsplit(".", 1)[1]), []).append(msg.data)
 
     await nc.subscribe(f"{inbox}.*", cb=on_reply)
-    js = nc.jetstream()
     sent: list[Sent] = []
     for start in range(0, count, BATCH):
         expected = []
@@ -347,7 +346,7 @@ async def fuzz(nc: NATS, gen: Gen, count: int) -> tuple[list[Sent], dict[int, li
                     await nc.publish(subject, payload, headers={REPLY_HEADER: reply_to})
                     answers = True
                 elif mode < 0.95:
-                    await js.publish(subject, payload, headers={REPLY_HEADER: reply_to})
+                    await store_health(nc, payload, reply_to)
                     answers = True
                 else:  # a header that names no usable subject (short ones only: see below)
                     odd = gen.r.choice(["", " ", "a b", "_INBOX.*", "x" * 1000, "$KV.b.k"])

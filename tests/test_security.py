@@ -409,7 +409,7 @@ async def test_no_caller_makes_the_controller_write_where_it_should_not(
         await agent_nc.publish(S.register("big"), encode(reg), reply="$KV.marduk_leader.leader")
         await agent_nc.publish(S.register("big"), encode(reg), reply="marduk.ctl.hello")
         event = wire.DeviceHealth(device="x1", state="failed", event_id="deputy")
-        await monitor_nc.jetstream().publish(
+        await monitor_nc.publish(
             S.health, encode(event), headers={REPLY_HEADER: "$KV.marduk_state.w.big.rx.0"}
         )
         await eventually(lambda: c.stats["rejected.reply_subject"] >= 3)
