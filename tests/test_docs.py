@@ -17,8 +17,8 @@ import yaml
 
 from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.subjects import REPLY_HEADER, Subjects
-from tests.conftest import NatsServer
+from marduk.subjects import Subjects
+from tests.conftest import NatsServer, store_health
 
 ROOT = Path(__file__).resolve().parent.parent
 TAGGED = (
@@ -231,15 +231,12 @@ async def test_only_inbox_reply_subjects_are_answered_as_documented(
     text = " ".join(PROTOCOL_MD.read_text().split())
     assert "`Marduk-Reply-To`: a subject that starts with `_INBOX.`" in text
     assert "Any other subject gets no answer" in text
-    s = Subjects()
     nc = await nats.connect(nats_server.url)
     try:
         plain, inbox = await nc.subscribe("mon1.replies"), await nc.subscribe("_INBOX.mon1")
         event = wire.DeviceHealth(device="GPU-x", state="failed")
         for reply_to in ("mon1.replies", "_INBOX.mon1"):
-            await nc.jetstream().publish(
-                s.health, wire.encode(event), headers={REPLY_HEADER: reply_to}
-            )
+            await store_health(nc, wire.encode(event), reply_to)
         assert wire.decode((await inbox.next_msg(timeout=5)).data, wire.HealthReply).known is False
         assert controller.stats["rejected.reply_subject"] == 1
         assert not plain.pending_msgs
