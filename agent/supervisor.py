@@ -544,7 +544,7 @@ class Supervisor:
         then stops those that are)."""
         incarnation = self.core.started(time.monotonic())
         if self.launch is not None:
-            self.master_port = self.launch.port_for_incarnation()
+            self.master_port = self.launch.port_for_incarnation(self.epoch)
         base = self._trainer_env()
         for rank in self.ranks:
             rank.tail.clear()
