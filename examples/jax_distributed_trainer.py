@@ -53,6 +53,7 @@ import agent.jax
 from agent.handoff import Handoff
 
 PREEMPTED_EXIT = 143  # saved at JAX's preemption sync point (SIGTERM) and exited
+PEER_LOSS_WAIT_S = 3.0  # after a failed collective: how long to wait for the agent's restart
 
 # The train state: (w1, b1, w2, b2) and how each is sharded over the mesh.
 SPECS = (P(None, "model"), P("model"), P("model", None), P())
@@ -135,6 +136,26 @@ def main() -> int:
     # the agent's SIGTERM from then on).
     client = agent.connect(on_command=agent.jax.exit_on_restart) if given.supervised else None
     t_connect = time.time()
+    try:
+        return train(args, given, ckpt_dir, client, t_begin, t_connect)
+    except Exception:
+        # A collective failed: a peer is gone ("Gloo all-reduce failed ... Connection closed
+        # by peer"). Never a normal exit: it runs jax.distributed.shutdown(), a barrier with the
+        # dead peer that waits up to its shutdown timeout (300 s) while JAX's preemption
+        # service swallows the agent's SIGTERM. Under the agent, wait a moment for the restart
+        # the controller is ordering (exit_on_restart ends the process): exiting 1 at once would
+        # be reported as a crash of this node too and count against its restart budget.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if client is not None:
+            client.wait(PEER_LOSS_WAIT_S)
+        os._exit(1)
+
+
+def train(  # type: ignore[no-untyped-def]
+    args, given: Handoff, ckpt_dir: Path, client, t_begin: float, t_connect: float
+) -> int:
     where = agent.jax.initialize()
     me = where.process_id
     t_init = time.time()
@@ -206,15 +227,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    try:
-        code = main()
-    except Exception:
-        # A collective failed (a peer is gone: "Gloo all-reduce failed ... Connection closed by
-        # peer"). Exit now: a normal exit runs jax.distributed.shutdown() at exit, a barrier
-        # with the dead peer that waits up to its shutdown timeout (300 s), while JAX's
-        # preemption service swallows the agent's SIGTERM.
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.exit(code)
+    sys.exit(main())
