@@ -104,6 +104,21 @@ def save(ckpt_dir: Path, step: int, params: list[jax.Array]) -> None:
     tmp.rename(ckpt_dir / f"ckpt-{step:08d}.npz")  # atomic
 
 
+def agree_on_start(ckpt_dir: Path) -> int:
+    """The checkpoint step every process restores: process 0's latest, whatever an old
+    incarnation wrote meanwhile. Passed through the coordination service's key-value store
+    (a private handle of jax's) rather than ``multihost_utils.broadcast_one_to_all``, which is
+    an XLA program: one more compile in every restart."""
+    from jax._src import distributed
+
+    kv = distributed.global_state.client
+    if kv is None:
+        return latest(ckpt_dir)
+    if jax.process_index() == 0:
+        kv.key_value_set("marduk/start_step", str(latest(ckpt_dir)))
+    return int(kv.blocking_key_value_get("marduk/start_step", 300_000))
+
+
 def restore(ckpt_dir: Path, step: int, hidden: int) -> list[np.ndarray]:
     if step == 0:
         return init_state(hidden)
@@ -162,8 +177,7 @@ def train(  # type: ignore[no-untyped-def]
 
     devices = np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count())
     mesh = Mesh(devices, ("data", "model"))
-    # Process 0 decides which checkpoint every process restores.
-    start = int(multihost_utils.broadcast_one_to_all(np.int32(latest(ckpt_dir))))
+    start = agree_on_start(ckpt_dir)
     params = [
         global_array(mesh, s, v)
         for s, v in zip(SPECS, restore(ckpt_dir, start, args.hidden), strict=True)
@@ -172,17 +186,15 @@ def train(  # type: ignore[no-untyped-def]
     x, y = global_array(mesh, P("data"), x_np), global_array(mesh, P("data"), y_np)
     out = NamedSharding(mesh, P())
 
+    # One program a step (each is compiled again after a restart, see docs/benchmarks.md):
+    # the update, the values every process prints, and the agreement on the controller's
+    # checkpoint request (``flags``: each device's process asked -> every process saves).
     @jax.jit
-    def train_step(params, x, y):  # type: ignore[no-untyped-def]
+    def train_step(params, x, y, flags):  # type: ignore[no-untyped-def]
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         params = [w - args.lr * g for w, g in zip(params, grads, strict=True)]
         total = jax.lax.with_sharding_constraint(sum(jnp.sum(w) for w in params), out)
-        return params, loss, total
-
-    # Agreement on the controller's checkpoint request: any process asked -> all save.
-    @jax.jit
-    def anyone(flags):  # type: ignore[no-untyped-def]
-        return jax.lax.with_sharding_constraint(jnp.max(flags), out)
+        return params, loss, total, jax.lax.with_sharding_constraint(jnp.max(flags), out)
 
     print(
         f"process {me}/{jax.process_count()}: {jax.device_count()} devices, mesh "
@@ -191,8 +203,12 @@ def train(  # type: ignore[no-untyped-def]
         flush=True,
     )
     t_restored = time.time()
+    asked = False
     for step in range(start + 1, args.steps + 1):
-        params, loss, total = train_step(params, x, y)
+        flags = global_array(
+            mesh, P(("data", "model")), np.full(jax.device_count(), int(asked), np.int32)
+        )
+        params, loss, total, anyone = train_step(params, x, y, flags)
         print(f"step {step} loss {float(loss):.6f} sum {float(total):.6f}", flush=True)
         if step == start + 1:
             print(
@@ -206,17 +222,14 @@ def train(  # type: ignore[no-untyped-def]
             save(ckpt_dir, step, params)
             print(f"checkpointed step {step} at the preemption sync point", flush=True)
             os._exit(PREEMPTED_EXIT)  # no jax.distributed.shutdown: the peers are leaving too
-        asked = client is not None and client.checkpoint_requested
-        flags = global_array(
-            mesh, P(("data", "model")), np.full(jax.device_count(), int(asked), np.int32)
-        )
-        if int(anyone(flags)):
+        if int(anyone):
             save(ckpt_dir, step, params)
             print(f"checkpoint saved at step {step} on request", flush=True)
             if asked and client is not None:
                 client.checkpoint_saved(step)
         elif step % args.ckpt_every == 0:
             save(ckpt_dir, step, params)
+        asked = client is not None and client.checkpoint_requested  # (seen at the next step)
         if client is not None:
             client.step(step)
         if args.step_seconds:

@@ -188,9 +188,9 @@ class MeshJob:
         psutil.Process(pid).kill()
         return t
 
-    def device_failed(self, rank: int) -> float:
-        """A health event (failed) for rank ``rank``'s device, published durably as monitors
-        do; the time it was published (connected already)."""
+    def device_failed(self, rank: int, state: str = "failed") -> float:
+        """A health event (``state``) for rank ``rank``'s device, published durably as
+        monitors do; the time it was published (connected already)."""
         import nats
 
         from tests.conftest import health_event
@@ -199,7 +199,7 @@ class MeshJob:
             nc = await nats.connect(self.env["MARDUK_ADDR"])
             try:
                 t = time.time()
-                reply = await health_event(nc, self.device(rank))
+                reply = await health_event(nc, self.device(rank), state)
                 assert reply.actions, reply
                 return t
             finally:

@@ -3,8 +3,8 @@
 crash of rank 1, and two faults 0.5 s apart. After each, both processes form the mesh again at
 the new epoch (the coordinator on that epoch's port), resume from the same checkpoint (never
 step 0), and print the same values as each other and as before the fault; the old trainers are
-gone. At the end SIGTERM to both agents (a preemption): both save at JAX's preemption sync
-point, the same step. Timings are printed, not asserted (bench/bench_jax_distributed.py
+gone. A preemption notice: both save the same step on request and train on. At the end SIGTERM
+to both agents (a preemption): both save at JAX's preemption sync point, the same step. Timings are printed, not asserted (bench/bench_jax_distributed.py
 measures them)."""
 
 from __future__ import annotations
@@ -72,6 +72,15 @@ def test_one_mesh_over_two_agents_survives_every_fault(env: dict[str, str], tmp_
         # the restart instead of exiting 1 (which would count against its restart budget).
         crashes = [sum("trainer crashed" in ln for ln in a.all) for a in job.agents]
         assert crashes == [1, 2], crashes
+
+        # A preemption notice (the controller's checkpoint command): every process saves the
+        # same step, and the mesh trains on.
+        job.device_failed(1, "preempting")
+        on_request = [a.expect("on request", timeout=30) for a in job.agents]
+        assert len(set(on_request)) == 1, on_request
+        step = int(on_request[0].split()[4])
+        for a in job.agents:
+            a.expect(f"step {step + 3} loss", timeout=30)
 
         # A preemption: SIGTERM to every agent; each trainer saves at JAX's sync point.
         for a in job.agents:
