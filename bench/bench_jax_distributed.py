@@ -88,7 +88,10 @@ def main() -> None:
         "MARDUK_ADDR": f"nats://127.0.0.1:{free_port()}",
         "MARDUK_STATE_DIR": str(work / "state"),
         "PYTHONUNBUFFERED": "1",
-        "MARDUK_LOG_LEVEL": os.environ.get("BENCH_AGENT_LOG_LEVEL", "info"),
+        # Every trial fails the same devices again: lift the controller's device budget and
+        # flap damping (3 each by default, then `fail` and quarantine, as in production).
+        "MARDUK_DEVICE_MAX_FAILURES": "1000",
+        "MARDUK_FLAP_LIMIT": "1000",
     }
     # Every fault is a failure of some node: lift the budget (3 by default) for many trials.
     job = MeshJob(

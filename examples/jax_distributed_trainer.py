@@ -20,13 +20,16 @@ and the parameters' sum are global values: every process prints the same).
 
 Checkpoints (``--ckpt-dir``, default ``$MARDUK_CKPT_DIR/JOB``): every ``--ckpt-every`` steps the
 state is gathered to every process and process 0 writes ``ckpt-<step>.npz`` (numpy: ``step``
-and the full arrays ``p0``, ``p1``, ...; written to a temporary name, then renamed, so a
-reader never sees half a file). At start, process 0 picks the latest checkpoint and broadcasts
-its step: every process restores the same one, whatever an old incarnation wrote meanwhile.
+and the full, unsharded arrays ``p0``, ``p1``, ...; written to a temporary name, then renamed,
+so a reader never sees half a file). At start, process 0 picks the latest checkpoint and passes
+its step to the others: every process restores the same one, whatever an old incarnation wrote
+meanwhile. Full arrays restore onto any process count.
 
 Stops: a restart (a device failure, another rank's crash) ends the process at once when the
 agent says so (``agent.jax.exit_on_restart``): the mesh is broken and the next incarnation
-restores the last checkpoint. A preemption (SIGTERM to the agent: the grace period) goes
+restores the last checkpoint; a collective that fails because a peer died waits a moment for
+that restart rather than exiting 1 (a crash of its own would count against this node's budget).
+A preemption (SIGTERM to the agent: the grace period) goes
 through JAX's preemption service: every process reaches the same sync step, saves there and
 exits 143. The controller's ``checkpoint`` command (a preemption notice) is agreed on across
 processes at the next step; everyone saves that step and trains on.
@@ -119,6 +122,40 @@ def agree_on_start(ckpt_dir: Path) -> int:
     return int(kv.blocking_key_value_get("marduk/start_step", 300_000))
 
 
+def executable(jitted, args, cache: Path):  # type: ignore[no-untyped-def]
+    """``jitted`` compiled for ``args``, loaded from this process's own cache when it is there.
+
+    JAX's persistent compilation cache serves only process 0 here: on CPU its key hashes a
+    topology fingerprint that differs per process, and only process 0 writes it, so every
+    other process compiled the step again after every restart (0.5-1.5 s on this machine, the
+    largest part of a restart). Each process keeps its own serialized executable instead
+    (``jax.experimental.serialize_executable``), keyed by the lowered program, its process
+    index and jax's version. Loading one runs its code: keep the directory as private as the
+    checkpoints."""
+    import hashlib
+    import pickle
+
+    from jax.experimental import serialize_executable
+
+    lowered = jitted.lower(*args)
+    key = hashlib.sha256(
+        f"{jax.__version__} {jax.process_index()} {os.environ.get('XLA_FLAGS', '')}\n".encode()
+        + lowered.as_text().encode()
+    ).hexdigest()[:24]
+    path = cache / f"step-{jax.process_index()}-{key}.pkl"
+    if path.exists():
+        with open(path, "rb") as f:
+            payload, in_tree, out_tree = pickle.load(f)
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    compiled = lowered.compile()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f".{path.name}.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        pickle.dump(serialize_executable.serialize(compiled), f)
+    tmp.rename(path)  # atomic, as the checkpoints
+    return compiled
+
+
 def restore(ckpt_dir: Path, step: int, hidden: int) -> list[np.ndarray]:
     if step == 0:
         return init_state(hidden)
@@ -134,6 +171,12 @@ def main() -> int:
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (demos)")
     p.add_argument("--hidden", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument(
+        "--executable-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep each process's compiled step under CKPT_DIR/executables (see executable())",
+    )
     args = p.parse_args()
     t_begin = time.time()
     given = Handoff.from_env()
@@ -203,12 +246,15 @@ def train(  # type: ignore[no-untyped-def]
         flush=True,
     )
     t_restored = time.time()
+    flags_spec = P(("data", "model"))
+    step_fn = train_step
+    if args.executable_cache:
+        no_flags = global_array(mesh, flags_spec, np.zeros(jax.device_count(), np.int32))
+        step_fn = executable(train_step, (params, x, y, no_flags), ckpt_dir / "executables")
     asked = False
     for step in range(start + 1, args.steps + 1):
-        flags = global_array(
-            mesh, P(("data", "model")), np.full(jax.device_count(), int(asked), np.int32)
-        )
-        params, loss, total, anyone = train_step(params, x, y, flags)
+        flags = global_array(mesh, flags_spec, np.full(jax.device_count(), int(asked), np.int32))
+        params, loss, total, anyone = step_fn(params, x, y, flags)
         print(f"step {step} loss {float(loss):.6f} sum {float(total):.6f}", flush=True)
         if step == start + 1:
             print(
