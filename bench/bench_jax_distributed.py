@@ -34,8 +34,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.conftest import free_port  # noqa: E402
-from tests.jax_mesh import MeshJob, left_behind, mesh_env  # noqa: E402
+from tests.conftest import free_port
+from tests.jax_mesh import MeshJob, left_behind, mesh_env
 
 FAULTS = ("device", "crash0", "crash1", "double")
 
