@@ -10,12 +10,15 @@ measures them)."""
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import eventually_sync
 from tests.jax_mesh import Incarnation, MeshJob, left_behind, mesh_env
+from tests.processes import agent_run, controller
 
 pytestmark = pytest.mark.e2e
 
@@ -94,3 +97,32 @@ def test_one_mesh_over_two_agents_survives_every_fault(env: dict[str, str], tmp_
         job.stop()
     pids = [p for r in range(job.n) for p in job.pids(r)]
     assert pids and not left_behind(pids)
+
+
+def test_a_local_crash_ends_a_sibling_that_swallows_sigterm_without_the_grace(
+    env: dict[str, str],
+) -> None:
+    """Two ranks of one mesh under one agent, each swallowing SIGTERM (JAX's preemption
+    service): when rank 1 crashes, the agent reports it first and forwards the controller's
+    restart to rank 0's library, which ends it; the default 30 s grace is never waited out."""
+    ctl = controller(env)
+    a = agent_run(
+        env,
+        *("--job", "local", "--replica", "r0", "--scope", "job", "--devices", "local-d0"),
+        *("--nproc-per-node", "2", "--preload", "none"),
+        cmd=[sys.executable, "tests/trainers/swallows_sigterm.py", "--crash-rank", "1"],
+    )
+    try:
+        a.expect("local rank 1 crashed", timeout=60)
+        t0 = time.monotonic()
+        a.expect("marduk: restart at epoch 1 (local rank 1 crashed): exiting now", timeout=20)
+        started = ("rank 0 epoch 1 incarnation 1", "rank 1 epoch 1 incarnation 1")
+        eventually_sync(lambda: all(any(s in ln for ln in a.all) for s in started), timeout=20)
+        print(f"crash -> both ranks started again: {time.monotonic() - t0:.2f}s")
+        assert not any("ignored SIGTERM" in ln for ln in a.all)
+    finally:
+        # These trainers swallow SIGTERM for good: a second signal ends the agent's grace.
+        a.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        a.stop()
+        ctl.stop()
