@@ -18,6 +18,8 @@ and the state restored (``resuming at step``: the trainer's start, the library,
 ``jax.distributed.initialize``), **stepped** = -> its first step (compiling or loading the step).
 
     .venv/bin/python bench/bench_jax_distributed.py --trials 5
+
+BENCH_KEEP=1 keeps the run's directory (checkpoints, compiled steps, the controller's state).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -120,6 +123,8 @@ def main() -> None:
         ignored = sum("ignored SIGTERM" in ln for a in job.agents for ln in a.all)
     finally:
         job.stop()
+        if not os.environ.get("BENCH_KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
     pids = [p for r in range(job.n) for p in job.pids(r)]
     summary = {
         fault: {

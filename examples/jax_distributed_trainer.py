@@ -257,9 +257,11 @@ def train(  # type: ignore[no-untyped-def]
         params, loss, total, anyone = step_fn(params, x, y, flags)
         print(f"step {step} loss {float(loss):.6f} sum {float(total):.6f}", flush=True)
         if step == start + 1:
+            # ("distributed init", not jax's function name: the agent's failure signatures read
+            # "jax.distributed" in a crashed trainer's last lines as an initialisation failure.)
             print(
                 f"first step {time.time() - t_begin:.2f}s after main: library "
-                f"{t_connect - t_begin:.2f}s, jax.distributed.initialize "
+                f"{t_connect - t_begin:.2f}s, distributed init "
                 f"{t_init - t_connect:.2f}s, mesh and restore {t_restored - t_init:.2f}s, "
                 f"first step {time.time() - t_restored:.2f}s",
                 flush=True,

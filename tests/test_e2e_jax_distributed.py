@@ -71,10 +71,14 @@ def test_one_mesh_over_two_agents_survives_every_fault(env: dict[str, str], tmp_
         fault("rank 1 crash", ("crash", 1))
         fault("rank 1 crash + device event on rank 0 0.5s later", ("crash", 1), ("device", 0))
         assert not any("ignored SIGTERM" in ln for a in job.agents for ln in a.all)
-        # Only the node whose trainer was killed had a crash: the peer that lost it waited for
-        # the restart instead of exiting 1 (which would count against its restart budget).
-        crashes = [sum("trainer crashed" in ln for ln in a.all) for a in job.agents]
-        assert crashes == [1, 2], crashes
+        # The peer that lost a rank waited for the restart instead of exiting 1 on its failed
+        # collective (which would count against its node's restart budget too). (JAX's own
+        # coordination service may still abort it first, SIGABRT, if the controller's restart
+        # is slower than its detection: a race this test tolerates and prints.)
+        crashes = [[ln for ln in a.all if "trainer crashed" in ln] for a in job.agents]
+        print("crashes seen by each agent:", crashes)
+        assert [sum("SIGKILL" in ln for ln in c) for c in crashes] == [1, 2], crashes
+        assert not any("exit code 1)" in ln for c in crashes for ln in c), crashes
 
         # A preemption notice (the controller's checkpoint command): every process saves the
         # same step, and the mesh trains on.
