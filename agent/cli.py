@@ -17,7 +17,7 @@ from typing import Annotated, Literal
 import typer
 
 from agent import options as library
-from agent.launch import DEFAULT_MASTER_PORT, LaunchSpec
+from agent.launch import DEFAULT_MASTER_PORT, PORT_SPAN, LaunchSpec
 from agent.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
 from marduk import options
 from marduk.subjects import DEFAULT_PREFIX
@@ -244,7 +244,11 @@ def run(
             "--master-port",
             "--master_port",
             envvar="MARDUK_MASTER_PORT",
-            help="MASTER_PORT for the ranks.",
+            help=(
+                "MASTER_PORT for the ranks; across nodes the base of a range of "
+                f"{PORT_SPAN} ports: MASTER_PORT = base + epoch % {PORT_SPAN}, so a restart "
+                "never meets the previous coordinator."
+            ),
             show_default=f"a free port per restart on one node; {DEFAULT_MASTER_PORT} across nodes",
         ),
     ] = None,

@@ -28,6 +28,10 @@ from typing import Literal
 from agent import handoff
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's, for multi-node jobs that do not name one
+# Across nodes, MASTER_PORT is base + epoch % PORT_SPAN: every agent of the job derives the same
+# port from the restart epoch, and a restarted rank never reaches the previous incarnation's
+# coordinator (still running on another node for a few milliseconds, or being stopped there).
+PORT_SPAN = 16
 
 
 class LaunchError(ValueError):
@@ -67,6 +71,12 @@ class LaunchSpec:
             raise LaunchError(f"--node-rank {self.node_rank} is not in [0, {self.nnodes})")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise LaunchError(f"--master-port {self.master_port} is not a port")
+        if self.nnodes > 1 and (self.master_port or 0) + PORT_SPAN > 65536:
+            raise LaunchError(
+                f"--master-port {self.master_port}: across nodes the coordinator moves over "
+                f"{PORT_SPAN} ports from it (one per restart epoch); pick one below "
+                f"{65536 - PORT_SPAN + 1}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -136,13 +146,21 @@ class LaunchSpec:
                     f"({e.strerror}); on one node rank 0 listens there"
                 ) from None
 
-    def port_for_incarnation(self) -> int:
-        """MASTER_PORT for the next incarnation: the fixed one, or a free one on one node (a
-        fresh port per restart, as torchrun's rendezvous picks: no wait on the old socket)."""
+    def port_for_incarnation(self, epoch: int) -> int:
+        """MASTER_PORT for the next incarnation, started at restart epoch ``epoch``.
+
+        On one node: the fixed one, or a free one (a fresh port per restart, as torchrun's
+        rendezvous picks: no wait on the old socket). Across nodes: ``base + epoch % PORT_SPAN``
+        (base: ``--master-port``, else 29500). The agents of a job share its epoch, so they all
+        compute the same port without talking; the previous epoch's coordinator (rank 0 of the
+        old incarnation, which another node may not have stopped yet) listens on another port,
+        so a new rank never joins it, and the new coordinator never binds a port the old one
+        holds or left in TIME_WAIT (the same port comes back only PORT_SPAN epochs later).
+        """
+        if self.nnodes > 1:
+            return (self.master_port or DEFAULT_MASTER_PORT) + epoch % PORT_SPAN
         if self.master_port is not None:
             return self.master_port
-        if self.nnodes > 1:
-            return DEFAULT_MASTER_PORT
         return free_port(self.master_addr)
 
 

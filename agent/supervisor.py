@@ -9,7 +9,9 @@ output through line by line, and applies the decisions of the supervision core
 * a local rank crashes (exit code or signal) or hangs (no step for ``hang_timeout_s``; before
   the first step, ``startup_timeout_s``; a section open past its timeout): every local rank is
   stopped, the failure is reported with a diagnosis, and all start again at the epoch the
-  controller answers with (standalone: the same epoch);
+  controller answers with (standalone: the same epoch). With other local ranks still running,
+  the report comes first and its answer is forwarded to their libraries as a restart before
+  they get SIGTERM (``_tell_the_others``: ranks of a jax.distributed mesh swallow SIGTERM);
 * a ``restart`` command (a device failure, another worker's crash in scope ``job``): every
   local rank restarts at the command's epoch, once per epoch;
 * past ``max_restarts`` local failures within ``restart_window_s``, or on a ``fail`` command,
@@ -427,9 +429,10 @@ class Supervisor:
             decision, command = await self._supervise()
             if command is not None:
                 await self._forward(command)  # the libraries learn why they are stopped
+            answered = await self._tell_the_others(decision)
             await self._stop_all(decision_why(decision))
             self._ended_at = time.monotonic()
-            code = await self._apply(decision, command)
+            code = await self._apply(decision, command, answered)
             if code is not None:
                 return code
             await self._or_signal(self._cleanup())
@@ -465,8 +468,46 @@ class Supervisor:
                 continue
             return decision, command
 
-    async def _apply(self, decision: Decision, command: Command | None) -> int | None:
-        """Report the decision and prepare the restart; an exit code ends the agent."""
+    async def _tell_the_others(self, decision: Decision) -> tuple[int | None] | None:
+        """A local rank failed while others run: report it now, before they are stopped, and
+        forward the restart the controller answers with to their libraries, as a command's
+        restart is. Returns the answer (a 1-tuple: the epoch, or None when no controller
+        answered), or None when this does not apply (the report is then made after the stop).
+
+        The ranks of one ``jax.distributed`` mesh under one agent: JAX's preemption service
+        swallows SIGTERM, and a rank blocked in a collective with the dead one never exits, so
+        without a message first (``agent.jax.exit_on_restart`` ends it) the stop waited out the
+        whole grace period. Only a controller issues epochs; standalone, nothing is forwarded.
+        """
+        if not isinstance(decision, Restart) or decision.failure is None:
+            return None
+        if not any(r.running for i, r in enumerate(self.ranks) if i != decision.rank):
+            return None
+        answered = await self._report_failure(decision.failure, decision.failure, decision)
+        if answered is not None and answered > self.epoch:
+            o = self.opts
+            restart = wire.Command(
+                command_id=f"local-{os.getpid()}-{self.incarnation}",
+                job=o.job,
+                replica=o.replica,
+                scope=o.scope,
+                kind="restart",
+                epoch=answered,
+                reason=f"local rank {decision.rank} {decision.failure}",
+                issued_at=time.time(),
+            )
+            for channel in self.channels:
+                await channel.forward(restart)
+        return (answered,)
+
+    async def _apply(
+        self,
+        decision: Decision,
+        command: Command | None,
+        answered: tuple[int | None] | None = None,
+    ) -> int | None:
+        """Report the decision and prepare the restart; an exit code ends the agent.
+        ``answered``: the failure was reported already (``_tell_the_others``)."""
         if isinstance(decision, Finish):
             log.info("trainer finished (exit 0)" if self.nproc == 1 else "every rank finished")
             await self._report("exited", exit_code=0)
@@ -502,8 +543,9 @@ class Supervisor:
         diagnosis = self._diagnose(decision.rank)
         what = diagnosis.failure_class if diagnosis else "unclassified"
         self.stats[f"restarts.{decision.failure}/{what}"] += 1
-        answered = await self._report_failure(decision.failure, decision.failure, decision)
-        self.core.restart_epoch(answered)
+        if answered is None:
+            answered = (await self._report_failure(decision.failure, decision.failure, decision),)
+        self.core.restart_epoch(answered[0])
         device_class = diagnosis is not None and diagnosis.action == "check_device"
         if device_class and not await self._preflight(what):
             return ExitCode.DEVICE_FAILED
@@ -544,7 +586,7 @@ class Supervisor:
         then stops those that are)."""
         incarnation = self.core.started(time.monotonic())
         if self.launch is not None:
-            self.master_port = self.launch.port_for_incarnation()
+            self.master_port = self.launch.port_for_incarnation(self.epoch)
         base = self._trainer_env()
         for rank in self.ranks:
             rank.tail.clear()

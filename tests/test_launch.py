@@ -6,6 +6,7 @@ import pytest
 
 from agent.cli import node_name, trainer_command
 from agent.launch import (
+    PORT_SPAN,
     LaunchError,
     LaunchSpec,
     LogSpec,
@@ -69,9 +70,24 @@ def test_bad_node_rank_and_elastic_nnodes_are_clear_errors() -> None:
 
 
 def test_master_port_fixed_free_or_torchruns_default() -> None:
-    assert LaunchSpec(master_port=4000).port_for_incarnation() == 4000
-    assert LaunchSpec(nnodes=2, node_rank=0).port_for_incarnation() == 29500
-    assert 0 < LaunchSpec().port_for_incarnation() < 65536
+    assert LaunchSpec(master_port=4000).port_for_incarnation(7) == 4000
+    assert LaunchSpec(nnodes=2, node_rank=0).port_for_incarnation(0) == 29500
+    assert 0 < LaunchSpec().port_for_incarnation(0) < 65536
+
+
+def test_across_nodes_the_coordinator_port_moves_with_the_epoch() -> None:
+    """Every node derives the same port from the epoch; the next epoch's never equals the last
+    one's (a restarted rank must not reach the old coordinator), and it wraps within the span."""
+    nodes = [LaunchSpec(nnodes=3, node_rank=i, master_port=4000) for i in range(3)]
+    for epoch in range(40):
+        ports = {n.port_for_incarnation(epoch) for n in nodes}
+        assert len(ports) == 1
+        port = ports.pop()
+        assert 4000 <= port < 4000 + PORT_SPAN
+        assert port != nodes[0].port_for_incarnation(epoch + 1)
+    assert LaunchSpec(nnodes=2).port_for_incarnation(PORT_SPAN + 1) == 29501
+    with pytest.raises(LaunchError, match="below"):
+        LaunchSpec(nnodes=2, master_port=65535)
 
 
 def test_rdzv_endpoint() -> None:

@@ -1,0 +1,225 @@
+"""A ``jax.distributed`` job under Marduk, for the e2e test and bench/bench_jax_distributed.py.
+
+A controller and N agents (``marduk agent run --scope job --nnodes N --node-rank I``), each
+running one process of examples/jax_distributed_trainer.py; one global mesh over all of them.
+Every output line is kept with the wall time it arrived, so a fault's cost can be read off:
+from the fault to every rank's first step of the incarnation that replaced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from agent.launch import PORT_SPAN
+from tests.processes import Proc, controller
+
+EXAMPLE = "examples/jax_distributed_trainer.py"
+RESUMED = re.compile(r"process (\d+)/(\d+): .* epoch (\d+), resuming at step (\d+)")
+STEP = re.compile(r"^step (\d+) loss (\S+) sum (\S+)")
+STARTED = re.compile(r"(?:trainer started|fork server started): pids? (\d+)")
+
+
+class TimedProc(Proc):
+    """A Proc that also keeps each line's arrival time (``time.time()``)."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.timed: list[tuple[float, str]] = []
+        super().__init__(args, env)
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.timed.append((time.time(), line))
+            self.all.append(line)
+            self.lines.put(line)
+
+
+@dataclass
+class Incarnation:
+    """One process of the mesh, as its output shows it."""
+
+    epoch: int
+    start: int  # the checkpoint step it resumed from
+    resumed_at: float  # when it printed that (mesh formed, state restored)
+    steps: dict[int, tuple[float, str]]  # step -> (arrival time, "loss X sum Y")
+
+    @property
+    def first_step_at(self) -> float | None:
+        return min((t for t, _ in self.steps.values()), default=None)
+
+
+def free_port_base(span: int = PORT_SPAN) -> int:
+    """A base port with ``span`` free ports above it on 127.0.0.1 (checked by binding)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + span >= 65536:
+            continue
+        try:
+            for port in range(base, base + span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no range of free ports")
+
+
+def mesh_env(env: dict[str, str], ckpt: Path) -> dict[str, str]:
+    return {
+        **env,
+        "MARDUK_CKPT_DIR": str(ckpt),
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    }
+
+
+class MeshJob:
+    """A controller and ``n`` agents, one mesh process each (default grace: none given)."""
+
+    def __init__(
+        self,
+        env: dict[str, str],
+        job: str = "mesh",
+        n: int = 2,
+        step_seconds: float = 0.02,
+        agent_args: tuple[str, ...] = (),
+    ) -> None:
+        self.env, self.job, self.n = env, job, n
+        self.ctl = controller(env)
+        base = free_port_base()
+        self.agents = [
+            TimedProc(
+                [
+                    sys.executable,
+                    "-m",
+                    "marduk",
+                    "agent",
+                    "run",
+                    *("--job", job, "--replica", "r0", "--worker", str(i), "--scope", "job"),
+                    *("--devices", self.device(i), "--nnodes", str(n), "--node-rank", str(i)),
+                    *("--master-addr", "127.0.0.1", "--master-port", str(base)),
+                    *agent_args,
+                    "--",
+                    sys.executable,
+                    EXAMPLE,
+                    *("--steps", "1000000", "--ckpt-every", "5"),
+                    *("--step-seconds", str(step_seconds)),
+                ],
+                env,
+            )
+            for i in range(n)
+        ]
+
+    def device(self, rank: int) -> str:
+        return f"{self.job}-d{rank}"
+
+    # --- what the output says ---------------------------------------------------------------
+
+    def incarnations(self, rank: int) -> list[Incarnation]:
+        out: list[Incarnation] = []
+        for t, line in list(self.agents[rank].timed):
+            m = RESUMED.search(line)
+            if m:
+                assert int(m.group(1)) == rank, line
+                out.append(Incarnation(int(m.group(3)), int(m.group(4)), t, {}))
+                continue
+            m = STEP.match(line)
+            if m and out:
+                out[-1].steps.setdefault(int(m.group(1)), (t, f"{m.group(2)} {m.group(3)}"))
+        return out
+
+    def pids(self, rank: int) -> list[int]:
+        """Every trainer and fork server pid agent ``rank`` has started so far."""
+        return [int(m.group(1)) for line in self.agents[rank].all if (m := STARTED.search(line))]
+
+    def trainer_pid(self, rank: int) -> int:
+        lines = [ln for ln in self.agents[rank].all if "trainer started: pid" in ln]
+        return int(lines[-1].split("pid ")[1].split(",")[0])
+
+    def stepping(self, after: float, epoch_above: int, steps: int = 3) -> list[Incarnation]:
+        """Every rank's incarnation once all run at one epoch above ``epoch_above``, resumed
+        after ``after`` and ``steps`` steps in (None for a rank until then)."""
+        last = []
+        for rank in range(self.n):
+            inc = self.incarnations(rank)
+            if not inc or inc[-1].resumed_at <= after or inc[-1].epoch <= epoch_above:
+                return []
+            if len(inc[-1].steps) < steps:
+                return []
+            last.append(inc[-1])
+        return last if len({i.epoch for i in last}) == 1 else []
+
+    def wait_stepping(
+        self, after: float, epoch_above: int, timeout: float = 60, steps: int = 3
+    ) -> list[Incarnation]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for a in self.agents:
+                if a.proc.poll() is not None:
+                    raise AssertionError(f"an agent exited:\n{''.join(a.all[-40:])}")
+            found = self.stepping(after, epoch_above, steps)
+            if found:
+                return found
+            time.sleep(0.05)
+        tails = "\n".join(
+            f"--- rank {i}\n{''.join(a.all[-30:])}" for i, a in enumerate(self.agents)
+        )
+        raise AssertionError(f"the mesh did not step again above epoch {epoch_above}:\n{tails}")
+
+    def epoch(self) -> int:
+        return max(inc[-1].epoch for r in range(self.n) if (inc := self.incarnations(r)))
+
+    # --- faults -------------------------------------------------------------------------------
+
+    def crash(self, rank: int) -> float:
+        """SIGKILL rank ``rank``'s trainer; the time it was sent."""
+        pid = self.trainer_pid(rank)
+        t = time.time()
+        psutil.Process(pid).kill()
+        return t
+
+    def device_failed(self, rank: int, state: str = "failed") -> float:
+        """A health event (``state``) for rank ``rank``'s device, published durably as
+        monitors do; the time it was published (connected already)."""
+        import nats
+
+        from tests.conftest import health_event
+
+        async def go() -> float:
+            nc = await nats.connect(self.env["MARDUK_ADDR"])
+            try:
+                t = time.time()
+                reply = await health_event(nc, self.device(rank), state)
+                assert reply.actions, reply
+                return t
+            finally:
+                await nc.close()
+
+        return asyncio.run(go())
+
+    def stop(self) -> None:
+        for a in self.agents:
+            a.stop()
+        self.ctl.stop()
+
+
+def left_behind(pids: list[int]) -> list[int]:
+    """Those of ``pids`` still running (zombies are gone for this purpose)."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
