@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest pytest-fast bench bench-restart bench-goodput clean
+.PHONY: run test lint typecheck pytest pytest-fast test-unit test-integration test-e2e bench bench-restart bench-goodput clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	$(PY) tools/longest.py
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -33,6 +34,16 @@ pytest: $(STAMP)
 ## Everything but the slow end-to-end tests.
 pytest-fast: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not e2e"
+
+## The tiers, one folder each (tests/conftest.py): unit is the inner loop (no process, no socket).
+test-unit: $(STAMP)
+	$(VENV)/bin/pytest -q tests/unit
+
+test-integration: $(STAMP)
+	$(VENV)/bin/pytest -q tests/integration
+
+test-e2e: $(STAMP)
+	$(VENV)/bin/pytest -q tests/e2e
 
 bench: $(STAMP)
 	$(PY) bench/bench_notify.py

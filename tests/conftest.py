@@ -1,4 +1,12 @@
-"""Fixtures: a real nats-server with JetStream per test, and a controller on it."""
+"""Fixtures shared by the three tiers, each a folder:
+
+* ``tests/unit``: pure rules and the shells' logic without I/O: no process, no network socket
+  (``tests/unit/conftest.py`` refuses both). ``make test-unit`` is the inner loop.
+* ``tests/integration``: a real nats-server per test (fixtures below), local sockets, the CLI.
+* ``tests/e2e``: real processes (agents, trainers, controllers, clusters) and the slow tests;
+  everything there is marked ``e2e``.
+
+Here: a real nats-server with JetStream per test, and a controller on it."""
 
 from __future__ import annotations
 
@@ -17,6 +25,14 @@ from marduk.controller import Controller, ControllerSettings
 from marduk.embedded import find_binary, listening
 
 ROOT = Path(__file__).resolve().parent.parent
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Everything under tests/e2e is an end-to-end test (``-m "not e2e"`` leaves it out)."""
+    for item in items:
+        if E2E in item.path.parents:
+            item.add_marker(pytest.mark.e2e)
 
 
 def free_port() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from marduk.drmap import WorkerKey
 from marduk.policy import Policy, PolicyConfig
-from tests.test_policy import failed, reg
+from tests.unit.test_policy import failed, reg
 
 
 def two_replicas(**config: object) -> Policy:

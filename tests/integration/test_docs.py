@@ -20,7 +20,7 @@ from marduk.controller import Controller
 from marduk.subjects import Subjects
 from tests.conftest import NatsServer, store_health
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TAGGED = (
     wire.Registration
     | wire.RegisterReply

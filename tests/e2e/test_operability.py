@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from marduk.controller import Controller
 from tests.conftest import NatsServer, eventually_sync, free_port, marduk_cli
+from tests.integration.test_docs import documented_metric
 from tests.processes import agent_run, controller
-from tests.test_docs import documented_metric
 
 pytestmark = pytest.mark.e2e
 

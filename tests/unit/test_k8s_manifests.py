@@ -22,7 +22,7 @@ import yaml
 from agent.supervisor import ExitCode
 from marduk import auth
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "k8s"
 HELM_VALUES = DEPLOY / "nats-values.yaml"  # Helm values, not a Kubernetes manifest
 

@@ -7,7 +7,7 @@ import pytest
 from marduk.drmap import WorkerKey
 from marduk.policy import Policy, PolicyConfig, PolicyError
 from marduk.records import EpochKey
-from tests.test_policy import acceptance_map, failed, reg
+from tests.unit.test_policy import acceptance_map, failed, reg
 
 R1, R2 = WorkerKey("j", "r1", 0), WorkerKey("j", "r2", 0)
 

@@ -21,7 +21,7 @@ from marduk.protocol import HealthReply, Registration
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.store import BatchWriter, StateMirror, StateStore, WriteError, device_kv_key
 from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving
-from tests.test_commit_ordering import StalledLease, register
+from tests.integration.test_commit_ordering import StalledLease, register
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,0 +1,1 @@
+"""Tests: see tests/conftest.py for the tiers."""
