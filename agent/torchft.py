@@ -1,0 +1,182 @@
+"""torchft integration: a replica group registers with Marduk, and a command for it makes its
+Manager abandon the step in flight and the process exit, so that ``marduk agent run`` starts it
+again warm; the new incarnation rejoins the quorum and heals from a peer (torchft's own healing).
+
+    from torchft import Manager, ProcessGroupGloo
+    from agent import torchft as marduk_ft
+
+    manager = Manager(pg=pg, ..., replica_id=marduk_ft.replica_id())
+    guard = marduk_ft.attach(manager, pg)   # registers, or talks to `marduk agent run`
+    while manager.current_step() < steps:
+        ...                                   # zero_grad, forward, backward, optimizer.step()
+        guard.step()                          # progress; exits here after a restart/fail
+
+The replica id is Marduk's (``MARDUK_REPLICA_ID``, which ``marduk agent run --replica`` sets);
+torchft appends a fresh uuid to it per incarnation. Devices are found as ``agent.connect`` finds
+them (``MARDUK_DEVICES``, NVML, jax). A ``restart`` or ``fail`` command, delivered on the agent
+library's thread, calls ``manager.report_error`` (the step in flight does not commit), aborts
+the process group (a pending collective ends now, and the peers' fails at once rather than at
+their timeout) and asks the loop to exit at its next ``guard.step()``; a loop that does not get
+there within ``exit_after`` seconds (stuck in a collective or a quorum) is ended from the agent's
+thread. The exit is ``os._exit``: nothing deregisters (the next incarnation re-registers), and
+there is nothing to save (the group heals from a peer). Exit codes: ``RESTART_EXIT`` (75) for
+``restart``, 71 for ``fail`` (as ``marduk agent run``: the device is bad, replace the pod).
+
+Importing this module needs neither torch nor torchft: the Manager is used by its methods only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any, Final, Protocol
+
+import agent
+from agent.command import Command
+from agent.errors import AgentError
+from agent.handoff import Handoff
+
+log = logging.getLogger("agent.torchft")
+
+RESTART_EXIT: Final = 75  # EX_TEMPFAIL: start me again
+FAIL_EXIT: Final = 71  # as `marduk agent run` after `fail`: a device of this pod is bad
+EXIT_AFTER_S: Final = 1.0
+
+
+class MardukCommandError(RuntimeError):
+    """What the Manager is told (``report_error``) when Marduk restarts or fails this group."""
+
+
+class _Manager(Protocol):
+    def report_error(self, e: Exception) -> None: ...
+
+    def current_step(self) -> int: ...
+
+
+def replica_id(default: str | None = None) -> str:
+    """This group's replica id for ``Manager(replica_id=...)``: ``MARDUK_REPLICA_ID`` (set by
+    ``marduk agent run --replica``), else ``default``; AgentError when neither is set."""
+    try:
+        given = Handoff.from_env().replica
+    except ValueError as e:
+        raise AgentError(str(e)) from None
+    found = given or default
+    if not found:
+        raise AgentError("no replica id: set MARDUK_REPLICA_ID (or run under marduk agent run)")
+    return found
+
+
+class Guard:
+    """Ties one torchft Manager to Marduk. Made by ``attach``."""
+
+    def __init__(self, manager: _Manager, pg: Any = None, *, exit_after: float = EXIT_AFTER_S):
+        self.manager = manager
+        self.pg = pg
+        self.exit_after = exit_after
+        self.command: Command | None = None
+        self.client: agent.Client | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def restart_requested(self) -> bool:
+        """A restart or fail command came for this group: the loop should stop."""
+        return self.command is not None
+
+    def on_command(self, cmd: Command) -> None:
+        """The library's callback (its own thread): abandon the step, and exit soon."""
+        if not cmd.is_failure:
+            return  # checkpoint requests: a torchft group heals from a peer instead
+        with self._lock:
+            if self.command is not None:
+                return  # an update of the same restart: already on the way out
+            self.command = cmd
+        devices = ",".join(cmd.devices) or "-"
+        print(
+            f"marduk: {cmd.kind} at epoch {cmd.epoch} (devices {devices}): abandoning step "
+            f"{self._step_or_none()}",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            self.manager.report_error(MardukCommandError(f"{cmd.kind}: {cmd.reason}"))
+        except Exception as e:  # never let the callback die before the exit is scheduled
+            log.warning("report_error: %s", e)
+        if self.pg is not None:
+            try:
+                self.pg.abort()
+            except Exception as e:
+                log.warning("aborting the process group: %s", e)
+        timer = threading.Timer(self.exit_after, self._exit, kwargs={"late": True})
+        timer.daemon = True
+        timer.start()
+
+    def step(self) -> None:
+        """Call once per step, after ``optimizer.step()``: reports progress (hang detection
+        under ``marduk agent run``) and exits when a restart or fail command came."""
+        if self.command is not None:
+            self._exit()
+        if self.client is not None:
+            self.client.step(self._step_or_none() or 0)
+
+    def _step_or_none(self) -> int | None:
+        try:
+            return int(self.manager.current_step())
+        except Exception:
+            return None
+
+    def _exit(self, late: bool = False) -> None:
+        cmd = self.command
+        assert cmd is not None
+        if late:
+            print(
+                f"marduk: the loop did not reach guard.step() within {self.exit_after:g}s; "
+                "exiting from the agent thread",
+                file=sys.stderr,
+                flush=True,
+            )
+        if self.client is not None:
+            # Standalone: confirms the epoch to the controller; supervised: a no-op (the
+            # agent confirms it). Bounded; a failure is recorded, never raised.
+            self.client.ack(cmd)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(FAIL_EXIT if cmd.kind == "fail" else RESTART_EXIT)
+
+
+def attach(
+    manager: _Manager,
+    pg: Any = None,
+    *,
+    exit_after: float = EXIT_AFTER_S,
+    **connect: Any,
+) -> Guard:
+    """Register this replica group with Marduk (``agent.connect(**connect)``; under ``marduk
+    agent run``, its agent) and return the ``Guard`` whose ``step()`` the loop calls.
+
+    ``pg``: the Manager's process group, aborted when a command comes (optional). The replica
+    id defaults to ``replica_id()``; a Manager given another one is an AgentError.
+    """
+    if not callable(getattr(manager, "report_error", None)):
+        raise AgentError(f"attach() wants a torchft Manager, not {type(manager).__name__}")
+    replica = connect.pop("replica_id", None) or replica_id()
+    ft_replica = getattr(manager, "_replica_id", None)
+    if ft_replica is not None and ft_replica != replica:
+        raise AgentError(
+            f"the Manager's replica_id {ft_replica!r} is not Marduk's {replica!r}: "
+            "pass replica_id=agent.torchft.replica_id() to Manager"
+        )
+    guard = Guard(manager, pg, exit_after=exit_after)
+    guard.client = agent.connect(replica_id=replica, on_command=guard.on_command, **connect)
+    return guard
+
+
+__all__ = [
+    "FAIL_EXIT",
+    "RESTART_EXIT",
+    "Guard",
+    "MardukCommandError",
+    "attach",
+    "replica_id",
+]
