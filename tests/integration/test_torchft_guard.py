@@ -1,5 +1,5 @@
 """agent.torchft without a lighthouse: what it refuses, with one clear line each. The
-behaviour with real torchft groups is tests/test_e2e_torchft.py."""
+behaviour with real torchft groups is tests/e2e/test_torchft.py."""
 
 from __future__ import annotations
 
