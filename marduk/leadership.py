@@ -227,9 +227,11 @@ class Leadership:
         log.warning("stepping down (term %d): %s", self.term, why)
         await self._on_deposed(why)
 
-    async def resign(self) -> None:
-        """Give the lease up on a clean stop, so a standby need not wait for it to lapse."""
-        if not self.is_leader or self.kv is None:
+    async def resign(self, term: int | None = None) -> None:
+        """Give the lease up on a clean stop, so a standby need not wait for it to lapse.
+        With ``term``: only if we still hold that term (a step-down decided in an earlier term
+        never resigns a later one)."""
+        if not self.is_leader or self.kv is None or (term is not None and term != self.term):
             return
         self.is_leader = False
         try:
