@@ -40,7 +40,9 @@ def device(name: str, state: str = "failed") -> DeviceRecord:
 
 
 def handled(event_id: str) -> Outcome:
-    return Outcome(handled=[HealthReply(event_id=event_id, device="dx", state="failed", known=False)])
+    return Outcome(
+        handled=[HealthReply(event_id=event_id, device="dx", state="failed", known=False)]
+    )
 
 
 async def test_a_write_of_an_earlier_term_is_refused_by_the_server(
