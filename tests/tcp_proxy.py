@@ -1,8 +1,8 @@
 """A TCP proxy the test controls, between one NATS client and the server (a partition).
 
 Modes: ``pass`` (forward), ``hold`` (keep the connections open but forward nothing: bytes wait
-in the proxy, both ways, and go on in order when it passes again: a stalled link, a paused
-switch), ``slow`` (forward each chunk after ``delay`` seconds) and ``drop()`` (close every
+in the proxy and go on in order when it passes again: a stalled link, a paused switch; with
+``down=False`` only what the client sends is held, while it still receives), ``slow`` (forward each chunk after ``delay`` seconds) and ``drop()`` (close every
 connection now; with ``refuse`` set, new ones are closed as soon as they are accepted, so a
 client's reconnects fail until the test lets them through).
 """
@@ -21,8 +21,9 @@ class TcpProxy:
         self.delay = 0.0
         self.refuse = False
         self._server: asyncio.Server | None = None
-        self._open = asyncio.Event()
-        self._open.set()
+        self._open = {True: asyncio.Event(), False: asyncio.Event()}  # upstream?, downstream
+        for e in self._open.values():
+            e.set()
         self._conns: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.connections = 0
@@ -36,17 +37,20 @@ class TcpProxy:
         self.port = self._server.sockets[0].getsockname()[1]
         return self
 
-    def hold(self) -> None:
+    def hold(self, *, down: bool = True) -> None:
         self.mode = "hold"
-        self._open.clear()
+        self._open[True].clear()
+        if down:
+            self._open[False].clear()
 
     def slow(self, delay: float) -> None:
+        self.pass_()
         self.mode, self.delay = "slow", delay
-        self._open.set()
 
     def pass_(self) -> None:
         self.mode, self.delay, self.refuse = "pass", 0.0, False
-        self._open.set()
+        for e in self._open.values():
+            e.set()
 
     def drop(self, *, refuse: bool = False) -> None:
         """Close every connection now (the client sees EOF); ``refuse``: and any new one."""
@@ -57,7 +61,8 @@ class TcpProxy:
 
     async def stop(self) -> None:
         self.drop(refuse=True)
-        self._open.set()
+        for e in self._open.values():
+            e.set()
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
@@ -77,8 +82,8 @@ class TcpProxy:
             return
         self.connections += 1
         self._conns |= {writer, up_w}
-        for src, dst in ((reader, up_w), (up_r, writer)):
-            task = asyncio.create_task(self._pipe(src, dst, (writer, up_w)))
+        for src, dst, up in ((reader, up_w, True), (up_r, writer, False)):
+            task = asyncio.create_task(self._pipe(src, dst, (writer, up_w), self._open[up]))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -87,16 +92,17 @@ class TcpProxy:
         src: asyncio.StreamReader,
         dst: asyncio.StreamWriter,
         pair: tuple[asyncio.StreamWriter, asyncio.StreamWriter],
+        open_: asyncio.Event,
     ) -> None:
         try:
             while True:
                 data = await src.read(65536)
                 if not data:
                     break
-                await self._open.wait()  # held: the bytes wait here, in order
+                await open_.wait()  # held: the bytes wait here, in order
                 if self.mode == "slow" and self.delay:
                     await asyncio.sleep(self.delay)
-                    await self._open.wait()
+                    await open_.wait()
                 if dst.transport.is_closing():
                     break
                 dst.write(data)
