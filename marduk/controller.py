@@ -260,6 +260,7 @@ class Controller:
             self._metrics = MetricsServer(st.metrics_addr, Probes(self.registry, self._ready))
             await self._metrics.start()
         self._spawn(self.leadership.run(), "leadership")
+        self._spawn(self.leadership.watch_holder(), "leadership-watch")
         self._spawn(self._tick_loop(), "tick")
         self._spawn(self._standby_loop(), "standby-heartbeat")
         self._spawn(self._gc_loop(), "gc")

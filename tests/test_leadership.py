@@ -280,3 +280,36 @@ async def test_a_step_down_decided_in_one_term_does_not_end_a_later_one(
         assert not c.serving.is_set() and not lead.is_leader
     finally:
         await c.stop()
+
+
+async def test_a_standby_takes_over_at_once_from_a_holder_whose_connection_closed(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The leader's connection closes (as when its process is SIGKILLed: the server drops its
+    subscriptions): its liveness subject gets "no responders" and the standby takes over long
+    before the lease TTL (10 s here). A leader whose link only stalls (connection up, bytes
+    held) still answers in the server's eyes (the probe times out): no early takeover.
+
+    Kills: taking over on a timeout (a slow leader) as if it were gone; not probing at all."""
+    proxy = await TcpProxy(nats_server.port).start()
+    first = controller_settings(nats_server, tmp_path / "a")
+    first.addr, first.lease_ttl = proxy.url, 10.0
+    leader = await start_serving(Controller(first))
+    second = controller_settings(nats_server, tmp_path / "b")
+    second.lease_ttl = 10.0
+    standby = Controller(second)
+    await standby.start()
+    try:
+        lead = standby.leadership
+        assert lead is not None
+        await eventually(lambda: lead.lease is not None and lead.lease.holder != lead.holder)
+        proxy.hold()
+        await asyncio.sleep(1.5)  # probes time out: the holder may be alive
+        assert not standby.serving.is_set() and lead.early_takeovers == 0
+        proxy.drop(refuse=True)  # its connection closes, as at a SIGKILL
+        await eventually(lambda: standby.serving.is_set(), timeout=5.0)  # TTL is 10 s
+        assert lead.early_takeovers == 1 and lead.term == 2
+    finally:
+        await proxy.stop()
+        await standby.stop()
+        await leader.stop()
