@@ -358,6 +358,13 @@ class Controller:
             await self._start_serving(term)
         except asyncio.CancelledError:
             raise
+        except Fenced as e:
+            # The store has a later term than our lease (a successor claimed it, or the lease
+            # bucket was recreated and its terms started again): campaign above it next time.
+            if self.leadership is not None:
+                self.leadership.term_floor = max(self.leadership.term_floor, e.term)
+            self.stats["store.fenced"] += 1
+            await self._step_down(f"could not claim term {term} in the store: {e}", term)
         except (MardukError, OSError, TimeoutError, nats.errors.Error) as e:
             # NATS or JetStream not answering right now: let a standby (or us, later) try.
             self.stats["errors.takeover"] += 1

@@ -123,6 +123,9 @@ class Leadership:
         self._acquired_at = 0.0
         self.renew_failures = 0
         self.early_takeovers = 0
+        self.term_floor = 0
+        """A term the store has seen claimed: ours are above it (the lease bucket may have been
+        recreated, restarting its terms at 1, while the state bucket kept its term key)."""
         self._alive_sub: Any = None
 
     async def open(self) -> None:
@@ -283,6 +286,7 @@ class Leadership:
 
     async def _take(self, last: int, term: int, sent: float) -> None:
         assert self.kv is not None
+        term = max(term, self.term_floor + 1)
         try:
             if last == 0:
                 self._revision = await self.kv.create(KEY, self._value(term))

@@ -155,8 +155,8 @@ class StateStore:
         """Make ``term`` the state bucket's term: compare-and-set on the ``term`` key, from
         then on every write carries its revision. Raises ``Fenced`` if the key already holds
         this term or a later one (another leader has claimed it: we are not the leader).
-        Returns the revision."""
-        self.term, self._fence = 0, {}  # nothing more of an earlier term of ours goes out
+        Returns the revision. Until it succeeds, writes keep the fence of our earlier term (if
+        any), which the server refuses once this claim is stored."""
         value = msgspec.json.encode(TermRecord(term=term, holder=holder, claimed_at=time.time()))
         while True:
             try:
@@ -165,7 +165,7 @@ class StateStore:
                 entry = None
             current = _decode_term(entry.value if entry is not None else None)
             if current is not None and current.term >= term:
-                raise Fenced(f"term {current.term} was claimed by {current.holder}")
+                raise Fenced(f"term {current.term} was claimed by {current.holder}", current.term)
             try:
                 if entry is None:
                     revision = await self.kv.create(TERM_KEY, value)
@@ -320,6 +320,10 @@ class WriteError(MardukError):
 class Fenced(WriteError):
     """The server refused a write because another leader's term began (the term key moved),
     or the term is already claimed: this controller is not the leader any more."""
+
+    def __init__(self, message: str, term: int = 0) -> None:
+        super().__init__(message)
+        self.term = term  # the term claimed in the store, where known
 
 
 _VALID_KEY = re.compile(r"[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*")

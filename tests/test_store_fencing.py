@@ -159,3 +159,25 @@ async def test_a_leader_whose_writes_are_refused_neither_answers_nor_acks(
     finally:
         await c.stop()
         await nc.close()
+
+
+async def test_a_recreated_lease_bucket_does_not_lock_every_leader_out(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The lease bucket is deleted (an operator, a botched migration) while the state bucket
+    keeps its term key: lease terms start again at 1, below the stored term. The controller's
+    claim is refused once, then it campaigns above the stored term and serves.
+
+    Catches: a claim refused forever (no leader at all)."""
+    nc: NATS = await nats.connect(nats_server.url)
+    try:
+        store = await StateStore.open(nc, "marduk")
+        await store.claim_term(7, "an earlier deployment")
+        c = await start_serving(Controller(controller_settings(nats_server, tmp_path)), 15.0)
+        try:
+            assert c.leadership is not None and c.leadership.term > 7
+            assert c.stats["store.fenced"] == 1
+        finally:
+            await c.stop()
+    finally:
+        await nc.close()
