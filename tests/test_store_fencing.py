@@ -45,6 +45,18 @@ def handled(event_id: str) -> Outcome:
     )
 
 
+async def leader_a_and_b(a_url: str, b_url: str) -> tuple[NATS, StateStore, NATS, StateStore]:
+    """Two controllers' stores, each on its own connection: A has claimed term 1 and written
+    the record of device d1."""
+    a_nc: NATS = await nats.connect(a_url, allow_reconnect=False)
+    b_nc: NATS = await nats.connect(b_url)
+    a = await StateStore.open(a_nc, "marduk")
+    b = await StateStore.open(b_nc, "marduk")
+    await a.claim_term(1, "a")
+    await a.apply([Outcome(put_devices=[device("d1")])])
+    return a_nc, a, b_nc, b
+
+
 async def test_a_write_of_an_earlier_term_is_refused_by_the_server(
     nats_server: NatsServer,
 ) -> None:
@@ -54,13 +66,8 @@ async def test_a_write_of_an_earlier_term_is_refused_by_the_server(
 
     Catches: writes sent without the fence headers (blind puts), a claim made with a plain
     put, the dedup records written without (or before) the fenced state writes."""
-    a_nc: NATS = await nats.connect(nats_server.url)
-    b_nc: NATS = await nats.connect(nats_server.url)
+    a_nc, a, b_nc, b = await leader_a_and_b(nats_server.url, nats_server.url)
     try:
-        a = await StateStore.open(a_nc, "marduk")
-        b = await StateStore.open(b_nc, "marduk")
-        await a.claim_term(1, "a")
-        await a.apply([Outcome(put_devices=[device("d1")])])
         await a.apply([handled("ev-a1")])  # nothing for the state bucket: a probe is fenced
         assert (await b.kv.get(device_kv_key("d1"))).value is not None
         assert (await b.events.get(handled_kv_key("ev-a1"))).value is not None
@@ -106,13 +113,8 @@ async def test_a_write_buffered_across_a_successors_claim_is_refused(
 
     Catches: blind puts (the write lands after the successor's claim)."""
     proxy = await TcpProxy(nats_server.port).start()
-    a_nc: NATS = await nats.connect(proxy.url, allow_reconnect=False)
-    b_nc: NATS = await nats.connect(nats_server.url)
+    a_nc, a, b_nc, b = await leader_a_and_b(proxy.url, nats_server.url)
     try:
-        a = await StateStore.open(a_nc, "marduk")
-        b = await StateStore.open(b_nc, "marduk")
-        await a.claim_term(1, "a")
-        await a.apply([Outcome(put_devices=[device("d1")])])
         proxy.hold()
         late = asyncio.create_task(a.apply([Outcome(put_devices=[device("d1", "healthy")])]))
         with pytest.raises(WriteError, match="not acknowledged"):
