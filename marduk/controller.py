@@ -441,7 +441,8 @@ class Controller:
             )
         self._subs = [await self.nc.subscribe(s.standby, cb=self._on_standby)]
         assert self._health is not None
-        await self._health.start(self._on_health_msg)
+        gone = self.leadership is not None and self.leadership.holder_gone
+        await self._health.start(self._on_health_msg, previous_gone=gone)
         await self.nc.flush()
         self.serving.set()
         # Agents re-register when they hear this: a level-triggered resync after a takeover.

@@ -124,6 +124,8 @@ class Leadership:
         self.renew_failures = 0
         self.early_takeovers = 0
         self.term_floor = 0
+        self.holder_gone = False
+        """Whether this term's lease was taken from a holder provably gone (no responders)."""
         """A term the store has seen claimed: ours are above it (the lease bucket may have been
         recreated, restarting its terms at 1, while the state bucket kept its term key)."""
         self._alive_sub: Any = None
@@ -188,7 +190,7 @@ class Leadership:
                 term = max(self.term, lease.term) + 1
                 self.early_takeovers += 1
                 try:
-                    await self._take(revision, term, time.monotonic())
+                    await self._take(revision, term, time.monotonic(), holder_gone=True)
                 except Exception as e:  # NATS away: the campaign loop tries again
                     log.debug("early takeover: %s: %s", type(e).__name__, e)
                 gone = 0
@@ -284,7 +286,7 @@ class Leadership:
             term = (lease.term if lease is not None else 0) + 1
             await self._take(self._revision, term, now)
 
-    async def _take(self, last: int, term: int, sent: float) -> None:
+    async def _take(self, last: int, term: int, sent: float, *, holder_gone: bool = False) -> None:
         assert self.kv is not None
         term = max(term, self.term_floor + 1)
         try:
@@ -297,6 +299,7 @@ class Leadership:
         self._renewed_sent = sent
         self._acquired_at = time.time()
         self.is_leader, self.term = True, term
+        self.holder_gone = holder_gone
         self.lease = _decode(self._value(term))
         log.info("elected leader (term %d, lease TTL %gs)", term, self.ttl)
         await self._on_elected(term)

@@ -13,6 +13,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import nats
 import pytest
 from nats.aio.client import Client as NATS
@@ -30,6 +31,7 @@ from marduk.store import StateMirror, StateStore
 from marduk.subjects import Subjects
 from tests.conftest import NatsServer, controller_settings, eventually, start_serving
 from tests.tcp_proxy import TcpProxy
+from tests.test_commit_ordering import health_reply_task, register
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -313,3 +315,43 @@ async def test_a_standby_takes_over_at_once_from_a_holder_whose_connection_close
         await proxy.stop()
         await standby.stop()
         await leader.stop()
+
+
+async def test_events_a_dead_leader_never_acked_are_delivered_at_once_to_its_successor(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """The leader is delivered an event, but what it sends (records, ack) never leaves (held),
+    then its connection closes, as at a SIGKILL. The standby, taking over at once, gets that
+    event now, not after ``ack_wait`` (30 s here): the consumer is made again from its ack
+    floor. A standby taking over from a holder that might be alive (the TTL path) does not.
+
+    Kills: an early takeover leaving the dead leader's unacknowledged events to ack_wait."""
+    proxy = await TcpProxy(nats_server.port).start()
+    nc: NATS = await nats.connect(nats_server.url)
+    settings = []
+    for name in ("a", "b"):
+        s = controller_settings(nats_server, tmp_path / name)
+        s.lease_ttl, s.ack_wait_s = 10.0, 30.0
+        settings.append(s)
+    settings[0].addr = proxy.url
+    leader = await start_serving(Controller(settings[0]))
+    standby = Controller(settings[1])
+    await standby.start()
+    try:
+        await register(nc, "r1", ["d1"])
+        lead = standby.leadership
+        assert lead is not None
+        await eventually(lambda: lead.lease is not None and lead.lease.holder != lead.holder)
+        proxy.hold(down=False)  # it hears the event; nothing it sends arrives
+        answer = await health_reply_task(nc, "d1", "in-flight-at-the-kill")
+        await eventually(lambda: leader.stats["received.devicehealth"] >= 1)
+        proxy.drop(refuse=True)
+        await eventually(lambda: standby.serving.is_set(), timeout=5.0)
+        reply = msgspec.json.decode(await asyncio.wait_for(answer, 10.0))
+        assert reply["actions"] and reply["actions"][0]["replica"] == "r1"
+        assert standby._health is not None and standby._health.replayed_from == 1
+    finally:
+        await proxy.stop()
+        await standby.stop()
+        await leader.stop()
+        await nc.close()
