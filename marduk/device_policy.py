@@ -168,12 +168,13 @@ class DevicePolicy:
         # of the failure only as an update of an epoch it applied, and keep running on it.
         # A restart in flight inherited from an earlier term (read from the store) is no
         # reason either: its workers' acks were not persisted, so they may have applied it
-        # (issue 15: failures coalesced into it after a takeover were never acted on).
+        # (issue 15: failures coalesced into it after a takeover were never acted on), unless
+        # it was issued for this very event (redelivered: its dedup record was not written).
         fresh = [
             k
             for k in scopes
             if not self._pending(k, now)
-            or k in self._inherited
+            or (k in self._inherited and not self._issued_for(k, event.event_id))
             or self._confirmed_on(k, event.device, workers)
             or self._merge_full(k, event.device)
         ]
@@ -254,6 +255,11 @@ class DevicePolicy:
         self._last_sent[ekey] = now
         if state not in out.write_ahead and state not in out.put_epochs:
             out.put_epochs.append(state)
+
+    def _issued_for(self, ekey: EpochKey, event_id: str) -> bool:
+        """Was the command in flight issued for the event ``event_id``?"""
+        command = self.epochs[ekey].command
+        return command is not None and bool(event_id) and command.event_id == event_id
 
     def _merge_full(self, ekey: EpochKey, device: str) -> bool:
         """Would merging ``device`` make the command in flight list too many devices?"""

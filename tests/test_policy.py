@@ -343,3 +343,18 @@ def test_a_command_lists_a_bounded_number_of_merged_devices() -> None:
     assert len(state.command.devices) == MAX_MERGED_DEVICES
     r = p.on_health(failed(devices[-1], "last"), now=1)
     assert [c.epoch for c in r.outcome.commands] == [2]
+
+
+def test_an_event_redelivered_after_a_takeover_joins_the_restart_issued_for_it() -> None:
+    """The old leader issued epoch 1 for event e1 and stored its epoch record, but not e1's
+    dedup record (it died in between): e1 is redelivered to the new leader. The inherited
+    restart was issued for e1 itself, so e1 joins it (no second restart for one failure); any
+    other failure meeting it takes a new epoch."""
+    p = acceptance_map()
+    p.on_health(failed("d1", "e1"), now=1)
+    q = restored(p)
+    again = q.on_health(failed("d1", "e1"), now=2)
+    assert not again.outcome.commands and again.reply.actions[0].coalesced
+    assert again.reply.actions[0].epoch == 1
+    other = q.on_health(failed("d1", "e2"), now=3)
+    assert [c.epoch > 1 for c in other.outcome.commands] == [True]
