@@ -168,15 +168,20 @@ class DevicePolicy:
         # of the failure only as an update of an epoch it applied, and keep running on it.
         # A restart in flight inherited from an earlier term (read from the store) is no
         # reason either: its workers' acks were not persisted, so they may have applied it
-        # (issue 15: failures coalesced into it after a takeover were never acted on), unless
-        # it was issued for this very event (redelivered: its dedup record was not written).
+        # (issue 15: failures coalesced into it after a takeover were never acted on).
+        # But a scope whose last command was issued for this very event has acted on it,
+        # applied or not: the event is a redelivery (its dedup record was never written, the
+        # leader died first), and joins that command rather than restarting the scope again.
         fresh = [
             k
             for k in scopes
-            if not self._pending(k, now)
-            or (k in self._inherited and not self._issued_for(k, event.event_id))
-            or self._confirmed_on(k, event.device, workers)
-            or self._merge_full(k, event.device)
+            if not self._issued_for(k, event.event_id)
+            and (
+                not self._pending(k, now)
+                or k in self._inherited
+                or self._confirmed_on(k, event.device, workers)
+                or self._merge_full(k, event.device)
+            )
         ]
         kind: CommandKind = "restart"
         if fresh:
@@ -257,8 +262,9 @@ class DevicePolicy:
             out.put_epochs.append(state)
 
     def _issued_for(self, ekey: EpochKey, event_id: str) -> bool:
-        """Was the command in flight issued for the event ``event_id``?"""
-        command = self.epochs[ekey].command
+        """Was the scope's last command issued for the event ``event_id``?"""
+        state = self.epochs.get(ekey)
+        command = state.command if state is not None else None
         return command is not None and bool(event_id) and command.event_id == event_id
 
     def _merge_full(self, ekey: EpochKey, device: str) -> bool:

@@ -358,3 +358,8 @@ def test_an_event_redelivered_after_a_takeover_joins_the_restart_issued_for_it()
     assert again.reply.actions[0].epoch == 1
     other = q.on_health(failed("d1", "e2"), now=3)
     assert [c.epoch > 1 for c in other.outcome.commands] == [True]
+    # Even once r1 confirmed epoch 1 (it re-registered before the redelivery came).
+    q3 = restored(p)
+    q3.register(reg("r1", ["d1", "d2"], epoch=1), now=2)
+    late = q3.on_health(failed("d1", "e1"), now=3)
+    assert not late.outcome.commands and late.reply.actions[0].epoch == 1
