@@ -13,8 +13,9 @@ queue of outcomes, in the order they were decided, in *batches*:
   write-ahead that touches a key still being written waits for it, so the store ends as the
   last decision left it (no key is ever written out of decision order);
 * a commit is *published* once its commands are out and *durable* once its records are
-  written (or given up on, as before: agents' re-registrations repair them); replies and
-  acknowledgements wait for ``durable``.
+  written; replies and acknowledgements wait for ``durable``. Records that cannot be written
+  (refused by the store's fence: another term began; or never acknowledged) fail ``durable``
+  with ``NotServing``: nothing is answered or acknowledged for them.
 
 If the lease is gone before or after a write-ahead, or a write-ahead cannot be made durable,
 nothing more goes out: that batch, and everything queued behind it, fails with ``NotServing``,
@@ -67,7 +68,8 @@ class Steps:
     publish: Callable[[Outcome], Awaitable[None]]
     """Publish an outcome's commands (and resends)."""
     persist: Callable[[list[Outcome]], Awaitable[None]]
-    """Write the outcomes' other records (retrying; giving up is logged, not raised)."""
+    """Write the outcomes' other records (retrying); raises if they are not durable (and the
+    commits' waiters then get ``NotServing``: no reply, no acknowledgement)."""
     announce: Callable[[Outcome], Awaitable[None]]
     stop: Callable[[str, str], None]
     """``stop(counter, why)``: count it and step down (called once per failure)."""
@@ -210,18 +212,28 @@ class CommitPipeline:
         previous: asyncio.Task[None] | None,
         failed: dict[int, Exception],
     ) -> None:
+        error: Exception | None = None
         try:
             if previous is not None:
                 await asyncio.wait([previous])  # the earlier batch's records land first
             await self.steps.persist([c.outcome for c in batch])
             for commit in batch:
                 await self.steps.announce(commit.outcome)
+        except Exception as e:
+            # Not durable (the store refused or never acknowledged the records; ``persist``
+            # has stepped down): nobody waiting on them is answered or acknowledged. Read
+            # here, not left on the task where nobody would see it.
+            error = e
         finally:
             for i, commit in enumerate(batch):
                 if commit.durable.done():
                     continue
                 if i in failed:
                     commit.durable.set_exception(failed[i])
+                elif error is not None:
+                    commit.durable.set_exception(
+                        error if isinstance(error, NotServing) else NotServing(str(error))
+                    )
                 else:
                     commit.durable.set_result(None)
 

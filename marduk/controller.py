@@ -81,7 +81,7 @@ from marduk.protocol import (
     encode,
 )
 from marduk.records import EpochRecord
-from marduk.store import Loaded, StateMirror, StateStore
+from marduk.store import Fenced, Loaded, StateMirror, StateStore
 from marduk.subjects import REPLY_HEADER, Subjects
 
 log = logging.getLogger("marduk.controller")
@@ -265,6 +265,7 @@ class Controller:
             self._metrics = MetricsServer(st.metrics_addr, Probes(self.registry, self._ready))
             await self._metrics.start()
         self._spawn(self.leadership.run(), "leadership")
+        self._spawn(self.leadership.watch_holder(), "leadership-watch")
         self._spawn(self._tick_loop(), "tick")
         self._spawn(self._standby_loop(), "standby-heartbeat")
         self._spawn(self._gc_loop(), "gc")
@@ -362,10 +363,17 @@ class Controller:
             await self._start_serving(term)
         except asyncio.CancelledError:
             raise
+        except Fenced as e:
+            # The store has a later term than our lease (a successor claimed it, or the lease
+            # bucket was recreated and its terms started again): campaign above it next time.
+            if self.leadership is not None:
+                self.leadership.term_floor = max(self.leadership.term_floor, e.term)
+            self.stats["store.fenced"] += 1
+            await self._step_down(f"could not claim term {term} in the store: {e}", term)
         except (MardukError, OSError, TimeoutError, nats.errors.Error) as e:
             # NATS or JetStream not answering right now: let a standby (or us, later) try.
             self.stats["errors.takeover"] += 1
-            await self._step_down(f"could not start serving (term {term}): {e}")
+            await self._step_down(f"could not start serving (term {term}): {e}", term)
         except Exception as e:
             # A bug: campaigning again would fail the same way. End the process (exit 1) so
             # its supervisor restarts it and a standby leads meanwhile.
@@ -375,6 +383,10 @@ class Controller:
     async def _start_serving(self, term: int) -> None:
         assert self.nc is not None and self.store is not None and self.mirror is not None
         t0 = time.monotonic()
+        # Our first write: from now on no write of an earlier term (a lapsed leader's delayed
+        # or reconnect-buffered one) can land, so the state read below is final (the store
+        # refuses it; DESIGN.md decision 13). Raises Fenced if a later term claimed it.
+        await self.store.claim_term(term, self.controller_id)
         js = self.nc.jetstream(timeout=5.0)
         up_to_date = await self.mirror.caught_up(js)
         if up_to_date:
@@ -434,7 +446,8 @@ class Controller:
             )
         self._subs = [await self.nc.subscribe(s.standby, cb=self._on_standby)]
         assert self._health is not None
-        await self._health.start(self._on_health_msg)
+        gone = self.leadership is not None and self.leadership.holder_gone
+        await self._health.start(self._on_health_msg, previous_gone=gone)
         await self.nc.flush()
         self.serving.set()
         # Agents re-register when they hear this: a level-triggered resync after a takeover.
@@ -457,16 +470,23 @@ class Controller:
             (time.monotonic() - t_state) * 1000,
         )
 
-    async def _step_down(self, why: str) -> None:
-        """Stop serving and give the lease up: whoever leads next rebuilds from the store."""
-        log.error("stepping down: %s", why)
+    async def _step_down(self, why: str, term: int) -> None:
+        """Stop serving and give the lease up: whoever leads next rebuilds from the store.
+
+        Tied to ``term``: a step-down decided in one term never stops or resigns a later one
+        (we may have been deposed and re-elected while it waited, or while it drained)."""
+        lead = self.leadership
+        if lead is None or lead.term != term:
+            log.info("not stepping down (%s): term %d is over", why, term)
+            return
+        log.error("stepping down (term %d): %s", term, why)
         await self._stop_serving()
-        if self.leadership is not None:
-            await self.leadership.resign()
+        await lead.resign(term)
 
     def _spawn_step_down(self, why: str) -> None:
         # Not from inside the commit: _stop_serving waits for the commits in flight.
-        self._spawn_background(self._step_down(why), "step-down")
+        term = self.leadership.term if self.leadership is not None else 0
+        self._spawn_background(self._step_down(why, term), "step-down")
 
     def _spawn_background(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         task = asyncio.create_task(coro, name=name)
@@ -886,6 +906,11 @@ class Controller:
             self._log_internal("devicehealth")
             self._spawn_step_down("internal error while handling a health event")
             return
+        if not isinstance(reply, ErrorReply) and not self._leading():
+            # Its records are stored under our term (the store fenced them), so an ack landing
+            # late would be harmless; still, a lapsed leader neither answers nor acks: the
+            # event is redelivered to whoever leads, which finds it handled (or decides it).
+            return
         if reply_to:
             await self._answer(reply_to, reply)
         try:
@@ -1009,9 +1034,13 @@ class Controller:
             return
         store = self.store
         if not await self._retry(lambda: store.apply(outcomes), budget_s=_PERSIST_BUDGET_S):
-            # The commands went out already (their ceilings are durable). Agents report the
-            # epochs they applied when they re-register, which repairs the records.
-            log.error("state not persisted after publishing; agents' re-registration repairs it")
+            # The commands went out already (their ceilings are durable), but our state is
+            # ahead of the store, and a lapsed leader must not answer or acknowledge: nothing
+            # waiting on these records is answered or acked (the events are redelivered), and
+            # we step down; whoever leads next rebuilds from the store and the agents.
+            log.error("state not persisted after publishing; stepping down")
+            self._stop_committing("store.persist_failed", "records could not be written")
+            raise NotServing("records not persisted")
 
     async def _retry(self, write: Callable[[], Awaitable[None]], *, budget_s: float) -> bool:
         """Try a write while we lead, for at most ``budget_s`` in all (each attempt at most
@@ -1031,6 +1060,11 @@ class Controller:
             try:
                 await asyncio.wait_for(write(), min(_WRITE_ATTEMPT_S, max(remaining, 0.01)))
                 return True
+            except Fenced as e:
+                # Refused by the store: another leader's term began. Retrying cannot help.
+                self.stats["store.fenced"] += 1
+                self._log_limited("store", f"state write refused: {e}")
+                return False
             except Exception as e:  # TimeoutError (not acknowledged in time) included
                 self.stats["store.errors"] += 1
                 why = str(e) or type(e).__name__

@@ -40,6 +40,9 @@ from marduk.protocol import (
 )
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 
+MAX_MERGED_DEVICES = 64
+"""Devices one command lists at most: a failure past it takes a new epoch instead of merging."""
+
 
 class DevicePolicy:
     """The device half of ``Policy`` (state and helpers declared here, defined there)."""
@@ -53,6 +56,7 @@ class DevicePolicy:
     stale: set[WorkerKey]
     _recent_events: OrderedDict[str, HealthReply]
     _last_sent: dict[EpochKey, float]
+    _inherited: set[EpochKey]
 
     def _epoch_key(self, key: WorkerKey) -> EpochKey:
         raise NotImplementedError
@@ -166,10 +170,22 @@ class DevicePolicy:
         # A scope takes a new epoch unless a restart is in flight that none of the workers on
         # this device has confirmed yet: one that already restarted would otherwise be told
         # of the failure only as an update of an epoch it applied, and keep running on it.
+        # A restart in flight inherited from an earlier term (read from the store) is no
+        # reason either: its workers' acks were not persisted, so they may have applied it
+        # (issue 15: failures coalesced into it after a takeover were never acted on).
+        # But a scope whose last command was issued for this very event has acted on it,
+        # applied or not: the event is a redelivery (its dedup record was never written, the
+        # leader died first), and joins that command rather than restarting the scope again.
         fresh = [
             k
             for k in scopes
-            if not self._pending(k, now) or self._confirmed_on(k, event.device, workers)
+            if not self._issued_for(k, event.event_id)
+            and (
+                not self._pending(k, now)
+                or k in self._inherited
+                or self._confirmed_on(k, event.device, workers)
+                or self._merge_full(k, event.device)
+            )
         ]
         kind: CommandKind = "restart"
         if fresh:
@@ -248,6 +264,21 @@ class DevicePolicy:
         self._last_sent[ekey] = now
         if state not in out.write_ahead and state not in out.put_epochs:
             out.put_epochs.append(state)
+
+    def _issued_for(self, ekey: EpochKey, event_id: str) -> bool:
+        """Was the scope's last command issued for the event ``event_id``?"""
+        state = self.epochs.get(ekey)
+        command = state.command if state is not None else None
+        return command is not None and bool(event_id) and command.event_id == event_id
+
+    def _merge_full(self, ekey: EpochKey, device: str) -> bool:
+        """Would merging ``device`` make the command in flight list too many devices?"""
+        command = self.epochs[ekey].command
+        return (
+            command is not None
+            and device not in command.devices
+            and len(command.devices) >= MAX_MERGED_DEVICES
+        )
 
     def _confirmed_on(self, ekey: EpochKey, device: str, workers: frozenset[WorkerKey]) -> bool:
         """Has a worker of scope ``ekey`` that uses ``device`` confirmed the current epoch?"""

@@ -93,9 +93,21 @@ class HealthConsumer:
         self.subject = subject
         self.ack_wait_s = ack_wait_s
         self._sub: object | None = None
+        self.replayed_from = 0  # the last restart from the ack floor (0: none)
+        self._start_again_at = 0
 
-    async def start(self, cb: Callable[[Msg], Awaitable[None]]) -> None:
+    async def start(
+        self, cb: Callable[[Msg], Awaitable[None]], *, previous_gone: bool = False
+    ) -> None:
+        """Subscribe. ``previous_gone``: the previous leader's process is provably gone (its
+        connection closed), so events it was delivered and never acknowledged are delivered
+        again now rather than after ``ack_wait``: the consumer is made again from its ack floor
+        (events acknowledged above the floor come again too; the event-id dedup answers them
+        as duplicates)."""
         js = self.nc.jetstream(timeout=5.0)
+        if previous_gone:
+            self._start_again_at = await self._restart_from_ack_floor() or self._start_again_at
+        start = self._start_again_at  # kept until a subscription made it (a retry needs it)
         self._sub = await js.subscribe(
             self.subject,
             queue=CONSUMER,
@@ -106,7 +118,8 @@ class HealthConsumer:
             pending_msgs_limit=1_000_000,
             config=ConsumerConfig(
                 ack_policy=AckPolicy.EXPLICIT,
-                deliver_policy=DeliverPolicy.ALL,
+                deliver_policy=DeliverPolicy.BY_START_SEQUENCE if start else DeliverPolicy.ALL,
+                opt_start_seq=start or None,
                 ack_wait=self.ack_wait_s,
                 # Few enough in flight that a backlog is acked well within ack_wait.
                 max_ack_pending=1_000,
@@ -115,6 +128,28 @@ class HealthConsumer:
                 max_deliver=20,
             ),
         )
+        self._start_again_at = 0
+
+    async def _restart_from_ack_floor(self) -> int:
+        """Delete the consumer if events await acks; return the sequence to start again from
+        (0: keep it as it is)."""
+        js = self.nc.jetstream(timeout=5.0)
+        try:
+            info = await js.consumer_info(self.stream, CONSUMER)
+        except NotFoundError:
+            return 0
+        if not info.num_ack_pending or info.ack_floor is None:
+            return 0
+        start = (info.ack_floor.stream_seq or 0) + 1
+        await js.delete_consumer(self.stream, CONSUMER)
+        self.replayed_from = start
+        log.info(
+            "the previous leader is gone with %d event(s) unacknowledged: delivering again from "
+            "stream sequence %d",
+            info.num_ack_pending,
+            start,
+        )
+        return start
 
     async def stop(self) -> None:
         sub, self._sub = self._sub, None

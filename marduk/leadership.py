@@ -16,6 +16,18 @@ clock started when the renewal was already stored, so the old leader stops at le
 ``(1 - FENCE) * ttl`` before anyone may take over: two never serve at once, partition included.
 A leader that cannot reach NATS therefore stops serving within ``FENCE * ttl`` and campaigns
 again when it can.
+
+A holder that is gone is noticed sooner. Every controller answers on its own liveness subject
+(``<prefix>.ctl.alive.<holder>``, named in its lease value), subscribed before it campaigns; a
+standby asks the lease holder's every ``PROBE_INTERVAL`` (a holder whose lease names none, an
+older version, is never probed). When the holder's process dies (SIGKILL included) or its
+connection closes, the server drops its subscription and the request is answered "no
+responders" at once: the standby takes the lease then (the same compare-and-set on the revision
+it observed), without waiting out the TTL. A holder that is only slow or partitioned with its
+connection up still has its subscription (the request times out), so it keeps its lease until
+the TTL. A takeover that is early by mistake (the holder lost its connection and would have
+reconnected) is still safe: the store refuses the old term's writes once the new term is
+claimed (``marduk.store``), and the old leader's next renewal finds another revision.
 """
 
 from __future__ import annotations
@@ -24,9 +36,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import (
     BucketNotFoundError,
@@ -41,6 +56,17 @@ log = logging.getLogger("marduk.leadership")
 KEY = "leader"
 FENCE = 0.75
 """The leader stops serving when its last renewal was sent this fraction of the TTL ago."""
+PROBE_INTERVAL = 0.05
+"""How often a standby asks the lease holder whether it is alive (seconds)."""
+PROBE_TIMEOUT = 0.25
+"""A probe unanswered this long proves nothing (the holder may be slow): the TTL decides."""
+GONE_AFTER = 2
+"""Consecutive "no responders" answers after which the holder counts as gone."""
+
+
+def alive_subject(prefix: str, holder: str) -> str:
+    """Where the controller ``holder`` answers "alive" (holder ids are single tokens)."""
+    return f"{prefix}.ctl.alive.{holder}"
 
 
 def lease_bucket_name(prefix: str) -> str:
@@ -56,6 +82,8 @@ class Lease(msgspec.Struct, kw_only=True):
     pid: int = 0
     host: str = ""
     acquired_at: float = 0.0
+    alive: str = ""
+    """The holder's liveness subject (empty: a controller that has none is never probed)."""
 
 
 OnChange = Callable[[int], Awaitable[None]]
@@ -94,8 +122,19 @@ class Leadership:
         self._renewed_sent = 0.0  # monotonic time our last successful renewal was sent
         self._acquired_at = 0.0
         self.renew_failures = 0
+        self.early_takeovers = 0
+        self.term_floor = 0
+        self.holder_gone = False
+        """Whether this term's lease was taken from a holder provably gone (no responders)."""
+        """A term the store has seen claimed: ours are above it (the lease bucket may have been
+        recreated, restarting its terms at 1, while the state bucket kept its term key)."""
+        self._alive_sub: Any = None
 
     async def open(self) -> None:
+        self._alive_sub = await self.nc.subscribe(
+            alive_subject(self.prefix, self.holder), cb=self._on_alive
+        )
+        await self.nc.flush()  # answering before anyone can see us hold the lease
         js = self.nc.jetstream(timeout=max(0.5, self.ttl / 4))
         name = lease_bucket_name(self.prefix)
         try:
@@ -110,6 +149,51 @@ class Leadership:
                     description="Marduk controller leadership lease",
                 )
             )
+
+    async def _on_alive(self, msg: Msg) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, b"alive")
+
+    async def watch_holder(self) -> None:
+        """While we stand by, ask the lease holder whether it is alive; take the lease over as
+        soon as it provably is not (its subscription is gone: "no responders"). Until
+        cancelled."""
+        gone, revision = 0, 0
+        while True:
+            await asyncio.sleep(PROBE_INTERVAL)
+            lease = self.lease
+            if (
+                self.is_leader
+                or lease is None
+                or not lease.alive
+                or lease.holder == self.holder
+                or not self._revision
+            ):
+                gone = 0
+                continue
+            if self._revision != revision:
+                gone, revision = 0, self._revision  # a new holder or a renewal: ask afresh
+            try:
+                await self.nc.request(
+                    lease.alive,
+                    b"",
+                    timeout=min(PROBE_TIMEOUT, self.ttl / 4),
+                )
+                gone = 0
+            except NoRespondersError:
+                gone += 1
+            except Exception:  # a timeout (alive but slow, or we are cut off): wait the TTL
+                gone = 0
+            if gone >= GONE_AFTER and not self.is_leader and self._revision == revision:
+                # Only on the revision we saw its subscription gone under (compare-and-set).
+                log.info("lease holder %s is gone (no responders): taking over", lease.holder)
+                term = max(self.term, lease.term) + 1
+                self.early_takeovers += 1
+                try:
+                    await self._take(revision, term, time.monotonic(), holder_gone=True)
+                except Exception as e:  # NATS away: the campaign loop tries again
+                    log.debug("early takeover: %s: %s", type(e).__name__, e)
+                gone = 0
 
     def serving(self) -> bool:
         """True while this controller may act as leader (checked before every commit)."""
@@ -202,8 +286,9 @@ class Leadership:
             term = (lease.term if lease is not None else 0) + 1
             await self._take(self._revision, term, now)
 
-    async def _take(self, last: int, term: int, sent: float) -> None:
+    async def _take(self, last: int, term: int, sent: float, *, holder_gone: bool = False) -> None:
         assert self.kv is not None
+        term = max(term, self.term_floor + 1)
         try:
             if last == 0:
                 self._revision = await self.kv.create(KEY, self._value(term))
@@ -214,6 +299,7 @@ class Leadership:
         self._renewed_sent = sent
         self._acquired_at = time.time()
         self.is_leader, self.term = True, term
+        self.holder_gone = holder_gone
         self.lease = _decode(self._value(term))
         log.info("elected leader (term %d, lease TTL %gs)", term, self.ttl)
         await self._on_elected(term)
@@ -227,9 +313,11 @@ class Leadership:
         log.warning("stepping down (term %d): %s", self.term, why)
         await self._on_deposed(why)
 
-    async def resign(self) -> None:
-        """Give the lease up on a clean stop, so a standby need not wait for it to lapse."""
-        if not self.is_leader or self.kv is None:
+    async def resign(self, term: int | None = None) -> None:
+        """Give the lease up on a clean stop, so a standby need not wait for it to lapse.
+        With ``term``: only if we still hold that term (a step-down decided in an earlier term
+        never resigns a later one)."""
+        if not self.is_leader or self.kv is None or (term is not None and term != self.term):
             return
         self.is_leader = False
         try:
@@ -246,6 +334,7 @@ class Leadership:
                 pid=self.pid,
                 host=self.host,
                 acquired_at=self._acquired_at or time.time(),
+                alive=alive_subject(self.prefix, self.holder),
             )
         )
 

@@ -99,6 +99,10 @@ class Policy(DevicePolicy):
         self._awaiting: dict[EpochKey, set[WorkerKey]] = {}
         self._job_workers: dict[str, set[WorkerKey]] = {}
         self._floor: dict[EpochKey, int] = {}
+        # Scopes whose restart in flight was read from the store, not issued by this policy:
+        # whether their workers applied it is unknown (acks are not persisted), so a failure
+        # meeting it issues a new epoch rather than being coalesced into it.
+        self._inherited: set[EpochKey] = set()
         # The latest report of each worker (status, step, failure): shown, not persisted.
         self.reports: dict[WorkerKey, Report] = {}
         self._recent_events: OrderedDict[str, HealthReply] = OrderedDict()
@@ -163,6 +167,7 @@ class Policy(DevicePolicy):
             state = policy.epochs.get(ekey)
             if state is not None and rec.applied_epoch < state.epoch and _awaited(state):
                 policy._awaiting.setdefault(ekey, set()).add(key)
+                policy._inherited.add(ekey)
         return policy
 
     # --- registration ----------------------------------------------------------------------------
@@ -456,8 +461,9 @@ class Policy(DevicePolicy):
         ekey = self._epoch_key_of(rec)
         state = self.epochs.get(ekey)
         current = state.epoch if state else 0
-        if report.epoch < current or self._pending(ekey, now):
-            # A restart that covers this failure is already under way.
+        if report.epoch < current or (self._pending(ekey, now) and ekey not in self._inherited):
+            # A restart that covers this failure is already under way (one inherited from an
+            # earlier term may have been applied already: the crash may come after it).
             assert state is not None
             kind = state.command.kind if state.command else "restart"
             return ReportResult(
@@ -545,6 +551,7 @@ class Policy(DevicePolicy):
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
         self.epochs[ekey] = state
+        self._inherited.discard(ekey)  # in flight by our own decision now
         if pending:
             self._awaiting[ekey] = {w for w in self._scope_workers(ekey) if w not in self.stale}
             self._last_sent[ekey] = now

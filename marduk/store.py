@@ -13,6 +13,18 @@ failover is answered "duplicate" with the original decision.
 
     h.<base64url(event_id)>      HealthReply
 
+Fencing (DESIGN.md decision 13). A leader's first write of its term is the ``term`` key of the
+state bucket (``TermRecord``, compare-and-set from the revision it read, refused if a later
+term is already there). Every later write of that leader to the state bucket (ceilings,
+records, deletes) carries the headers ``Nats-Expected-Last-Subject-Sequence: <revision of its
+term key>`` and ``Nats-Expected-Last-Subject-Sequence-Subject: $KV.<bucket>.term``: the server
+stores it only while the term key is still the leader's own, so once a successor has claimed
+its term, a lapsed leader's delayed or reconnect-buffered write is refused (``Fenced``), not
+stored. The events bucket (another stream) cannot be fenced by that key: its writes are made
+only after the same batch's fenced state writes were stored (a ``probe`` key is written when a
+batch has nothing else for the state bucket), so a dedup record never lands for an event whose
+effects a successor could not see.
+
 A controller killed with SIGKILL and started again reads the buckets and has the same map and
 epochs. A hot standby keeps a ``StateMirror``: a watch of both buckets, so at takeover it
 already holds every record and only waits to have seen the last revision.
@@ -39,7 +51,13 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.client import JetStreamContext
-from nats.js.errors import BucketNotFoundError, InvalidKeyError, KeyNotFoundError
+from nats.js.errors import (
+    BucketNotFoundError,
+    InvalidKeyError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
+)
 from nats.js.kv import KeyValue
 
 from marduk.drmap import WorkerKey
@@ -78,6 +96,24 @@ def device_kv_key(device: str) -> str:
     return "d." + base64.urlsafe_b64encode(device.encode()).decode().rstrip("=")
 
 
+TERM_KEY = "term"
+"""The state bucket's fencing key: the term of the leader allowed to write (``TermRecord``)."""
+PROBE_KEY = "probe"
+"""Written (fenced) when a batch has dedup records but nothing else for the state bucket."""
+_FENCE_KEYS = frozenset({TERM_KEY, PROBE_KEY})
+_EXPECTED_SEQ = "Nats-Expected-Last-Subject-Sequence"
+_EXPECTED_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
+_WRONG_LAST_SEQUENCE = b"10071"  # JetStream's err_code for "wrong last sequence"
+
+
+class TermRecord(msgspec.Struct, kw_only=True):
+    """The value of the ``term`` key: who leads the state bucket, from which lease term."""
+
+    term: int
+    holder: str
+    claimed_at: float = 0.0
+
+
 class Loaded(msgspec.Struct):
     workers: list[WorkerRecord]
     epochs: list[EpochRecord]
@@ -111,6 +147,38 @@ class StateStore:
         self.events_bucket = events_bucket
         self._enc = msgspec.json.Encoder()
         self._writer = BatchWriter(kv._js._nc)  # the connection the buckets were bound on
+        self.term = 0
+        """The term whose key this store's writes are fenced by (0: not claimed, unfenced)."""
+        self._fence: dict[str, str] = {}
+
+    async def claim_term(self, term: int, holder: str) -> int:
+        """Make ``term`` the state bucket's term: compare-and-set on the ``term`` key, from
+        then on every write carries its revision. Raises ``Fenced`` if the key already holds
+        this term or a later one (another leader has claimed it: we are not the leader).
+        Returns the revision. Until it succeeds, writes keep the fence of our earlier term (if
+        any), which the server refuses once this claim is stored."""
+        value = msgspec.json.encode(TermRecord(term=term, holder=holder, claimed_at=time.time()))
+        while True:
+            try:
+                entry = await self.kv.get(TERM_KEY)
+            except (KeyNotFoundError, KeyDeletedError):
+                entry = None
+            current = _decode_term(entry.value if entry is not None else None)
+            if current is not None and current.term >= term:
+                raise Fenced(f"term {current.term} was claimed by {current.holder}", current.term)
+            try:
+                if entry is None:
+                    revision = await self.kv.create(TERM_KEY, value)
+                else:
+                    revision = await self.kv.update(TERM_KEY, value, last=entry.revision)
+            except KeyWrongLastSequenceError:
+                continue  # someone wrote it meanwhile: read it again
+            self.term = term
+            self._fence = {
+                _EXPECTED_SEQ: str(revision),
+                _EXPECTED_SEQ_SUBJECT: self.kv._pre + TERM_KEY,
+            }
+            return revision
 
     @classmethod
     async def open(
@@ -178,7 +246,9 @@ class StateStore:
         once: one batch of writes in flight)."""
         enc = self._enc.encode
         await self._write(
-            self.kv, {epoch_kv_key(EpochKey(e.job, e.replica)): enc(e) for e in ceilings}
+            self.kv,
+            {epoch_kv_key(EpochKey(e.job, e.replica)): enc(e) for e in ceilings},
+            self._fence,
         )
 
     async def apply(self, outcomes: list[Outcome]) -> None:
@@ -203,16 +273,22 @@ class StateStore:
                 state[device_kv_key(name)] = None
             for reply in o.handled:
                 handled[handled_kv_key(reply.event_id)] = enc(reply)
-        await asyncio.gather(self._write(self.kv, state), self._write(self.events, handled))
+        if handled and not state and self._fence:
+            state[PROBE_KEY] = str(self.term).encode()
+        # The state first, fenced; the dedup records only once it is stored (see the top).
+        await self._write(self.kv, state, self._fence)
+        await self._write(self.events, handled)
 
-    async def _write(self, kv: KeyValue, writes: dict[str, bytes | None]) -> None:
+    async def _write(
+        self, kv: KeyValue, writes: dict[str, bytes | None], headers: dict[str, str] | None = None
+    ) -> None:
         """Make ``writes`` (key -> value, None to delete) with many writes in flight at once
         (each key once, so their order does not matter); raise the first error once all have
         been tried."""
         if not writes:
             return
         if type(kv) is KeyValue:
-            await self._writer.write(kv, writes)
+            await self._writer.write(kv, writes, headers=headers)
             return
         # Anything else that looks like a bucket (a test's recorder around one): key by key.
         items = list(writes.items())
@@ -241,6 +317,15 @@ class WriteError(MardukError):
     """The server refused (or did not acknowledge) some writes of a batch."""
 
 
+class Fenced(WriteError):
+    """The server refused a write because another leader's term began (the term key moved),
+    or the term is already claimed: this controller is not the leader any more."""
+
+    def __init__(self, message: str, term: int = 0) -> None:
+        super().__init__(message)
+        self.term = term  # the term claimed in the store, where known
+
+
 _VALID_KEY = re.compile(r"[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*")
 
 
@@ -264,11 +349,17 @@ class BatchWriter:
         self._next = 0
 
     async def write(
-        self, kv: KeyValue, writes: dict[str, bytes | None], *, timeout: float = 5.0
+        self,
+        kv: KeyValue,
+        writes: dict[str, bytes | None],
+        *,
+        timeout: float = 5.0,
+        headers: dict[str, str] | None = None,
     ) -> None:
-        """Put (or, for None, delete) the keys. Raises ``WriteError`` if any write was refused
-        or not acknowledged within ``timeout``; every write is idempotent, so the caller may
-        retry the batch."""
+        """Put (or, for None, delete) the keys, each with ``headers`` (the term's fence).
+        Raises ``Fenced`` if the fence refused any, ``WriteError`` if any other was refused or
+        not acknowledged within ``timeout``; every write is idempotent, so the caller may
+        retry the batch (not a fenced one: it will never be stored)."""
         for key in writes:
             if not _VALID_KEY.fullmatch(key):
                 raise InvalidKeyError(key)
@@ -285,9 +376,10 @@ class BatchWriter:
                 # API prefix), as KeyValue.put itself builds the subject.
                 subject, reply = kv._pre + key, reply_prefix + str(i)
                 if value is None:
-                    await self.nc.publish(subject, b"", reply=reply, headers={_KV_OP: _KV_DEL})
+                    hdrs = {**headers, _KV_OP: _KV_DEL} if headers else {_KV_OP: _KV_DEL}
+                    await self.nc.publish(subject, b"", reply=reply, headers=hdrs)
                 else:
-                    await self.nc.publish(subject, value, reply=reply)
+                    await self.nc.publish(subject, value, reply=reply, headers=headers or None)
             try:
                 await asyncio.wait_for(asyncio.shield(batch.done), timeout)
             except TimeoutError:
@@ -296,6 +388,8 @@ class BatchWriter:
                 ) from None
         finally:
             del self._batches[batch_id]  # a late acknowledgement is dropped
+        if batch.fenced:
+            raise Fenced(f"{batch.fenced} of {len(writes)} writes refused: another term began")
         if batch.refused:
             raise WriteError(
                 f"{len(batch.refused)} of {len(writes)} writes refused: {batch.refused[0]}"
@@ -322,12 +416,15 @@ class _Batch:
     def __init__(self, count: int) -> None:
         self.remaining = count
         self.refused: list[str] = []
+        self.fenced = 0
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def acknowledged(self, msg: Msg) -> None:
         # {"stream":..,"seq":..} or {"error":{..}}; a bare status (503: no stream) is an error.
         if b'"error"' in msg.data or not msg.data:
             self.refused.append(msg.data.decode(errors="replace")[:200] or str(msg.headers))
+            if _WRONG_LAST_SEQUENCE in msg.data:
+                self.fenced += 1
         self.remaining -= 1
         if self.remaining == 0 and not self.done.done():
             self.done.set_result(None)
@@ -405,6 +502,8 @@ class StateMirror:
                 if entry is None:  # end of the initial values
                     continue
                 self.revision[bucket] = max(self.revision.get(bucket, 0), entry.revision or 0)
+                if entry.key in _FENCE_KEYS:
+                    continue  # no record: a policy prepared before a term's claim still holds
                 if entry.operation is not None or entry.value is None:
                     self._drop(entry.key)
                 else:
@@ -462,6 +561,15 @@ class StateMirror:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         self.healthy = False
+
+
+def _decode_term(value: bytes | None) -> TermRecord | None:
+    if not value:
+        return None
+    try:
+        return msgspec.json.decode(value, type=TermRecord)
+    except msgspec.DecodeError:
+        return None
 
 
 _decode_worker = msgspec.json.Decoder(WorkerRecord).decode

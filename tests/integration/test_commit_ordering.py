@@ -38,6 +38,7 @@ from marduk.protocol import decode, encode
 from marduk.records import EpochKey, EpochRecord
 from marduk.store import epoch_kv_key, handled_kv_key, worker_kv_key
 from marduk.subjects import Subjects
+from monitor_cli.client import UndecidedError
 from tests.conftest import (
     NatsServer,
     controller_settings,
@@ -296,7 +297,9 @@ async def test_restored_controller_never_reissues_an_epoch_that_went_out(
                     tools.kv.dead = True  # SIGKILL now: nothing more is written
 
             c1.nc.publish = die_after_command  # type: ignore[method-assign,union-attr]
-            await health_event(nc, "d2", event_id="last-words")
+            # Dead: its records are not written, so it answers nobody (nor acks the event).
+            with pytest.raises(UndecidedError):
+                await health_event(nc, "d2", event_id="last-words", timeout=2.0)
             assert tools.kv.dead and [c.epoch for c in seen] == [1, 2]
 
         async with running(nats_server, tmp_path) as c2:

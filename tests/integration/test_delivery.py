@@ -189,8 +189,8 @@ async def test_a_new_leader_handles_the_stored_backlog_on_first_delivery(
         # surely arrive in it (on loopback it is a round trip, and was hit 3 times in 24).
         original = HealthConsumer.start
 
-        async def slow_start(self, cb):  # type: ignore[no-untyped-def]
-            await original(self, cb)
+        async def slow_start(self, cb, **kw):  # type: ignore[no-untyped-def]
+            await original(self, cb, **kw)
             await asyncio.sleep(0.3)
 
         monkeypatch.setattr(HealthConsumer, "start", slow_start)

@@ -290,3 +290,76 @@ def test_trainer_started_is_announced_once_per_incarnation() -> None:
     assert kinds("crashed", 0, step=9)[0] == "worker_crashed"
     assert kinds("running", 1) == ["trainer_started"]
     assert kinds("running", 1, step=3) == []
+
+
+def restored(p: Policy) -> Policy:
+    """A new leader's policy: ``p``'s records round-tripped through JSON, as the store does."""
+    from marduk.records import DeviceRecord, EpochRecord, WorkerRecord
+
+    enc = msgspec.json.encode
+    w = [msgspec.json.decode(enc(x), type=WorkerRecord) for x in p.workers.values()]
+    e = [msgspec.json.decode(enc(x), type=EpochRecord) for x in p.epochs.values()]
+    d = [msgspec.json.decode(enc(x), type=DeviceRecord) for x in p.devices.values()]
+    return Policy.restore(p.config, w, e, d)
+
+
+def test_a_restart_in_flight_read_from_the_store_does_not_swallow_a_failure() -> None:
+    """Issue 15 item 1: r1 applied epoch 1 and acked it, but acks are not persisted, so the
+    new leader's records say r1 has not applied it. A failure of r1's device after the
+    takeover must reach r1 as a new epoch: a resend of epoch 1 (merged devices) would be
+    dropped by an agent that applied it. Once this term issued its own restart, further
+    failures coalesce into it as usual."""
+    p = acceptance_map()
+    p.on_health(failed("d1", "e1"), now=1)
+    q = restored(p)  # the records as stored: r1's ack of epoch 1 (next) is not persisted
+    q2 = restored(p)
+    p.ack(WorkerKey("j", "r1", 0), 1, now=2)
+    assert q.awaiting(EpochKey("j", "r1")) == {WorkerKey("j", "r1", 0)}  # believed in flight
+    r = q.on_health(failed("d1", "e2"), now=3)
+    [command] = r.outcome.commands
+    assert command.replica == "r1" and command.epoch > 1 and not r.reply.actions[0].coalesced
+    again = q.on_health(failed("d1", "e3"), now=4)
+    assert not again.outcome.commands and again.reply.actions[0].coalesced
+    # A crash report meets an inherited restart the same way.
+    from marduk.protocol import Report
+
+    crash = Report(job="j", replica="r1", worker=0, status="crashed", epoch=1)
+    res = q2.on_report(crash, now=3)
+    assert [c.epoch > 1 for c in res.outcome.commands] == [True]
+
+
+def test_a_command_lists_a_bounded_number_of_merged_devices() -> None:
+    """Issue 15 item 7: failures merged into a restart in flight stop growing its command past
+    MAX_MERGED_DEVICES; the next one takes a new epoch."""
+    from marduk.device_policy import MAX_MERGED_DEVICES
+
+    p = Policy(PolicyConfig(device_max_failures=10_000))
+    devices = [f"d{i}" for i in range(MAX_MERGED_DEVICES + 1)]
+    p.register(reg("r1", devices), now=0)
+    for i, d in enumerate(devices[:MAX_MERGED_DEVICES]):
+        p.on_health(failed(d, f"e{i}"), now=1)
+    state = p.epochs[EpochKey("j", "r1")]
+    assert state.epoch == 1 and state.command is not None
+    assert len(state.command.devices) == MAX_MERGED_DEVICES
+    r = p.on_health(failed(devices[-1], "last"), now=1)
+    assert [c.epoch for c in r.outcome.commands] == [2]
+
+
+def test_an_event_redelivered_after_a_takeover_joins_the_restart_issued_for_it() -> None:
+    """The old leader issued epoch 1 for event e1 and stored its epoch record, but not e1's
+    dedup record (it died in between): e1 is redelivered to the new leader. The inherited
+    restart was issued for e1 itself, so e1 joins it (no second restart for one failure); any
+    other failure meeting it takes a new epoch."""
+    p = acceptance_map()
+    p.on_health(failed("d1", "e1"), now=1)
+    q = restored(p)
+    again = q.on_health(failed("d1", "e1"), now=2)
+    assert not again.outcome.commands and again.reply.actions[0].coalesced
+    assert again.reply.actions[0].epoch == 1
+    other = q.on_health(failed("d1", "e2"), now=3)
+    assert [c.epoch > 1 for c in other.outcome.commands] == [True]
+    # Even once r1 confirmed epoch 1 (it re-registered before the redelivery came).
+    q3 = restored(p)
+    q3.register(reg("r1", ["d1", "d2"], epoch=1), now=2)
+    late = q3.on_health(failed("d1", "e1"), now=3)
+    assert not late.outcome.commands and late.reply.actions[0].epoch == 1
