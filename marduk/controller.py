@@ -38,6 +38,7 @@ from nats import micro
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.errors import ServiceUnavailableError
 from nats.micro.request import Request as MicroRequest
 from nats.micro.service import Service as MicroService
 from prometheus_client import CollectorRegistry
@@ -126,6 +127,15 @@ class ControllerSettings:
     metrics_addr: str | None = None
     """Serve /metrics, /healthz and /readyz on HOST:PORT (off when None)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+
+STATE_OPEN_S = 30.0
+"""How long a starting controller waits for JetStream to answer (a cluster electing leaders)."""
+
+
+def _not_ready(e: BaseException) -> bool:
+    """JetStream did not answer in time or is electing: worth trying again at startup."""
+    return isinstance(e, asyncio.TimeoutError | ServiceUnavailableError)
 
 
 class StartupError(MardukError):
@@ -232,38 +242,36 @@ class Controller:
             raise StartupError(f"{e} (--no-embedded: start NATS there first)") from None
         bus.require_jetstream(self.nc, redact(self.url))  # one clear line, not an API error
         st = self.settings
-        opened_at = time.time()
-        try:
-            self.store = await StateStore.open(
-                self.nc, st.prefix, replicas=st.kv_replicas, dedup_window_s=st.dedup_window_s
-            )
-            await ensure_stream(self.nc, st.prefix, self.subjects.health, replicas=st.kv_replicas)
-            self.mirror = StateMirror(self.store)
-            await self.mirror.start()
-            self.leadership = Leadership(
-                self.nc,
-                st.prefix,
-                self.controller_id,
-                ttl=st.lease_ttl,
-                replicas=st.kv_replicas,
-                pid=os.getpid(),
-                host=self.host,
-                on_elected=self._on_elected,
-                on_deposed=self._on_deposed,
-            )
-            await self.leadership.open()
-        except Exception as e:
-            # A credential without the controller's rights shows as a timeout: say which.
-            why = bus.last_denial(opened_at) or str(e)
-            raise StartupError(
-                f"cannot open the JetStream state at {redact(self.url)}: {why}"
-            ) from e
+        deadline = time.monotonic() + STATE_OPEN_S
+        while True:
+            opened_at = time.time()
+            try:
+                await self._open_state()
+                break
+            except Exception as e:
+                # A credential without the controller's rights shows as a timeout: say which.
+                denied = bus.last_denial(opened_at)
+                await self._close_state()
+                if not denied and _not_ready(e) and time.monotonic() < deadline:
+                    # A cluster still electing its JetStream leaders (a fresh one, or one
+                    # under load) answers late: wait for it rather than exit.
+                    log.warning(
+                        "JetStream at %s is not ready (%s); trying again",
+                        redact(self.url),
+                        str(e) or type(e).__name__,
+                    )
+                    await asyncio.sleep(1.0)
+                    continue
+                raise StartupError(
+                    f"cannot open the JetStream state at {redact(self.url)}: {denied or e}"
+                ) from e
         self._health = HealthConsumer(
             self.nc, st.prefix, self.subjects.health, ack_wait_s=st.ack_wait_s
         )
         if st.metrics_addr:
             self._metrics = MetricsServer(st.metrics_addr, Probes(self.registry, self._ready))
             await self._metrics.start()
+        assert self.leadership is not None  # _open_state made it
         self._spawn(self.leadership.run(), "leadership")
         self._spawn(self.leadership.watch_holder(), "leadership-watch")
         self._spawn(self._tick_loop(), "tick")
@@ -282,6 +290,40 @@ class Controller:
             "signed" if self._signing_seed else "unsigned",
             st.lease_ttl,
         )
+
+    async def _open_state(self) -> None:
+        """The buckets, the health stream, the standby mirror and the lease."""
+        st, nc = self.settings, self.nc
+        assert nc is not None
+        self.store = await StateStore.open(
+            nc, st.prefix, replicas=st.kv_replicas, dedup_window_s=st.dedup_window_s
+        )
+        await ensure_stream(nc, st.prefix, self.subjects.health, replicas=st.kv_replicas)
+        self.mirror = StateMirror(self.store)
+        await self.mirror.start()
+        self.leadership = Leadership(
+            nc,
+            st.prefix,
+            self.controller_id,
+            ttl=st.lease_ttl,
+            replicas=st.kv_replicas,
+            pid=os.getpid(),
+            host=self.host,
+            on_elected=self._on_elected,
+            on_deposed=self._on_deposed,
+        )
+        await self.leadership.open()
+
+    async def _close_state(self) -> None:
+        """Undo a half-done ``_open_state`` before trying again (or giving up)."""
+        mirror, leadership = self.mirror, self.leadership
+        self.mirror = self.leadership = None
+        if mirror is not None:
+            with contextlib.suppress(Exception):
+                await mirror.stop()
+        if leadership is not None:
+            with contextlib.suppress(Exception):
+                await leadership.close()
 
     async def stop(self) -> None:
         """Stop serving, hand the lease over, close NATS, stop the embedded server."""

@@ -150,6 +150,12 @@ class Leadership:
                 )
             )
 
+    async def close(self) -> None:
+        """Stop answering on the liveness subject (a controller that failed to start)."""
+        sub, self._alive_sub = self._alive_sub, None
+        if sub is not None:
+            await sub.unsubscribe()
+
     async def _on_alive(self, msg: Msg) -> None:
         if msg.reply:
             await self.nc.publish(msg.reply, b"alive")

@@ -74,3 +74,24 @@ async def test_losing_a_node_loses_nothing_and_notices_keep_working(
         await r1.close()
         await r2.close()
         await asyncio.gather(a.stop(), b.stop())
+
+
+async def test_a_controller_started_before_jetstream_has_a_quorum_waits_for_it(
+    nats_cluster: NatsCluster, tmp_path: Path
+) -> None:
+    """A controller started with its cluster (one node of three up: JetStream has no quorum and
+    cannot answer) waits for JetStream instead of exiting, and serves once it is back."""
+    nats_cluster.kill(1)
+    nats_cluster.kill(2)
+    c = Controller(settings(nats_cluster, tmp_path, "c"))
+    starting = asyncio.create_task(c.start())
+    try:
+        await asyncio.sleep(6.0)  # past one JetStream API timeout (5 s): it would have exited
+        assert not starting.done(), starting.exception() if starting.done() else None
+        await asyncio.gather(nats_cluster.restart(1), nats_cluster.restart(2))
+        await asyncio.wait_for(starting, 40)
+        await eventually(c.serving.is_set, timeout=20)
+    finally:
+        if not starting.done():
+            starting.cancel()
+        await c.stop()
