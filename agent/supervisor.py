@@ -285,18 +285,14 @@ class Supervisor:
                     log.warning("%s before the trainers started: exiting", self._signal_name)
                     await self.link.close(deregister=False)
                     return ExitCode.PREEMPTED
-                self.core.joined(client.epoch, [])
-                if client.unusable_devices:
+                gave_up = self.core.joined(client.epoch, list(client.unusable_devices))
+                if gave_up is not None:
                     # Quarantined or drained by the controller: running here cannot help; the
                     # pod goes back to the scheduler (a node the device is not on).
-                    log.error(
-                        "device(s) %s out of service (quarantined or drained); not starting "
-                        "the trainer",
-                        ", ".join(client.unusable_devices),
-                    )
+                    log.error("%s; not starting the trainer", gave_up.why)
                     await self._report("gave_up", summary="devices out of service")
                     await self.link.close(deregister=True, reason="devices out of service")
-                    return ExitCode.DEVICE_FAILED
+                    return gave_up.code
         metrics = None
         if self.config.metrics_addr:
             metrics = MetricsServer(self.config.metrics_addr, Probes(self.registry, self._ready))
