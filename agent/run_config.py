@@ -9,14 +9,16 @@ without touching the machine.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from agent import options as library
+from agent import ports
 from agent.errors import AgentError
 from agent.launch import (
     LaunchError,
@@ -108,10 +110,6 @@ def _default_preload(cmd: list[str]) -> list[str]:
     return default_preload(script_source(cmd))
 
 
-def _check_master(spec: LaunchSpec) -> None:
-    spec.check_master()
-
-
 def _resolve(**kw: Any) -> Options:
     from agent.options import resolve_options
 
@@ -124,10 +122,11 @@ class Lookups:
 
     node_name: Callable[[], str] = field(default_factory=lambda: node_name)
     resolve: Callable[..., Options] = field(default_factory=lambda: _resolve)
-    check_master: Callable[[LaunchSpec], None] = field(default_factory=lambda: _check_master)
+    check_master: Callable[[LaunchSpec], None] = field(default_factory=lambda: ports.check_master)
     default_preload: Callable[[list[str]], list[str]] = field(
         default_factory=lambda: _default_preload
     )
+    environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
 
 
 def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorConfig:
@@ -151,7 +150,7 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
             controller_key=args.controller_key,
         )
         launch = _launch(args, opts.devices, look) if args.torchrun_style else None
-        logs = _logs(args, launch)
+        logs = _logs(args, launch, look)
     except (AgentError, LaunchError) as e:
         raise ConfigError(str(e)) from None
     except ValueError as e:
@@ -234,7 +233,7 @@ def _launch(args: RunArgs, devices: list[str], look: Lookups) -> LaunchSpec:
     return launch
 
 
-def _logs(args: RunArgs, launch: LaunchSpec | None) -> LogSpec:
+def _logs(args: RunArgs, launch: LaunchSpec | None, look: Lookups) -> LogSpec:
     nlocal = launch.nproc_per_node if launch is not None else 1
     ranks = args.local_ranks_filter
     return LogSpec(
@@ -244,7 +243,9 @@ def _logs(args: RunArgs, launch: LaunchSpec | None) -> LogSpec:
         local_ranks_filter=(
             frozenset(int(x) for x in ranks.split(",") if x.strip()) if ranks else None
         ),
-        prefix_template=default_prefix_template(nlocal) if launch is not None else None,
+        prefix_template=(
+            default_prefix_template(nlocal, look.environ) if launch is not None else None
+        ),
     )
 
 

@@ -56,8 +56,9 @@ from agent.controller_link import (
     ControllerLink,
 )
 from agent.handoff import Handoff
-from agent.launch import Std, listening
+from agent.launch import Std
 from agent.local import TrainerChannel
+from agent.ports import listening, port_for_incarnation
 from agent.preflight import run_check
 from agent.proctree import become_subreaper, end_leftovers, leftovers, wait_groups_gone
 from agent.ranks import (
@@ -582,7 +583,7 @@ class Supervisor:
         then stops those that are)."""
         incarnation = self.core.started(time.monotonic())
         if self.launch is not None:
-            self.master_port = self.launch.port_for_incarnation(self.epoch)
+            self.master_port = port_for_incarnation(self.launch, self.epoch)
         base = self._trainer_env()
         for rank in self.ranks:
             rank.tail.clear()

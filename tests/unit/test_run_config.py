@@ -22,6 +22,7 @@ class Fakes:
         self.resolved: dict[str, Any] = {}
         self.checked: list[LaunchSpec] = []
         self.preloaded: list[list[str]] = []
+        self.environ: dict[str, str] = {}
 
     def resolve(self, **kw: Any) -> Options:
         self.resolved = kw
@@ -51,6 +52,7 @@ class Fakes:
             resolve=self.resolve,
             check_master=self.checked.append,
             default_preload=self.preload,
+            environ=self.environ,
         )
 
 
@@ -180,3 +182,10 @@ def test_a_script_runs_with_this_interpreter_as_torchrun_runs_it() -> None:
     assert build(cmd=["t.py", "--x"]).cmd == [sys.executable, "t.py", "--x"]
     assert build(cmd=["pkg.t"], module=True).cmd == [sys.executable, "-m", "pkg.t"]
     assert build(cmd=["t.py"], no_python=True).cmd == ["t.py"]
+
+
+def test_torchruns_line_prefix_template_from_the_environment() -> None:
+    fakes = Fakes()
+    fakes.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "${role_name}/${rank}|"
+    assert build(fakes, nproc_per_node="2").logs.prefix_template == "${role_name}/${rank}|"
+    assert build(Fakes(), nproc_per_node="1").logs.prefix_template is None
