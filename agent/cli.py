@@ -378,13 +378,13 @@ def run(
     """
     # First, before any other name is bound: every option's value, by name (RunArgs's fields).
     args = RunArgs(**locals())
-    from agent.supervisor import Supervisor
+    from agent.supervisor import CANCEL_WAIT_S, Supervisor
     from marduk.logs import setup_logging
-    from marduk.runtime import run as run_loop
+    from marduk.runtime import run_to_exit
 
     setup_logging(json_logs=json_logs, level=log_level)
     try:
         config = build_config(args)
     except ConfigError as e:
         options.fail(str(e), 2)
-    raise typer.Exit(run_loop(Supervisor(config).main()))
+    raise typer.Exit(run_to_exit(Supervisor(config).run(), linger_s=CANCEL_WAIT_S))

@@ -209,29 +209,6 @@ class Supervisor:
 
     # --- top level --------------------------------------------------------------------------------
 
-    async def main(self) -> int:
-        """``run()``, then end what is left (the process edge's entry point).
-
-        Whatever task is still running when the agent is done is cancelled and given
-        ``CANCEL_WAIT_S``; one that holds on to its cancellation (nats-py cut short while it
-        connects keeps retrying, up to ``--connect-timeout``) would otherwise keep the event
-        loop's shutdown, and the exit a SIGTERM asked for, waiting for it. Then the process
-        exits at once with the agent's code."""
-        code = await self.run()
-        current = asyncio.current_task()
-        stray = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
-        for task in stray:
-            task.cancel()
-        if stray:
-            _done, pending = await asyncio.wait(stray, timeout=CANCEL_WAIT_S)
-            if pending:
-                log.debug("%d task(s) ignored their cancellation; exiting anyway", len(pending))
-                logging.shutdown()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        return code
-
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
