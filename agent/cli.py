@@ -9,23 +9,22 @@ torchrun takes it (``train.py ARGS``: run with this interpreter).
 
 from __future__ import annotations
 
-import re
-import socket
-import sys
 from typing import Annotated, Literal
 
 import typer
 
 from agent import options as library
-from agent.launch import DEFAULT_MASTER_PORT, PORT_SPAN, LaunchSpec
-from agent.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
+from agent.launch import DEFAULT_MASTER_PORT, PORT_SPAN
+from agent.run_config import LAUNCH, Config, ConfigError, RunArgs, build_config
+from agent.run_config import node_name as node_name
+from agent.run_config import trainer_command as trainer_command
+from agent.supervisor_config import CONNECT_TIMEOUT_S
 from marduk import options
 from marduk.subjects import DEFAULT_PREFIX
 
 # Every default below is a settings object's (each defined once): the supervisor's
-# (SupervisorConfig's class attributes), the launch contract's, the library's.
-Config = SupervisorConfig
-LAUNCH = LaunchSpec()
+# (SupervisorConfig's class attributes), the launch contract's, the library's. What the options
+# mean is agent/run_config.py's.
 app = typer.Typer(
     help="The in-pod agent: spawn, watch and restart the trainer.", no_args_is_help=True
 )
@@ -377,144 +376,15 @@ def run(
     --max-restarts; 71 the controller sent 'fail' (a bad device); 72 the controller sent 'stop';
     143 SIGTERM (preemption).
     """
-    from agent.client import AgentError, resolve_options
-    from agent.launch import (
-        LaunchError,
-        LaunchSpec,
-        LogSpec,
-        default_prefix_template,
-        parse_endpoint,
-        parse_nnodes,
-        parse_std,
-    )
-    from agent.supervisor import Supervisor
-    from agent.supervisor_config import default_preload, script_source
+    # First, before any other name is bound: every option's value, by name (RunArgs's fields).
+    args = RunArgs(**locals())
+    from agent.supervisor import CANCEL_WAIT_S, Supervisor
     from marduk.logs import setup_logging
-    from marduk.runtime import run as run_loop
+    from marduk.runtime import run_to_exit
 
     setup_logging(json_logs=json_logs, level=log_level)
-    torchrun_style = any(
-        x is not None for x in (nproc_per_node, nnodes, node_rank, master_addr, master_port)
-    ) or bool(rdzv_endpoint)
-    if not replica and (torchrun_style or standalone):
-        across = nnodes is not None and nnodes.partition(":")[0] not in ("", "1")
-        replica = rdzv_id if rdzv_id != LAUNCH.run_id else ("main" if across else node_name())
-    if worker is None:
-        worker = node_rank or 0  # one worker of the replica per node
     try:
-        try:
-            re.compile(step_regex)
-        except re.error as e:
-            raise LaunchError(f"--step-regex {step_regex!r}: {e}") from None
-        opts = resolve_options(
-            replica or None,
-            [d.strip() for d in devices.split(",") if d.strip()] if devices else None,
-            job,
-            addr,
-            scope,
-            worker=worker,
-            prefix=prefix,
-            timeout=connect_timeout,
-            role="supervisor",
-            controller_key=controller_key,
-        )
-        launch = None
-        if torchrun_style:
-            nproc = nproc_per_node or str(LAUNCH.nproc_per_node)
-            n = (len(opts.devices) or 1) if nproc in ("gpu", "auto") else _count(nproc)
-            host, port = parse_endpoint(rdzv_endpoint) if rdzv_endpoint else (None, None)
-            nodes = parse_nnodes(nnodes or str(LAUNCH.nnodes))
-            if nodes > 1 and node_rank is None:
-                raise LaunchError(
-                    f"--nnodes {nodes} needs --node-rank: ranks are static (each agent is told "
-                    "its node), there is no elastic rendezvous"
-                )
-            launch = LaunchSpec(
-                nproc_per_node=n,
-                nnodes=nodes,
-                node_rank=node_rank or LAUNCH.node_rank,
-                master_addr=master_addr or host or LAUNCH.master_addr,
-                master_port=master_port if master_port is not None else port,
-                rank_devices=rank_devices,
-                role=role,
-                run_id=rdzv_id,
-                max_restarts=max_restarts,
-            )
-            launch.check_devices(opts.devices)
-            launch.check_master()
-        nlocal = launch.nproc_per_node if launch is not None else 1
-        logs = LogSpec(
-            log_dir=log_dir,
-            redirects=parse_std(redirects, nlocal, "--redirects"),
-            tee=parse_std(tee, nlocal, "--tee"),
-            local_ranks_filter=(
-                frozenset(int(x) for x in local_ranks_filter.split(",") if x.strip())
-                if local_ranks_filter
-                else None
-            ),
-            prefix_template=default_prefix_template(nlocal) if launch is not None else None,
-        )
-    except (AgentError, re.error, LaunchError) as e:
+        config = build_config(args)
+    except ConfigError as e:
         options.fail(str(e), 2)
-    except ValueError as e:
-        options.fail(f"--nproc-per-node or --local-ranks-filter: {e}", 2)
-    if not cmd:
-        options.fail("no trainer command given", 2)
-    command = trainer_command(cmd, module=module, no_python=no_python)
-    config = Config(
-        cmd=command,
-        opts=opts,
-        metrics_addr=metrics_addr,
-        preflight=preflight,
-        preflight_expect=preflight_expect,
-        preflight_timeout_s=preflight_timeout,
-        max_restarts=max_restarts,
-        restart_window_s=restart_window,
-        hang_timeout_s=hang_timeout,
-        startup_timeout_s=startup_timeout,
-        step_regex=step_regex,
-        grace_s=grace,
-        cleanup_cmd=cleanup_cmd,
-        prespawn=prespawn,
-        fork_server=fork_server,
-        reclaim_timeout_s=reclaim_timeout,
-        reclaim_tolerance_mib=reclaim_tolerance,
-        launch=launch,
-        logs=logs,
-        monitor_interval_s=monitor_interval,
-        standalone=standalone,
-        require_controller=require_controller,
-        preload=(
-            default_preload(script_source(command))
-            if not preload
-            else [m.strip() for m in preload.split(",") if m.strip() and m.strip() != "none"]
-        ),
-    )
-    raise typer.Exit(run_loop(Supervisor(config).main()))
-
-
-def _count(nproc: str) -> int:
-    """``--nproc-per-node N`` (N >= 1; ``gpu``/``auto`` are read by the caller)."""
-    from agent.launch import LaunchError
-
-    if not nproc.isdigit() or int(nproc) < 1:
-        raise LaunchError(
-            f"--nproc-per-node {nproc!r}: a number of ranks (1 or more), 'gpu' or 'auto'"
-        )
-    return int(nproc)
-
-
-def trainer_command(cmd: list[str], *, module: bool, no_python: bool) -> list[str]:
-    """The command to run: as given, or as torchrun runs ``SCRIPT.py ARGS`` and ``-m MODULE``
-    (with this interpreter)."""
-    if module:
-        return [sys.executable, "-m", *cmd]
-    if not no_python and cmd and cmd[0].endswith(".py"):
-        return [sys.executable, *cmd]
-    return cmd
-
-
-def node_name() -> str:
-    """The host name as a replica id (letters, digits, '_' and '-')."""
-    name = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0])[:128]
-    return name if name[:1].isalnum() else f"node-{name}"[:128]
+    raise typer.Exit(run_to_exit(Supervisor(config).run(), linger_s=CANCEL_WAIT_S))

@@ -11,15 +11,14 @@ Each local rank gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZ
 ``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
 ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``). The
 rendezvous is static: every agent knows its node rank (``--node-rank``), as with torchrun's
-``static`` backend; ``--rdzv-endpoint host:port`` names the master. Pure: no I/O but
-``free_port`` and ``listening``.
+``static`` backend; ``--rdzv-endpoint host:port`` names the master. Pure: the look-ups of the
+machine's ports are agent/ports.py's.
 """
 
 from __future__ import annotations
 
 import enum
 import os
-import socket
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -134,62 +133,28 @@ class LaunchSpec:
             return {"OMP_NUM_THREADS": "1"}
         return {}
 
-    def check_master(self) -> None:
-        """On one node, a free MASTER_PORT is picked on ``master_addr`` at each start: it must
-        be an address of this machine (LaunchError, one line, if not)."""
-        if self.nnodes == 1 and self.master_port is None:
-            try:
-                free_port(self.master_addr)
-            except OSError as e:
-                raise LaunchError(
-                    f"--master-addr {self.master_addr}: not an address of this machine "
-                    f"({e.strerror}); on one node rank 0 listens there"
-                ) from None
+    def fixed_port(self, epoch: int) -> int | None:
+        """MASTER_PORT for the incarnation started at restart epoch ``epoch``, where the spec
+        fixes it; None on one node without ``--master-port``: a free port per incarnation
+        (agent/ports.py), as torchrun's rendezvous picks, so a restart never waits on the old
+        socket.
 
-    def port_for_incarnation(self, epoch: int) -> int:
-        """MASTER_PORT for the next incarnation, started at restart epoch ``epoch``.
-
-        On one node: the fixed one, or a free one (a fresh port per restart, as torchrun's
-        rendezvous picks: no wait on the old socket). Across nodes: ``base + epoch % PORT_SPAN``
-        (base: ``--master-port``, else 29500). The agents of a job share its epoch, so they all
-        compute the same port without talking; the previous epoch's coordinator (rank 0 of the
-        old incarnation, which another node may not have stopped yet) listens on another port,
-        so a new rank never joins it, and the new coordinator never binds a port the old one
-        holds or left in TIME_WAIT (the same port comes back only PORT_SPAN epochs later).
+        Across nodes: ``base + epoch % PORT_SPAN`` (base: ``--master-port``, else 29500). The
+        agents of a job share its epoch, so they all compute the same port without talking;
+        the previous epoch's coordinator (rank 0 of the old incarnation, which another node
+        may not have stopped yet) listens on another port, so a new rank never joins it, and
+        the new coordinator never binds a port the old one holds or left in TIME_WAIT (the
+        same port comes back only PORT_SPAN epochs later).
         """
         if self.nnodes > 1:
             return (self.master_port or DEFAULT_MASTER_PORT) + epoch % PORT_SPAN
-        if self.master_port is not None:
-            return self.master_port
-        return free_port(self.master_addr)
+        return self.master_port
 
 
 def cuda_ids(devices: list[str], mine: list[str]) -> list[str]:
     """CUDA_VISIBLE_DEVICES for ``mine``: NVIDIA UUIDs as they are (CUDA takes them), other
     ids by their position among the node's devices (CUDA ordinals)."""
     return [d if d.startswith(("GPU-", "MIG-")) else str(devices.index(d)) for d in mine]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("localhost", "") else "127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def listening(port: int) -> bool:
-    """Some process of this network namespace listens on TCP ``port`` (/proc/net/tcp{,6})."""
-    suffix = f":{port:04X}"
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                next(f, None)  # the header
-                for line in f:
-                    fields = line.split(None, 4)
-                    if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(suffix):
-                        return True
-        except OSError:
-            continue
-    return False
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int | None]:
@@ -286,10 +251,10 @@ class LogSpec:
         return any(self.redirects.values()) or any(self.tee.values())
 
 
-def default_prefix_template(nproc_per_node: int) -> str | None:
+def default_prefix_template(nproc_per_node: int, environ: Mapping[str, str]) -> str | None:
     """``[rank3]:`` before each line when a node runs several ranks (torchrun's
-    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE, when set, instead)."""
-    template = os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+    TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE in ``environ``, when set, instead)."""
+    template = environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
     if template:
         return template
     return "[rank${rank}]:" if nproc_per_node > 1 else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -23,12 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agent import handoff
+from agent.start_mode import StartFacts, StartMode, choose, needs_import_check
 from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
 from marduk.children import die_with_parent
 
 log = logging.getLogger("agent.supervisor")
 
-ZYGOTE_RETRIES = 3
 IMPORT_CHECK_TIMEOUT_S = 60.0
 SETTLE_TIMEOUT_S = 10.0  # at most, for a fork or a standby's start in flight
 T = TypeVar("T")
@@ -91,15 +92,20 @@ class Starter:
     ) -> None:
         self.cmd = cmd
         self.preload = preload
-        self.fork_server = fork_server
         self.fork_server_timeout_s = fork_server_timeout_s
         self.stats = stats
         self._spawn = spawn  # named, guarded background tasks (the supervisor's)
-        self.standby_cmd = standby_command(cmd, preload) if prespawn else None
+        self.standby_cmd = standby_command(cmd, preload)
+        # The facts the start mode is chosen from (agent/start_mode.py); failures change them.
+        self.facts = StartFacts(
+            prespawn=prespawn,
+            python_command=self.standby_cmd is not None,
+            fork_server=fork_server,
+            has_pidfd=hasattr(os, "pidfd_open"),
+        )
+        self._chosen: tuple[StartMode, str] | None = None
         self.slots = [RankSlot() for _ in range(nproc)]
         self.zygote: Zygote | None = None
-        self._zygote_failures = 0  # in a row; past ZYGOTE_RETRIES the standby is used instead
-        self._imports_agent: bool | None = None  # can cmd's python import agent? (None: unknown)
         self._zygote_task: asyncio.Task[None] | None = None
         # Processes of ours being made (a fork, a standby's or the zygote's exec): their pids
         # are not known yet, so a sweep of leftovers must wait for them (``settle``).
@@ -125,22 +131,33 @@ class Starter:
         ``base_env``: the environment the fork server imports in (no rank's variables)."""
         slot = self.slots[rank]
         env = {k: v for k, v in env.items() if k != handoff.WARM_START}  # set by what starts it
-        if self.standby_cmd is not None and not self._fork_server_wanted():
+        if needs_import_check(self.facts):
             await self._check_warm_starts(env)
-        if self.standby_cmd is None:
+        mode = self.mode()
+        if mode is StartMode.COLD:
             slot.started_by = ""
             return await exec_trainer(self.cmd, env, stdin=False)
         slot.first_step.clear()
-        if self._fork_server_wanted():
+        if mode is StartMode.ZYGOTE:
             proc = await self._fork(rank, env, first, base_env)
         else:
             proc = await self._activate_standby(rank, env)
-        if not self._fork_server_wanted() and self.standby_cmd is not None:
-            # (forking turned out unsafe just now, or is off)
+        if self.mode() is StartMode.STANDBY:  # (forking turned out unsafe just now, or is off)
             # The next one starts once this trainer has made its first step (or after a
             # minute): importing a framework meanwhile would slow the restart it waits for.
             self._prepare(rank, self._prepare_standby(rank, env))
         return proc
+
+    def mode(self) -> StartMode:
+        """How the next trainer starts (logged when the choice or its reason changes)."""
+        chosen = choose(self.facts)
+        if chosen != self._chosen:
+            log.debug("trainers start %s: %s", chosen[0].value, chosen[1])
+            self._chosen = chosen
+        return chosen[0]
+
+    def _learn(self, **facts: Any) -> None:
+        self.facts = dataclasses.replace(self.facts, **facts)
 
     async def settle(self, timeout: float = SETTLE_TIMEOUT_S) -> None:
         """Until no process of ours is being made (each is then in ``infrastructure_pids``)."""
@@ -165,13 +182,6 @@ class Starter:
 
     # --- the fork server --------------------------------------------------------------------------
 
-    def _fork_server_wanted(self) -> bool:
-        return (
-            self.fork_server
-            and self._zygote_failures < ZYGOTE_RETRIES
-            and hasattr(os, "pidfd_open")
-        )
-
     async def _fork(
         self, rank: int, env: dict[str, str], first: bool, base_env: dict[str, str]
     ) -> TrainerProcess:
@@ -190,23 +200,21 @@ class Starter:
             # One failure per fork server, not per rank: the ranks after the first of this
             # start find none running (it was discarded) and start cold without counting.
             if self.zygote is not None:
-                self._zygote_failures += 1
+                self._learn(zygote_failures=self.facts.zygote_failures + 1)
                 await self._discard_zygote()
                 await self._check_warm_starts(env)
             if isinstance(e, ZygoteUnsafe):
                 log.error("cannot fork trainers: %s; using a standby process instead", e)
-                self._zygote_failures = ZYGOTE_RETRIES
+                self._learn(fork_unsafe=True)
                 return await self._activate_standby(rank, env)
             log.warning("fork server: %s; starting the trainer cold", e)
             self.stats["fork_server.failures"] += 1
             slot.started_by = ""
             cold = await exec_trainer(self.cmd, env, stdin=False)
-            if self.standby_cmd is None:
-                return cold
-            if self._fork_server_wanted() and self._zygote_task is None:
+            if self.mode() is StartMode.ZYGOTE and self._zygote_task is None:
                 self._zygote_task = self._spawn(self._prepare_zygote(rank, base_env), "zygote")
             return cold
-        self._zygote_failures = 0
+        self._learn(zygote_failures=0)
         slot.started_by = "zygote"
         # The next one is forked once this one has stepped (or after PREFORK_AFTER_S): forking
         # meanwhile would slow a restart (8 workers on 2 cores: 130 -> 280 ms). A fault before
@@ -263,7 +271,7 @@ class Starter:
             zygote = await self._made(Zygote.start(python, target, self.preload, env))
         except OSError as e:
             log.warning("cannot start the fork server: %s", e)
-            self._zygote_failures += 1
+            self._learn(zygote_failures=self.facts.zygote_failures + 1)
             return None
         log.info(
             "fork server started: pid %d, preloading %s",
@@ -310,7 +318,7 @@ class Starter:
         run in it)? If not (``-- python train.py`` with a python from another environment),
         every start is cold: a warm start would die before the trainer runs, and that death
         would count as the trainer's crash."""
-        if self._imports_agent is not None:
+        if self.facts.imports_agent is not None:
             return
         try:
             check = await asyncio.create_subprocess_exec(
@@ -323,10 +331,11 @@ class Starter:
                 env=env,
             )
             _, err = await asyncio.wait_for(check.communicate(), IMPORT_CHECK_TIMEOUT_S)
-            self._imports_agent = check.returncode == 0
+            imports = check.returncode == 0
         except (OSError, TimeoutError) as e:
-            err, self._imports_agent = str(e).encode(), False
-        if not self._imports_agent:
+            err, imports = str(e).encode(), False
+        self._learn(imports_agent=imports)
+        if not imports:
             last = (err.decode(errors="replace").strip().splitlines() or ["?"])[-1]
             log.warning(
                 "%s cannot import marduk's agent package (%s): starting every trainer cold "
@@ -335,8 +344,6 @@ class Starter:
                 last,
             )
             self.stats["warm_starts.unavailable"] += 1
-            self.standby_cmd = None
-            self.fork_server = False
 
     # --- standby processes ------------------------------------------------------------------------
 

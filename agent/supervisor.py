@@ -56,8 +56,9 @@ from agent.controller_link import (
     ControllerLink,
 )
 from agent.handoff import Handoff
-from agent.launch import Std, listening
+from agent.launch import Std
 from agent.local import TrainerChannel
+from agent.ports import listening, port_for_incarnation
 from agent.preflight import run_check
 from agent.proctree import become_subreaper, end_leftovers, leftovers, wait_groups_gone
 from agent.ranks import (
@@ -208,29 +209,6 @@ class Supervisor:
 
     # --- top level --------------------------------------------------------------------------------
 
-    async def main(self) -> int:
-        """``run()``, then end what is left (the process edge's entry point).
-
-        Whatever task is still running when the agent is done is cancelled and given
-        ``CANCEL_WAIT_S``; one that holds on to its cancellation (nats-py cut short while it
-        connects keeps retrying, up to ``--connect-timeout``) would otherwise keep the event
-        loop's shutdown, and the exit a SIGTERM asked for, waiting for it. Then the process
-        exits at once with the agent's code."""
-        code = await self.run()
-        current = asyncio.current_task()
-        stray = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
-        for task in stray:
-            task.cancel()
-        if stray:
-            _done, pending = await asyncio.wait(stray, timeout=CANCEL_WAIT_S)
-            if pending:
-                log.debug("%d task(s) ignored their cancellation; exiting anyway", len(pending))
-                logging.shutdown()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        return code
-
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -285,18 +263,14 @@ class Supervisor:
                     log.warning("%s before the trainers started: exiting", self._signal_name)
                     await self.link.close(deregister=False)
                     return ExitCode.PREEMPTED
-                self.core.joined(client.epoch, [])
-                if client.unusable_devices:
+                gave_up = self.core.joined(client.epoch, list(client.unusable_devices))
+                if gave_up is not None:
                     # Quarantined or drained by the controller: running here cannot help; the
                     # pod goes back to the scheduler (a node the device is not on).
-                    log.error(
-                        "device(s) %s out of service (quarantined or drained); not starting "
-                        "the trainer",
-                        ", ".join(client.unusable_devices),
-                    )
+                    log.error("%s; not starting the trainer", gave_up.why)
                     await self._report("gave_up", summary="devices out of service")
                     await self.link.close(deregister=True, reason="devices out of service")
-                    return ExitCode.DEVICE_FAILED
+                    return gave_up.code
         metrics = None
         if self.config.metrics_addr:
             metrics = MetricsServer(self.config.metrics_addr, Probes(self.registry, self._ready))
@@ -586,7 +560,7 @@ class Supervisor:
         then stops those that are)."""
         incarnation = self.core.started(time.monotonic())
         if self.launch is not None:
-            self.master_port = self.launch.port_for_incarnation(self.epoch)
+            self.master_port = port_for_incarnation(self.launch, self.epoch)
         base = self._trainer_env()
         for rank in self.ranks:
             rank.tail.clear()

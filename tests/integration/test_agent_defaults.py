@@ -40,7 +40,7 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[SupervisorConfig]:
         def __init__(self, config: SupervisorConfig) -> None:
             configs.append(config)
 
-        async def main(self) -> int:
+        async def run(self) -> int:
             return 0
 
     monkeypatch.setattr(agent.supervisor, "Supervisor", Captured)

@@ -15,6 +15,7 @@ from agent.launch import (
     parse_nnodes,
     parse_std,
 )
+from agent.ports import port_for_incarnation
 
 
 def test_rank_variables_match_torchrun() -> None:
@@ -70,9 +71,10 @@ def test_bad_node_rank_and_elastic_nnodes_are_clear_errors() -> None:
 
 
 def test_master_port_fixed_free_or_torchruns_default() -> None:
-    assert LaunchSpec(master_port=4000).port_for_incarnation(7) == 4000
-    assert LaunchSpec(nnodes=2, node_rank=0).port_for_incarnation(0) == 29500
-    assert 0 < LaunchSpec().port_for_incarnation(0) < 65536
+    assert port_for_incarnation(LaunchSpec(master_port=4000), 7) == 4000
+    assert port_for_incarnation(LaunchSpec(nnodes=2, node_rank=0), 0) == 29500
+    assert LaunchSpec().fixed_port(0) is None
+    assert 0 < port_for_incarnation(LaunchSpec(), 0) < 65536
 
 
 def test_across_nodes_the_coordinator_port_moves_with_the_epoch() -> None:
@@ -80,12 +82,12 @@ def test_across_nodes_the_coordinator_port_moves_with_the_epoch() -> None:
     one's (a restarted rank must not reach the old coordinator), and it wraps within the span."""
     nodes = [LaunchSpec(nnodes=3, node_rank=i, master_port=4000) for i in range(3)]
     for epoch in range(40):
-        ports = {n.port_for_incarnation(epoch) for n in nodes}
+        ports = {n.fixed_port(epoch) for n in nodes}
         assert len(ports) == 1
         port = ports.pop()
         assert 4000 <= port < 4000 + PORT_SPAN
-        assert port != nodes[0].port_for_incarnation(epoch + 1)
-    assert LaunchSpec(nnodes=2).port_for_incarnation(PORT_SPAN + 1) == 29501
+        assert port != nodes[0].fixed_port(epoch + 1)
+    assert LaunchSpec(nnodes=2).fixed_port(PORT_SPAN + 1) == 29501
     with pytest.raises(LaunchError, match="below"):
         LaunchSpec(nnodes=2, master_port=65535)
 
@@ -164,7 +166,7 @@ def test_launch_mistakes_are_one_line_and_exit_2(options: list[str], message: st
 def test_listening_sees_a_listening_socket_only() -> None:
     import socket
 
-    from agent.launch import listening
+    from agent.ports import listening
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -292,6 +292,20 @@ def test_joining_a_controller_that_put_our_devices_out_of_service_gives_up() -> 
     assert isinstance(d, GiveUp) and d.code == ExitCode.DEVICE_FAILED and "d1" in d.why
 
 
+def test_registering_before_the_start_with_devices_out_of_service_gives_up() -> None:
+    s = Supervision(LIMITS, 2, epoch=0)  # the trainers have not started: this is the first word
+    d = s.joined(3, ["d1", "d2"])
+    assert d == GiveUp(
+        ExitCode.DEVICE_FAILED, "device(s) d1, d2 out of service (quarantined or drained)"
+    )
+    assert s.epoch == 3  # adopted all the same: the controller's epochs apply
+
+
+def test_registering_before_the_start_with_usable_devices_goes_on() -> None:
+    s = Supervision(LIMITS, 1, epoch=0)
+    assert s.joined(2, []) is None and s.epoch == 2
+
+
 def test_nproc_must_be_positive() -> None:
     with pytest.raises(ValueError):
         Supervision(LIMITS, 0)

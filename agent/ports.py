@@ -1,0 +1,51 @@
+"""The agent's look-ups of the machine's ports: a free TCP port to give the ranks as
+MASTER_PORT, and whether a rank listens on it yet. Kept apart from the launch contract
+(agent/launch.py), which stays pure."""
+
+from __future__ import annotations
+
+import socket
+
+from agent.launch import LaunchError, LaunchSpec
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host if host not in ("localhost", "") else "127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def listening(port: int) -> bool:
+    """Some process of this network namespace listens on TCP ``port`` (/proc/net/tcp{,6})."""
+    suffix = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f, None)  # the header
+                for line in f:
+                    fields = line.split(None, 4)
+                    if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(suffix):
+                        return True
+        except OSError:
+            continue
+    return False
+
+
+def check_master(spec: LaunchSpec) -> None:
+    """On one node, a free MASTER_PORT is picked on ``master_addr`` at each start: it must be
+    an address of this machine (LaunchError, one line, if not)."""
+    if spec.fixed_port(0) is None:
+        try:
+            free_port(spec.master_addr)
+        except OSError as e:
+            raise LaunchError(
+                f"--master-addr {spec.master_addr}: not an address of this machine "
+                f"({e.strerror}); on one node rank 0 listens there"
+            ) from None
+
+
+def port_for_incarnation(spec: LaunchSpec, epoch: int) -> int:
+    """MASTER_PORT for the incarnation started at restart epoch ``epoch``: the spec's
+    (``LaunchSpec.fixed_port``), else a free one on ``master_addr``."""
+    port = spec.fixed_port(epoch)
+    return port if port is not None else free_port(spec.master_addr)

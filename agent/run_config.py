@@ -1,0 +1,274 @@
+"""What ``marduk agent run``'s options mean: ``build_config`` turns the parsed option values
+(``RunArgs``) into the supervisor's configuration, checking them on the way.
+
+The CLI (agent/cli.py) only declares the options and reports a ``ConfigError`` as one line,
+exit 2. The few look-ups the building needs (the host name, the controller's options, whether a
+port can be bound, the script's imports) come in through ``Lookups``, so the rules are tested
+without touching the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from agent import options as library
+from agent import ports
+from agent.errors import AgentError
+from agent.launch import (
+    LaunchError,
+    LaunchSpec,
+    LogSpec,
+    default_prefix_template,
+    parse_endpoint,
+    parse_nnodes,
+    parse_std,
+)
+from agent.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
+from marduk import options
+from marduk.subjects import DEFAULT_PREFIX
+
+if TYPE_CHECKING:
+    from agent.options import Options
+
+Config = SupervisorConfig
+LAUNCH = LaunchSpec()
+
+
+class ConfigError(ValueError):
+    """An option that cannot work: one line naming it, for the user (exit 2)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunArgs:
+    """The values of ``marduk agent run``'s options, as parsed (one field per option; the
+    defaults are the CLI's)."""
+
+    cmd: list[str]
+    job: str = library.DEFAULT_JOB
+    replica: str = ""
+    worker: int | None = None
+    devices: str = ""
+    scope: Literal["replica", "job"] = library.DEFAULT_SCOPE
+    max_restarts: int = Config.max_restarts
+    restart_window: float = Config.restart_window_s
+    hang_timeout: float = Config.hang_timeout_s
+    startup_timeout: float = Config.startup_timeout_s
+    step_regex: str = Config.step_regex
+    grace: float = Config.grace_s
+    cleanup_cmd: str = Config.cleanup_cmd
+    prespawn: bool = Config.prespawn
+    fork_server: bool = Config.fork_server
+    preload: str = ""
+    reclaim_timeout: float = Config.reclaim_timeout_s
+    reclaim_tolerance: float = Config.reclaim_tolerance_mib
+    addr: str = options.DEFAULTS["addr"]
+    prefix: str = DEFAULT_PREFIX
+    connect_timeout: float = CONNECT_TIMEOUT_S
+    controller_key: str | None = None
+    preflight: bool = Config.preflight
+    preflight_expect: int | None = Config.preflight_expect
+    preflight_timeout: float = Config.preflight_timeout_s
+    nproc_per_node: str | None = None
+    nnodes: str | None = None
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str = ""
+    rdzv_backend: str = "static"
+    rdzv_id: str = LAUNCH.run_id
+    role: str = LAUNCH.role
+    rank_devices: Literal["all", "split"] = LAUNCH.rank_devices
+    module: bool = False
+    no_python: bool = False
+    monitor_interval: float | None = None
+    log_dir: str | None = None
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: str = ""
+    standalone: bool = Config.standalone
+    require_controller: bool = Config.require_controller
+    metrics_addr: str | None = None
+    json_logs: bool = False
+    log_level: str = "info"
+
+    @property
+    def torchrun_style(self) -> bool:
+        """Any of torchrun's placement options given: the ranks get torchrun's variables."""
+        placed = (self.nproc_per_node, self.nnodes, self.node_rank, self.master_addr)
+        return any(x is not None for x in (*placed, self.master_port)) or bool(self.rdzv_endpoint)
+
+
+def _default_preload(cmd: list[str]) -> list[str]:
+    from agent.supervisor_config import default_preload, script_source
+
+    return default_preload(script_source(cmd))
+
+
+def _resolve(**kw: Any) -> Options:
+    from agent.options import resolve_options
+
+    return resolve_options(**kw)
+
+
+@dataclass(frozen=True, slots=True)
+class Lookups:
+    """What building the configuration asks of the machine; tests pass their own."""
+
+    node_name: Callable[[], str] = field(default_factory=lambda: node_name)
+    resolve: Callable[..., Options] = field(default_factory=lambda: _resolve)
+    check_master: Callable[[LaunchSpec], None] = field(default_factory=lambda: ports.check_master)
+    default_preload: Callable[[list[str]], list[str]] = field(
+        default_factory=lambda: _default_preload
+    )
+    environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
+
+
+def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorConfig:
+    """The supervisor's configuration (with its options, launch and log specs) from ``args``;
+    ConfigError, one line naming the option, for anything that cannot work."""
+    look = lookups or Lookups()
+    try:
+        _check_regex(args.step_regex)
+        opts = look.resolve(
+            replica_id=_replica(args, look) or None,
+            devices=[d.strip() for d in args.devices.split(",") if d.strip()]
+            if args.devices
+            else None,
+            job=args.job,
+            addr=args.addr,
+            scope=args.scope,
+            worker=args.worker if args.worker is not None else (args.node_rank or 0),
+            prefix=args.prefix,
+            timeout=args.connect_timeout,
+            role="supervisor",
+            controller_key=args.controller_key,
+        )
+        launch = _launch(args, opts.devices, look) if args.torchrun_style else None
+        logs = _logs(args, launch, look)
+    except (AgentError, LaunchError) as e:
+        raise ConfigError(str(e)) from None
+    except ValueError as e:
+        raise ConfigError(f"--nproc-per-node or --local-ranks-filter: {e}") from None
+    if not args.cmd:
+        raise ConfigError("no trainer command given")
+    command = trainer_command(args.cmd, module=args.module, no_python=args.no_python)
+    return Config(
+        cmd=command,
+        opts=opts,
+        metrics_addr=args.metrics_addr,
+        preflight=args.preflight,
+        preflight_expect=args.preflight_expect,
+        preflight_timeout_s=args.preflight_timeout,
+        max_restarts=args.max_restarts,
+        restart_window_s=args.restart_window,
+        hang_timeout_s=args.hang_timeout,
+        startup_timeout_s=args.startup_timeout,
+        step_regex=args.step_regex,
+        grace_s=args.grace,
+        cleanup_cmd=args.cleanup_cmd,
+        prespawn=args.prespawn,
+        fork_server=args.fork_server,
+        reclaim_timeout_s=args.reclaim_timeout,
+        reclaim_tolerance_mib=args.reclaim_tolerance,
+        launch=launch,
+        logs=logs,
+        monitor_interval_s=args.monitor_interval,
+        standalone=args.standalone,
+        require_controller=args.require_controller,
+        preload=(
+            look.default_preload(command)
+            if not args.preload
+            else [m.strip() for m in args.preload.split(",") if m.strip() and m.strip() != "none"]
+        ),
+    )
+
+
+def _replica(args: RunArgs, look: Lookups) -> str:
+    """``--replica``, or with torchrun's options or --standalone: --rdzv-id if given, else the
+    host name on one node, 'main' across nodes."""
+    if args.replica or not (args.torchrun_style or args.standalone):
+        return args.replica
+    if args.rdzv_id != LAUNCH.run_id:
+        return args.rdzv_id
+    across = args.nnodes is not None and args.nnodes.partition(":")[0] not in ("", "1")
+    return "main" if across else look.node_name()
+
+
+def _check_regex(step_regex: str) -> None:
+    try:
+        re.compile(step_regex)
+    except re.error as e:
+        raise LaunchError(f"--step-regex {step_regex!r}: {e}") from None
+
+
+def _launch(args: RunArgs, devices: list[str], look: Lookups) -> LaunchSpec:
+    nproc = args.nproc_per_node or str(LAUNCH.nproc_per_node)
+    n = (len(devices) or 1) if nproc in ("gpu", "auto") else _count(nproc)
+    host, port = parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else (None, None)
+    nodes = parse_nnodes(args.nnodes or str(LAUNCH.nnodes))
+    if nodes > 1 and args.node_rank is None:
+        raise LaunchError(
+            f"--nnodes {nodes} needs --node-rank: ranks are static (each agent is told "
+            "its node), there is no elastic rendezvous"
+        )
+    launch = LaunchSpec(
+        nproc_per_node=n,
+        nnodes=nodes,
+        node_rank=args.node_rank or LAUNCH.node_rank,
+        master_addr=args.master_addr or host or LAUNCH.master_addr,
+        master_port=args.master_port if args.master_port is not None else port,
+        rank_devices=args.rank_devices,
+        role=args.role,
+        run_id=args.rdzv_id,
+        max_restarts=args.max_restarts,
+    )
+    launch.check_devices(devices)
+    look.check_master(launch)
+    return launch
+
+
+def _logs(args: RunArgs, launch: LaunchSpec | None, look: Lookups) -> LogSpec:
+    nlocal = launch.nproc_per_node if launch is not None else 1
+    ranks = args.local_ranks_filter
+    return LogSpec(
+        log_dir=args.log_dir,
+        redirects=parse_std(args.redirects, nlocal, "--redirects"),
+        tee=parse_std(args.tee, nlocal, "--tee"),
+        local_ranks_filter=(
+            frozenset(int(x) for x in ranks.split(",") if x.strip()) if ranks else None
+        ),
+        prefix_template=(
+            default_prefix_template(nlocal, look.environ) if launch is not None else None
+        ),
+    )
+
+
+def _count(nproc: str) -> int:
+    """``--nproc-per-node N`` (N >= 1; ``gpu``/``auto`` are read by the caller)."""
+    if not nproc.isdigit() or int(nproc) < 1:
+        raise LaunchError(
+            f"--nproc-per-node {nproc!r}: a number of ranks (1 or more), 'gpu' or 'auto'"
+        )
+    return int(nproc)
+
+
+def trainer_command(cmd: list[str], *, module: bool, no_python: bool) -> list[str]:
+    """The command to run: as given, or as torchrun runs ``SCRIPT.py ARGS`` and ``-m MODULE``
+    (with this interpreter)."""
+    if module:
+        return [sys.executable, "-m", *cmd]
+    if not no_python and cmd and cmd[0].endswith(".py"):
+        return [sys.executable, *cmd]
+    return cmd
+
+
+def node_name() -> str:
+    """The host name as a replica id (letters, digits, '_' and '-')."""
+    name = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname().split(".")[0])[:128]
+    return name if name[:1].isalnum() else f"node-{name}"[:128]

@@ -1,0 +1,191 @@
+"""``build_config``: what ``marduk agent run``'s options mean, checked without the machine (the
+look-ups are fakes)."""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import pytest
+
+from agent.errors import AgentError
+from agent.launch import LaunchSpec, Std
+from agent.options import Options
+from agent.run_config import ConfigError, Lookups, RunArgs, build_config
+
+
+class Fakes:
+    def __init__(self, devices: list[str] | None = None, fail: str | None = None) -> None:
+        self.devices = devices or []
+        self.fail = fail
+        self.resolved: dict[str, Any] = {}
+        self.checked: list[LaunchSpec] = []
+        self.preloaded: list[list[str]] = []
+        self.environ: dict[str, str] = {}
+
+    def resolve(self, **kw: Any) -> Options:
+        self.resolved = kw
+        if self.fail:
+            raise AgentError(self.fail)
+        return Options(
+            job=kw["job"],
+            replica=kw["replica_id"] or "",
+            worker=kw["worker"],
+            devices=kw["devices"] if kw["devices"] is not None else self.devices,
+            addr=kw["addr"],
+            prefix=kw["prefix"],
+            scope=kw["scope"],
+            timeout=kw["timeout"],
+            incarnation=0,
+            epoch=0,
+            role=kw["role"],
+        )
+
+    def preload(self, cmd: list[str]) -> list[str]:
+        self.preloaded.append(cmd)
+        return ["jax"]
+
+    def lookups(self) -> Lookups:
+        return Lookups(
+            node_name=lambda: "host-a",
+            resolve=self.resolve,
+            check_master=self.checked.append,
+            default_preload=self.preload,
+            environ=self.environ,
+        )
+
+
+def build(fakes: Fakes | None = None, **kw: Any) -> Any:
+    kw.setdefault("cmd", ["python", "train.py"])
+    return build_config(RunArgs(**kw), (fakes or Fakes()).lookups())
+
+
+def test_run_args_has_one_field_per_option_of_agent_run() -> None:
+    from agent.cli import run
+
+    params = set(inspect.signature(run.__wrapped__).parameters)
+    assert params == set(RunArgs.__dataclass_fields__)
+
+
+def test_without_torchrun_options_one_trainer_and_no_launch_contract() -> None:
+    fakes = Fakes()
+    config = build(fakes, replica="r1", devices="a, b,", max_restarts=4, grace=2.0)
+    assert config.launch is None
+    assert config.cmd == ["python", "train.py"]
+    assert (config.max_restarts, config.grace_s) == (4, 2.0)
+    assert config.logs.redirects == {0: Std.NONE} and config.logs.prefix_template is None
+    assert fakes.resolved["replica_id"] == "r1"
+    assert fakes.resolved["devices"] == ["a", "b"]
+    assert fakes.resolved["role"] == "supervisor" and fakes.resolved["worker"] == 0
+    assert fakes.checked == []
+
+
+def test_no_replica_and_no_torchrun_options_leaves_it_to_the_environment() -> None:
+    fakes = Fakes()
+    build(fakes)
+    assert fakes.resolved["replica_id"] is None
+    assert fakes.resolved["devices"] is None  # discovered
+
+
+def test_one_node_torchrun_style_is_named_after_the_host_and_checks_the_master() -> None:
+    fakes = Fakes()
+    config = build(fakes, nproc_per_node="2")
+    assert fakes.resolved["replica_id"] == "host-a"
+    assert config.launch == LaunchSpec(nproc_per_node=2, max_restarts=config.max_restarts)
+    assert fakes.checked == [config.launch]
+    assert config.logs.prefix_template == "[rank${rank}]:"
+
+
+def test_standalone_is_named_after_the_host_too() -> None:
+    fakes = Fakes()
+    config = build(fakes, standalone=True)
+    assert fakes.resolved["replica_id"] == "host-a"
+    assert config.launch is None and config.standalone
+
+
+def test_across_nodes_the_replica_is_main_and_the_worker_is_the_node_rank() -> None:
+    fakes = Fakes()
+    config = build(fakes, nnodes="2:2", node_rank=1, master_addr="h0")
+    assert fakes.resolved["replica_id"] == "main" and fakes.resolved["worker"] == 1
+    assert (config.launch.nnodes, config.launch.node_rank, config.launch.master_addr) == (
+        2,
+        1,
+        "h0",
+    )
+
+
+def test_rdzv_id_names_the_replica_and_the_endpoint_the_master() -> None:
+    fakes = Fakes()
+    config = build(fakes, rdzv_id="run7", rdzv_endpoint="h1:4000")
+    assert fakes.resolved["replica_id"] == "run7"
+    assert (config.launch.master_addr, config.launch.master_port) == ("h1", 4000)
+    assert config.launch.run_id == "run7"
+
+
+def test_an_explicit_worker_wins_over_the_node_rank() -> None:
+    fakes = Fakes()
+    build(fakes, nnodes="2", node_rank=1, worker=5)
+    assert fakes.resolved["worker"] == 5
+
+
+def test_nproc_gpu_is_one_rank_per_device() -> None:
+    config = build(Fakes(devices=["g0", "g1", "g2"]), nproc_per_node="gpu")
+    assert config.launch.nproc_per_node == 3
+    assert build(Fakes(), nproc_per_node="auto").launch.nproc_per_node == 1
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"nnodes": "2"}, "--nnodes 2 needs --node-rank"),
+        ({"nnodes": "1:2"}, "--nnodes 1:2: elastic"),
+        ({"nproc_per_node": "0"}, "--nproc-per-node '0'"),
+        ({"nproc_per_node": "x"}, "--nproc-per-node 'x'"),
+        ({"step_regex": "("}, "--step-regex '('"),
+        ({"redirects": "9"}, "--redirects '9'"),
+        ({"nproc_per_node": "2", "tee": "5:1"}, "--tee '5:1': local rank 5 of 2"),
+        ({"local_ranks_filter": "a"}, "--nproc-per-node or --local-ranks-filter"),
+        ({"rdzv_endpoint": "h:x"}, "--rdzv-endpoint 'h:x'"),
+        ({"nproc_per_node": "2", "rank_devices": "split"}, "--rank-devices split"),
+        ({"cmd": []}, "no trainer command given"),
+    ],
+)
+def test_an_option_that_cannot_work_is_one_line_naming_it(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        build(**kw)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_resolvers_error_is_reported_as_it_is() -> None:
+    with pytest.raises(ConfigError, match=r"^replica_id is required"):
+        build(Fakes(fail="replica_id is required (or set MARDUK_REPLICA_ID)"))
+
+
+def test_a_bad_regex_is_reported_before_anything_is_resolved() -> None:
+    fakes = Fakes(fail="not this one")
+    with pytest.raises(ConfigError, match="--step-regex"):
+        build(fakes, step_regex="(")
+    assert fakes.resolved == {}
+
+
+def test_preload_given_or_guessed_from_the_command() -> None:
+    fakes = Fakes()
+    assert build(fakes).preload == ["jax"]
+    assert fakes.preloaded == [["python", "train.py"]]
+    assert build(preload="torch, numpy").preload == ["torch", "numpy"]
+    assert build(preload="none").preload == []
+
+
+def test_a_script_runs_with_this_interpreter_as_torchrun_runs_it() -> None:
+    assert build(cmd=["t.py", "--x"]).cmd == [sys.executable, "t.py", "--x"]
+    assert build(cmd=["pkg.t"], module=True).cmd == [sys.executable, "-m", "pkg.t"]
+    assert build(cmd=["t.py"], no_python=True).cmd == ["t.py"]
+
+
+def test_torchruns_line_prefix_template_from_the_environment() -> None:
+    fakes = Fakes()
+    fakes.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "${role_name}/${rank}|"
+    assert build(fakes, nproc_per_node="2").logs.prefix_template == "${role_name}/${rank}|"
+    assert build(Fakes(), nproc_per_node="1").logs.prefix_template is None
