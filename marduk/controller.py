@@ -333,7 +333,9 @@ class Controller:
         # nats-py gives up on a connection only after a protocol error: nothing will bring it
         # back, so end (exit 1); the process's supervisor restarts it, a standby leads meanwhile.
         if not self._stopping:
-            self._die("the NATS connection was closed (a protocol error?)")
+            self._die(
+                bus.refusal(self.nc) or "the NATS connection was closed (a protocol error?)"
+            )
 
     async def _on_disconnected(self) -> None:
         if self._stopping:  # our own close, not a lost connection

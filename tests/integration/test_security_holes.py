@@ -382,3 +382,55 @@ async def test_marduk_auth_revoke_on_a_running_controller_closes_the_open_connec
         await asyncio.to_thread(ctl.expect, "the embedded server applied it", 5)
     finally:
         ctl.stop()
+
+
+async def test_a_rotation_keeps_the_holder_working_until_it_is_finished_then_says_so(
+    tmp_path: Path, auth_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review of issue 16: a rotated holder reconnected with the old public key signed by the
+    new seed (nats-py re-reads the file), refused forever and silently."""
+    server = NatsServer(tmp_path / "js", args=["-c", str(auth_dir / auth.CONFIG_FILE)]).start()
+    closed, back = asyncio.Event(), asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    async def on_reconnected() -> None:
+        back.set()
+
+    holder = await bus.connect(
+        server.url, name="holder", credentials=creds(auth_dir, "agent-jobA"),
+        reconnect=True, on_closed=on_closed, on_reconnected=on_reconnected,
+    )  # fmt: skip
+    try:
+        old_controller = auth.identities(auth_dir)[1][0].public_key
+        rotated = auth.rotate(auth_dir, "agent-jobA")
+        server.reload()
+        await asyncio.sleep(0.3)
+        server.stop()  # a reconnect: the holder presents the key it connected with
+        server.start()
+        await asyncio.wait_for(back.wait(), 10)
+        await holder.flush()
+        fresh = await bus.connect(server.url, name="new", credentials=creds(auth_dir, "agent-jobA"))
+        await bus.close(fresh, drain=False)
+        # A controller rotation lists both keys for agents until it is finished.
+        new_controller = auth.rotate(auth_dir, "controller").public_key
+        pub = str(auth_dir / auth.CONTROLLER_PUB)
+        assert auth.load_public_keys(pub) == [new_controller, old_controller]
+        # Finished: the previous key is refused, and the holder says so in one line and stops.
+        auth.finish_rotation(auth_dir, "agent-jobA")
+        auth.finish_rotation(auth_dir, "controller")
+        assert auth.load_public_keys(pub) == [new_controller]
+        assert rotated.previous is not None
+        server.reload()
+        await asyncio.sleep(0.3)
+        server.stop()
+        server.start()
+        await asyncio.wait_for(closed.wait(), 10)
+        said = [r.getMessage() for r in caplog.records if "credentials refused" in r.getMessage()]
+        assert len(said) == 1 and "rotated or revoked" in said[0], said
+        assert bus.refusal(holder) == said[0]
+    finally:
+        if not holder.is_closed:
+            await nats.NATS.close(holder)
+        server.stop()
