@@ -76,9 +76,7 @@ def rotate(
     name: Annotated[str, typer.Argument(help="Identity, e.g. agent or admin.")],
     finish: Annotated[
         bool,
-        typer.Option(
-            "--finish", help="End the rotation: the previous key is refused from now on."
-        ),
+        typer.Option("--finish", help="End the rotation: the previous key is refused from now on."),
     ] = False,
 ) -> None:
     """Give an identity a new key; the old one stays valid until `rotate --finish`.

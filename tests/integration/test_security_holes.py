@@ -175,8 +175,9 @@ async def test_every_monitor_command_refused_a_permission_says_so_in_one_line(
     server, _ = secure
     env = {**os.environ, "MARDUK_ADDR": server.url, "MARDUK_NKEY": str(auth_dir / "agent.nk")}
     commands = {
-        ("inject-failure", "d1"): "publish on marduk.health",
-        ("mark-healthy", "d1"): "publish on marduk.health",
+        # Checked before publishing: it could not tell a published event was stored.
+        ("inject-failure", "d1"): "subscribe to marduk.health.stored, so it cannot tell",
+        ("mark-healthy", "d1"): "subscribe to marduk.health.stored, so it cannot tell",
         ("status",): "publish on marduk.ctl.query",
         ("drain", "--host", "h1"): "publish on marduk.ctl.drain",
         ("forget", "jobA"): "publish on marduk.ctl.forget",
@@ -202,8 +203,8 @@ async def test_every_monitor_command_refused_a_permission_says_so_in_one_line(
     for (args, permission), (code, stderr) in zip(commands.items(), results, strict=True):
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 1 and len(lines) == 1, (args, stderr)
-        assert (
-            lines[0] == f"error: authorization violation: the agent credential may not {permission}"
+        assert lines[0].startswith(
+            f"error: authorization violation: the agent credential may not {permission}"
         )
 
 
@@ -434,3 +435,110 @@ async def test_a_rotation_keeps_the_holder_working_until_it_is_finished_then_say
         if not holder.is_closed:
             await nats.NATS.close(holder)
         server.stop()
+
+
+async def test_a_monitor_cannot_forge_another_monitors_decision(
+    secure: tuple[NatsServer, Controller], auth_dir: Path
+) -> None:
+    """Review of issue 16: health.stored shows every inbox; an event naming the victim's inbox
+    made the controller answer there, and the victim took the first answer it got."""
+    server, c = secure
+    attacker = await bus.connect(
+        server.url, name="attacker", credentials=creds(auth_dir, "monitor")
+    )
+    victim = await bus.connect(server.url, name="victim", credentials=creds(auth_dir, "admin"))
+    forged = 0
+    seen: set[str] = set()
+
+    async def on_stored(msg: nats.aio.msg.Msg) -> None:
+        nonlocal forged
+        inbox = (msg.headers or {}).get("Marduk-Reply-To", "")
+        if inbox.startswith("_INBOX.admin.") and inbox not in seen:  # once: ours are stored too
+            seen.add(inbox)
+            forged += 1
+            for device in ("bad device id!", "elsewhere"):  # an ErrorReply and a HealthReply
+                bad = wire.DeviceHealth(device=device, state="failed", event_id=f"atk-{forged}")
+                await attacker.publish(S.health, encode(bad), headers={"Marduk-Reply-To": inbox})
+
+    await attacker.subscribe(S.health_stored, cb=on_stored)
+    await attacker.flush()
+    ignored = monitor.STATS["monitor.replies_ignored"]
+    try:
+        for i in range(3):
+            ev = wire.DeviceHealth(device=f"v{i}", state="failed", event_id=f"victim-{i}")
+            reply = await monitor.publish_durably(victim, S, ev, timeout=5)
+            assert reply.event_id == ev.event_id and reply.device == ev.device
+            await asyncio.sleep(0.3)  # the forged answers arrive, and are ignored
+        assert forged >= 3 and monitor.STATS["monitor.replies_ignored"] > ignored
+    finally:
+        await bus.close(attacker, drain=False)
+        await bus.close(victim, drain=False)
+
+
+async def test_publishes_in_flight_on_one_connection_share_one_stored_subscription(
+    nats_server: NatsServer,
+) -> None:
+    """Review of issue 16: each publish in flight subscribed to every stored notice, so 32 in
+    flight received each one 32 times."""
+    from marduk.health_stream import ensure_stream
+
+    rx = await bus.connect(nats_server.url, name="rx")
+    tx = await bus.connect(nats_server.url, name="tx")
+    try:
+        await ensure_stream(tx, S.prefix, S.health)
+        watches = [await monitor.watch_stored(rx, S) for _ in range(32)]
+        await rx.flush()
+        before = rx.stats["in_msgs"]
+        n = 200
+        for i in range(n):
+            ev = wire.DeviceHealth(device=f"d{i}", state="healthy", event_id=f"e{i}")
+            await tx.publish(S.health, encode(ev), headers={"Marduk-Reply-To": tx.new_inbox()})
+        await tx.flush()
+        await eventually(lambda: rx.stats["in_msgs"] - before >= n)
+        await asyncio.sleep(0.3)
+        assert rx.stats["in_msgs"] - before == n
+        for w in watches:
+            await w.unsubscribe()
+        assert rx._subs == {} or all(s.subject != S.health_stored for s in rx._subs.values())
+    finally:
+        await bus.close(rx, drain=False)
+        await bus.close(tx, drain=False)
+
+
+async def test_a_credential_that_cannot_see_health_stored_publishes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Review of issue 16: a monitor credential of an older config (health only) stored its
+    event, then was told it may not subscribe to health.stored."""
+    from marduk.health_stream import ensure_stream, stream_name
+
+    conf = tmp_path / "old.conf"
+    conf.write_text(
+        "authorization { users = [\n"
+        "  { user: ctl, password: ctl },\n"
+        "  { user: old, password: old, permissions: {\n"
+        '      publish: { allow: ["marduk.health"] }, subscribe: { allow: ["_INBOX.>"] } } }\n'
+        "] }\n"
+    )
+    server = NatsServer(tmp_path / "js", args=["-c", str(conf)]).start()
+    url = f"nats://127.0.0.1:{server.port}"
+    ctl = await bus.connect(url, name="ctl", credentials=Credentials(user="ctl", password="ctl"))
+    try:
+        await ensure_stream(ctl, S.prefix, S.health)
+        js = ctl.jetstream()
+        with pytest.raises(Exception, match="may not subscribe to marduk.health.stored"):
+            await _publish_as(url, Credentials(user="old", password="old"))
+        await asyncio.sleep(0.3)
+        assert (await js.stream_info(stream_name(S.prefix))).state.messages == 0
+    finally:
+        await bus.close(ctl, drain=False)
+        server.stop()
+
+
+async def _publish_as(url: str, credentials: Credentials) -> None:
+    nc = await bus.connect(url, name="old-monitor", credentials=credentials)
+    try:
+        ev = wire.DeviceHealth(device="d1", state="failed", event_id="old-1")
+        await monitor.publish_durably(nc, S, ev, timeout=2)
+    finally:
+        await bus.close(nc, drain=False)
