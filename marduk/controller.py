@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -156,6 +157,12 @@ class Controller:
         self.controller_id = f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.started_at = time.time()
         self.stats: Counter[str] = Counter()
+        if settings.policy.exclusive_devices is None:
+            # Device claims are exclusive across jobs only where identities bind jobs.
+            settings.policy = dataclasses.replace(
+                settings.policy,
+                exclusive_devices=bool(settings.credentials or settings.auth_dir),
+            )
         self.policy = Policy(settings.policy)
         self.nc: NATS | None = None
         self.store: StateStore | None = None

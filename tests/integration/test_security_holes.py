@@ -542,3 +542,40 @@ async def _publish_as(url: str, credentials: Credentials) -> None:
         await monitor.publish_durably(nc, S, ev, timeout=2)
     finally:
         await bus.close(nc, drain=False)
+
+
+async def test_without_auth_device_claims_are_not_exclusive_across_jobs(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    """Review of issue 16: on Kubernetes the agent's host is its pod's name, so two pods of
+    different jobs time-slicing one GPU were refused; without auth nothing binds a claim's
+    host or job anyway. The drain-by-host conflict is still reported."""
+    assert controller.policy.config.exclusive_devices is False
+    nc = await bus.connect(nats_server.url, name="pods")
+    try:
+        for job, pod in (("jobB", "podB"), ("jobA", "podA")):
+            reg = wire.Registration(job=job, replica="r", devices=["gpu0"], host=pod, pid=7)
+            reply = await bus.request(nc, S.register(job), reg, wire.RegisterReply, timeout=5)
+            assert reply.outcome == "new"
+        drained = await monitor.drain(nats_server.url, "marduk", [], host="podA")
+        assert drained.devices == [] and drained.conflicts == [
+            "gpu0: also claimed by jobB/r/0 on podB; not drained by host (name it to drain it)"
+        ]
+    finally:
+        await bus.close(nc, drain=False)
+
+
+def test_exclusive_devices_defaults_to_on_with_auth_and_an_operator_may_turn_it_off(
+    tmp_path: Path, auth_dir: Path
+) -> None:
+    from marduk.policy import PolicyConfig
+
+    def exclusive(**kw: object) -> bool | None:
+        settings = ControllerSettings(addr="nats://127.0.0.1:1", state_dir=tmp_path, **kw)  # type: ignore[arg-type]
+        return Controller(settings).policy.config.exclusive_devices
+
+    assert exclusive() is False
+    assert exclusive(credentials=creds(auth_dir, "controller")) is True
+    assert exclusive(auth_dir=auth_dir) is True
+    shared = PolicyConfig(exclusive_devices=False)  # --shared-devices
+    assert exclusive(credentials=creds(auth_dir, "controller"), policy=shared) is False
