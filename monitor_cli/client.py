@@ -343,7 +343,7 @@ async def _unstored(nc: NATS, subjects: Subjects, addr: str, timeout: float) -> 
     from marduk.health_stream import stream_name
 
     try:
-        await nc.jetstream(timeout=1.0).stream_info(stream_name(subjects.prefix))
+        info = await nc.jetstream(timeout=1.0).stream_info(stream_name(subjects.prefix))
     except nats.js.errors.NotFoundError:
         return NoHealthStreamError(
             f"nothing stores health events at {redact(addr) or 'the server'} on "
@@ -351,11 +351,20 @@ async def _unstored(nc: NATS, subjects: Subjects, addr: str, timeout: float) -> 
             f"{subjects.prefix!r}?"
         )
     except Exception:
-        pass
+        info = None
+    republish = info.config.republish if info is not None else None
+    if info is not None and (republish is None or republish.dest != subjects.health_stored):
+        return MardukError(
+            f"the event may have been stored: the health stream {info.config.name} was made by "
+            f"an older controller and does not say what it stores on {subjects.health_stored}; "
+            "upgrade the controllers first (they update the stream when they start), then the "
+            "monitors (docs/operations.md, Upgrading)"
+        )
     return MardukError(
-        f"the health stream did not store the event within {timeout:g}s: is JetStream "
-        "available (a NATS node down, an election), and does a controller of this version "
-        f"run (the stream republishes what it stores on {subjects.health_stored})?"
+        f"the event may have been stored: the health stream did not confirm it within "
+        f"{timeout:g}s: is JetStream available (a NATS node down, an election), and does a "
+        f"controller of this version run (the stream republishes what it stores on "
+        f"{subjects.health_stored})?"
     )
 
 

@@ -579,3 +579,25 @@ def test_exclusive_devices_defaults_to_on_with_auth_and_an_operator_may_turn_it_
     assert exclusive(auth_dir=auth_dir) is True
     shared = PolicyConfig(exclusive_devices=False)  # --shared-devices
     assert exclusive(credentials=creds(auth_dir, "controller"), policy=shared) is False
+
+
+async def test_a_new_monitor_against_an_older_stream_says_the_event_may_be_stored(
+    nats_server: NatsServer,
+) -> None:
+    """Review of issue 16: with an older controller's stream (acks, no republish) a new
+    monitor said the stream "did not store the event", though it had."""
+    from marduk.health_stream import ensure_stream, stream_name
+
+    nc = await bus.connect(nats_server.url, name="upgrade")
+    try:
+        await ensure_stream(nc, S.prefix, S.health)
+        js = nc.jetstream()
+        config = (await js.stream_info(stream_name(S.prefix))).config
+        config.no_ack, config.republish = False, None  # what /tmp/rev/oldstream.py did
+        await js.update_stream(config)
+        ev = wire.DeviceHealth(device="d1", state="failed", event_id="new-monitor-1")
+        with pytest.raises(Exception, match="may have been stored.*made by an older controller"):
+            await monitor.publish_durably(nc, S, ev, timeout=1.5)
+        assert (await js.stream_info(stream_name(S.prefix))).state.messages >= 1
+    finally:
+        await bus.close(nc, drain=False)
