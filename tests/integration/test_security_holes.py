@@ -442,7 +442,7 @@ async def test_a_monitor_cannot_forge_another_monitors_decision(
 ) -> None:
     """Review of issue 16: health.stored shows every inbox; an event naming the victim's inbox
     made the controller answer there, and the victim took the first answer it got."""
-    server, c = secure
+    server, _ = secure
     attacker = await bus.connect(
         server.url, name="attacker", credentials=creds(auth_dir, "monitor")
     )
@@ -526,7 +526,7 @@ async def test_a_credential_that_cannot_see_health_stored_publishes_nothing(
     try:
         await ensure_stream(ctl, S.prefix, S.health)
         js = ctl.jetstream()
-        with pytest.raises(Exception, match="may not subscribe to marduk.health.stored"):
+        with pytest.raises(Exception, match=r"may not subscribe to marduk\.health\.stored"):
             await _publish_as(url, Credentials(user="old", password="old"))
         await asyncio.sleep(0.3)
         assert (await js.stream_info(stream_name(S.prefix))).state.messages == 0
@@ -596,7 +596,7 @@ async def test_a_new_monitor_against_an_older_stream_says_the_event_may_be_store
         config.no_ack, config.republish = False, None  # what /tmp/rev/oldstream.py did
         await js.update_stream(config)
         ev = wire.DeviceHealth(device="d1", state="failed", event_id="new-monitor-1")
-        with pytest.raises(Exception, match="may have been stored.*made by an older controller"):
+        with pytest.raises(Exception, match=r"may have been stored.*made by an older controller"):
             await monitor.publish_durably(nc, S, ev, timeout=1.5)
         assert (await js.stream_info(stream_name(S.prefix))).state.messages >= 1
     finally:
