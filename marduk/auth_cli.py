@@ -150,3 +150,5 @@ def list_(directory: Dir) -> None:
     typer.echo(f"prefix {prefix}")
     for i in found:
         typer.echo(f"{i.name:20} {i.role:10} {i.job or '*':12} {i.public_key}")
+        if i.previous:
+            typer.echo(f"{'':44} {i.previous} (previous: valid until rotate --finish)")
