@@ -193,6 +193,9 @@ class AsyncClient(CommandInbox):
             self._record(f"re-registration failed: {e}")
 
     async def _on_disconnected(self) -> None:
+        if bus.refusal(self._nc):  # said once by bus; no reconnect follows
+            self.state = "disconnected"
+            return
         if self.state != "closed":
             self.state = "disconnected"
             self.stats["disconnects"] += 1

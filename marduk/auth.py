@@ -52,6 +52,9 @@ class Identity:
     role: str
     public_key: str
     job: str | None = None  # agents only: valid for this job's subjects alone
+    # The key this identity had before ``rotate``: still accepted (same permissions) until
+    # ``rotate --finish`` or the next rotate, so holders keep working until they restart.
+    previous: str | None = None
 
 
 # --- keys ----------------------------------------------------------------------------------------
@@ -173,12 +176,27 @@ def add_agent(directory: Path, job: str) -> Identity:
 
 
 def rotate(directory: Path, name: str) -> Identity:
-    """A new key for identity ``name``; the old one stops working when the server reloads."""
+    """A new key for identity ``name`` in ``<name>.nk``; the old key stays valid beside it
+    (``previous``) until ``finish_rotation`` or the next rotate, so a running holder, which
+    keeps the seed it connected with, goes on working and takes the new seed at its restart."""
     prefix, identities = _load(directory)
     old = _find(identities, name, directory)
     new = _create(Path(directory), name, old.role, old.job)
+    new = Identity(new.name, new.role, new.public_key, new.job, previous=old.public_key)
     _save(Path(directory), prefix, [new if i.name == name else i for i in identities])
     return new
+
+
+def finish_rotation(directory: Path, name: str) -> Identity:
+    """End ``name``'s rotation: its previous key is refused from the next reload on, and a
+    connection still holding it is closed."""
+    prefix, identities = _load(directory)
+    old = _find(identities, name, directory)
+    if old.previous is None:
+        raise AuthError(f"{name} has no rotation to finish (no previous key)")
+    done = Identity(old.name, old.role, old.public_key, old.job)
+    _save(Path(directory), prefix, [done if i.name == name else i for i in identities])
+    return old
 
 
 def revoke(directory: Path, name: str) -> Identity:
@@ -229,8 +247,15 @@ def _save(directory: Path, prefix: str, identities: list[Identity]) -> None:
     doc = {"prefix": prefix, "identities": [asdict(i) for i in identities]}
     _write(directory / IDENTITIES_FILE, json.dumps(doc, indent=2) + "\n", 0o600)
     _write(directory / CONFIG_FILE, server_config(prefix, identities), 0o600)
-    controllers = [i.public_key for i in identities if i.role == "controller"]
+    # During a rotation agents must accept commands signed with either controller key.
+    controllers = [k for i in identities if i.role == "controller" for k in _keys(i)]
     _write(directory / CONTROLLER_PUB, "".join(k + "\n" for k in controllers), 0o644)
+
+
+def _keys(identity: Identity) -> list[str]:
+    """The public keys the server accepts for ``identity``: its key, and during a rotation
+    the previous one."""
+    return [identity.public_key] + ([identity.previous] if identity.previous else [])
 
 
 def _write(path: Path, text: str, mode: int) -> None:
@@ -306,11 +331,13 @@ def server_config(prefix: str, identities: list[Identity]) -> str:
     for i in identities:
         perms = permissions(i.role, prefix, i.job, i.name)
         scope = f" job {i.job}" if i.job else ""
-        lines += [
-            f"    # {i.name}: {i.role}{scope}",
-            f"    {{ nkey: {i.public_key}, permissions: {{",
-            f"        publish: {{ allow: {json.dumps(perms['publish'])} }},",
-            f"        subscribe: {{ allow: {json.dumps(perms['subscribe'])} }} }} }},",
-        ]
+        for key in _keys(i):
+            note = "" if key == i.public_key else " (previous key, until rotate --finish)"
+            lines += [
+                f"    # {i.name}: {i.role}{scope}{note}",
+                f"    {{ nkey: {key}, permissions: {{",
+                f"        publish: {{ allow: {json.dumps(perms['publish'])} }},",
+                f"        subscribe: {{ allow: {json.dumps(perms['subscribe'])} }} }} }},",
+            ]
     lines += ["  ]", "}", ""]
     return "\n".join(lines)

@@ -72,20 +72,39 @@ def add_agent(
 
 @app.command()
 def rotate(
-    directory: Dir, name: Annotated[str, typer.Argument(help="Identity, e.g. agent or admin.")]
+    directory: Dir,
+    name: Annotated[str, typer.Argument(help="Identity, e.g. agent or admin.")],
+    finish: Annotated[
+        bool,
+        typer.Option("--finish", help="End the rotation: the previous key is refused from now on."),
+    ] = False,
 ) -> None:
-    """Give an identity a new key; the old one stops working when the server reloads."""
+    """Give an identity a new key; the old one stays valid until `rotate --finish`.
+
+    Holders keep the seed they connected with: restart each with the new seed file, then
+    finish. A controller rotation also lists both keys in controller.pub meanwhile."""
     from marduk import auth
 
     try:
-        i = auth.rotate(directory, name)
+        i = auth.finish_rotation(directory, name) if finish else auth.rotate(directory, name)
     except (auth.AuthError, OSError) as e:
         _fail(e)
         return
+    if finish:
+        typer.echo(f"{name}: previous key {i.previous} refused from now on")
+        typer.echo(_APPLY)
+        return
     typer.echo(f"{name}: new key {i.public_key} in {directory / (name + '.nk')}")
+    typer.echo(
+        f"the previous key {i.previous} stays valid until `marduk auth rotate {directory} "
+        f"{name} --finish`: restart every holder of {name}.nk first"
+    )
     typer.echo(_APPLY)
     if i.role == "controller":
-        typer.echo("agents verify commands with controller.pub: hand them the new one")
+        typer.echo(
+            "controller.pub lists both keys meanwhile: restart agents with it before the "
+            "controller, and finish after"
+        )
 
 
 @app.command()
@@ -131,3 +150,5 @@ def list_(directory: Dir) -> None:
     typer.echo(f"prefix {prefix}")
     for i in found:
         typer.echo(f"{i.name:20} {i.role:10} {i.job or '*':12} {i.public_key}")
+        if i.previous:
+            typer.echo(f"{'':44} {i.previous} (previous: valid until rotate --finish)")

@@ -178,6 +178,9 @@ async def connect(
         refused = isinstance(e, nats.errors.AuthorizationError) or _is_auth_error(e)
         if refused:
             STATS["nats.authorization_errors"] += 1
+            if connected:  # was accepted, now refused: rotated (and finished) or revoked
+                _refused_after_connect(nc, creds)
+                return
         # The server says why it refuses, then closes: the reset that follows must not hide it.
         if refused or not (last_error and _is_auth_error(last_error[0])):
             last_error[:] = [e]
@@ -187,6 +190,7 @@ async def connect(
         return None
 
     nc = NATS()
+    connected = False
     options: dict[str, Any] = dict(
         servers=servers,
         name=name,
@@ -211,7 +215,36 @@ async def connect(
         await _close_quietly(nc)
         cause = last_error[0] if last_error else e
         raise ConnectError(redact(addr), _describe(cause, creds)) from None
+    connected = True
     return nc
+
+
+REFUSED_AFTER_CONNECT = (
+    "credentials refused by the server: was this identity rotated or revoked? "
+    "restart with the new seed"
+)
+_refusals: dict[int, str] = {}
+
+
+def refusal(nc: NATS | None) -> str | None:
+    """Why ``nc`` was closed, if the server refused its credentials on a reconnect."""
+    return _refusals.get(id(nc)) if nc is not None else None
+
+
+def _refused_after_connect(nc: NATS, creds: Credentials) -> None:
+    """A reconnect refused the credentials that connected: no retry can succeed (the key is
+    no longer known), so say so in one line and close; closed callbacks see ``refusal``."""
+    if id(nc) in _refusals:
+        return
+    _refusals[id(nc)] = f"{REFUSED_AFTER_CONNECT} ({creds.describe()})"
+    log.error("%s", _refusals[id(nc)])
+    if not nc.is_closed:
+        task = asyncio.get_running_loop().create_task(_close_quietly(nc))
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+
+
+_closing: set[asyncio.Task[None]] = set()
 
 
 def _permission_violation(op: str, subject: str, creds: Credentials, conn: int = 0) -> None:

@@ -155,6 +155,16 @@ def controller(
             help="A worker silent this long is removed from the map.",
         ),
     ] = 600.0,
+    exclusive_devices: Annotated[
+        bool | None,
+        typer.Option(
+            "--exclusive-devices/--shared-devices",
+            envvar="MARDUK_EXCLUSIVE_DEVICES",
+            help="Refuse a worker claiming a device a live worker of another job holds on "
+            "another host (device_claimed). Default: on with auth, off without.",
+            show_default=False,
+        ),
+    ] = None,
     auth_dir: Annotated[
         Path | None,
         typer.Option(
@@ -209,6 +219,7 @@ def controller(
             flap_limit=flap_limit,
             flap_window_s=flap_window,
             worker_expiry_s=max(worker_expiry, worker_ttl),
+            exclusive_devices=exclusive_devices,
         ),
     )
     if state_dir is not None:

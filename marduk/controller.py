@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -89,6 +90,20 @@ log = logging.getLogger("marduk.controller")
 T = TypeVar("T", bound=msgspec.Struct)
 
 
+class _EventIdOnly(msgspec.Struct):
+    event_id: str = ""
+
+
+def _event_id_of(data: bytes) -> str:
+    """The event_id of a health event that failed validation, if it can be read at all: the
+    monitor matches the ErrorReply to its event by it."""
+    try:
+        event_id = msgspec.json.decode(data, type=_EventIdOnly).event_id
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return ""
+    return event_id if len(event_id) <= 256 else ""
+
+
 @dataclass(slots=True)
 class ControllerSettings:
     """Controller settings; the CLI maps options and MARDUK_* variables onto these."""
@@ -152,6 +167,12 @@ class Controller:
         self.controller_id = f"{self.host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.started_at = time.time()
         self.stats: Counter[str] = Counter()
+        if settings.policy.exclusive_devices is None:
+            # Device claims are exclusive across jobs only where identities bind jobs.
+            settings.policy = dataclasses.replace(
+                settings.policy,
+                exclusive_devices=bool(settings.credentials or settings.auth_dir),
+            )
         self.policy = Policy(settings.policy)
         self.nc: NATS | None = None
         self.store: StateStore | None = None
@@ -376,7 +397,7 @@ class Controller:
         # nats-py gives up on a connection only after a protocol error: nothing will bring it
         # back, so end (exit 1); the process's supervisor restarts it, a standby leads meanwhile.
         if not self._stopping:
-            self._die("the NATS connection was closed (a protocol error?)")
+            self._die(bus.refusal(self.nc) or "the NATS connection was closed (a protocol error?)")
 
     async def _on_disconnected(self) -> None:
         if self._stopping:  # our own close, not a lost connection
@@ -941,6 +962,11 @@ class Controller:
             return
         except ProtocolError as e:
             reply = self._reject("devicehealth", e.reason, str(e), msg.subject)
+            # Named as a valid event would be: its own id, or its stream sequence.
+            reply.event_id = (
+                _event_id_of(msg.data)
+                or f"{self.subjects.prefix}.health#{msg.metadata.sequence.stream}"
+            )
         except Exception:
             # Not the event's fault (a publish failed mid-commit, a bug): it is not terminated
             # but left for redelivery (bounded by the consumer's max_deliver), and since our

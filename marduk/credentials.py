@@ -99,7 +99,11 @@ class Credentials:
         self.check()
         opts: dict[str, Any] = {}
         if self.nkey:
-            opts["nkeys_seed"] = str(self.nkey)
+            # The seed itself, read once: nats-py given the file reads the public key at
+            # connect but signs every reconnect with the file's seed of the moment, so after a
+            # rotation it would present one key and sign with another, refused forever. Held in
+            # memory, a connection keeps its key (valid until the rotation is finished).
+            opts["nkeys_seed_str"] = self.nkey.read_text().strip()
         if self.creds:
             opts["user_credentials"] = str(self.creds)
         if self.user:

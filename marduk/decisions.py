@@ -48,6 +48,11 @@ class PolicyConfig:
     quarantined: its replicas get ``fail``; only an operator's ``undrain`` brings it back."""
     flap_window_s: float = 3600.0
     """The window of flap damping."""
+    exclusive_devices: bool | None = None
+    """Refuse a registration claiming a device a live worker of another job holds on another
+    host (``device_claimed``). None: on when the controller runs with auth (identities bound
+    to jobs make the first claim trustworthy), off without (anyone may say anything, and
+    pods of different jobs may time-slice one GPU); the controller resolves it."""
 
     @property
     def renew_interval_s(self) -> float:

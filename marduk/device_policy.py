@@ -377,7 +377,10 @@ class DevicePolicy:
         host. Device ids are physical, so one of the two claims is false; the first stands
         until its holder deregisters or goes silent. A job-scoped agent identity may register
         only for its own job (the server enforces that), so it cannot claim another job's
-        devices, and so cannot get them drained or failed (issue 16)."""
+        devices, and so cannot get them drained or failed (issue 16). Only with
+        ``exclusive_devices`` (the default with auth: PolicyConfig)."""
+        if not self.config.exclusive_devices:
+            return
         for device in reg.devices:
             for key in self.drmap.workers_for_device(device):
                 holder = self.workers.get(key)

@@ -413,6 +413,9 @@ class ErrorReply(Message, tag="error", kw_only=True):
 
     code: ShortText
     message: Text
+    # For a health event: the event_id it answers (when the payload let it be read), so a
+    # monitor takes only the answer to its own event.
+    event_id: ShortText = ""
 
 
 # --- encoding and strict decoding --------------------------------------------------------------

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
+import weakref
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
@@ -43,6 +46,8 @@ from marduk.protocol import (
     encode,
 )
 from marduk.subjects import REPLY_HEADER, Subjects
+
+log = logging.getLogger("monitor_cli.client")
 
 
 class NoHealthStreamError(MardukError):
@@ -109,7 +114,12 @@ async def publish_health(
 async def publish_durably(
     nc: NATS, subjects: Subjects, event: DeviceHealth, *, timeout: float, addr: str = ""
 ) -> HealthReply:
-    """Publish ``event`` to the health stream on ``nc`` and wait for the controller's reply."""
+    """Publish ``event`` to the health stream on ``nc`` and wait for the controller's reply.
+
+    Only a reply naming our ``event_id`` is taken: the inbox is visible to every reader of
+    ``health.stored``, so anyone may publish an event naming it (the controller answers that
+    one there too); others are ignored and counted (``monitor.replies_ignored``).
+    """
     inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox)
     stored = await watch_stored(nc, subjects)
@@ -118,11 +128,16 @@ async def publish_durably(
     asked = 0
     try:
         seq = await store(nc, subjects, payload, inbox, stored, timeout=timeout, addr=addr)
+        # Without an event_id the controller names the event by its stream sequence.
+        ours = {event.event_id} if event.event_id else {f"{subjects.prefix}.health#{seq}"}
         while True:
             left = deadline - time.monotonic()
             try:
                 msg = await sub.next_msg(timeout=max(0.05, min(left, 1.0)))
-                break
+                reply = _reply_to(ours, event.event_id, msg)
+                if reply is not None:
+                    break
+                continue
             except (TimeoutError, nats.errors.TimeoutError):
                 if left <= 1.0:
                     raise UndecidedError(event.event_id, seq, timeout) from None
@@ -130,17 +145,44 @@ async def publish_durably(
             # and be dropped. Ask again with the same event id: the controller answers a
             # repeat with its first decision (and does nothing else).
             asked += 1
-            await store(nc, subjects, payload, inbox, stored, timeout=max(0.5, left), addr=addr)
+            again = await store(
+                nc, subjects, payload, inbox, stored, timeout=max(0.5, left), addr=addr
+            )
+            if not event.event_id:
+                ours.add(f"{subjects.prefix}.health#{again}")
     finally:
         await stored.unsubscribe()
         with contextlib.suppress(Exception):
             await sub.unsubscribe()
-    reply: Any = decode(msg.data, HealthReply | ErrorReply)  # type: ignore[arg-type]
     if isinstance(reply, ErrorReply):
         raise RequestRejected(reply.code, reply.message)
     if asked and reply.duplicate:
         reply = msgspec.structs.replace(reply, duplicate=False)  # our own repeat, not theirs
-    return reply  # type: ignore[no-any-return]
+    return reply
+
+
+STATS: Counter[str] = Counter()
+
+
+def _reply_to(ours: set[str], event_id: str, msg: Msg) -> HealthReply | ErrorReply | None:
+    """The controller's answer in ``msg`` if it answers ``event``; None (logged, counted) if it
+    answers another event someone published naming our inbox, or is not an answer at all."""
+    try:
+        reply: Any = decode(msg.data, HealthReply | ErrorReply)  # type: ignore[arg-type]
+    except ValueError:
+        reply = None
+    if reply is not None and reply.event_id in ours:
+        return reply  # type: ignore[no-any-return]
+    STATS["monitor.replies_ignored"] += 1
+    if STATS["monitor.replies_ignored"] <= 5:
+        other = getattr(reply, "event_id", None)
+        log.warning(
+            "ignored a reply on our inbox for another event (%r, ours %s): someone published "
+            "an event naming our inbox",
+            other,
+            event_id or sorted(ours)[0],
+        )
+    return None
 
 
 async def subscribe(nc: NATS, subject: str, **kw: Any) -> Subscription:
@@ -156,22 +198,99 @@ async def subscribe(nc: NATS, subject: str, **kw: Any) -> Subscription:
     return sub
 
 
-@dataclass(slots=True)
-class StoredWatch:
-    """Where the health stream republishes what it stored, subscribed before publishing."""
+class StoredDispatcher:
+    """One subscription to ``<prefix>.health.stored`` per connection, shared by every
+    publish waiting on it: each stored notice goes to the publish whose inbox its
+    ``Marduk-Reply-To`` header names (so N publishes in flight cost one copy of each notice,
+    not N). Unsubscribed when the last watch ends."""
 
-    sub: Subscription
-    since: float
+    def __init__(self, nc: NATS, subject: str) -> None:
+        self.nc = nc
+        self.subject = subject
+        self.since = time.time()
+        self.sub: Subscription | None = None
+        self.users = 0
+        self.refused: str | None = None  # the server's refusal of the subscription
+        self._waiting: dict[str, asyncio.Queue[int]] = {}
+        self._ready = asyncio.ensure_future(self._start())
+
+    async def _start(self) -> None:
+        self.sub = await self.nc.subscribe(
+            self.subject, cb=self._on_stored, pending_msgs_limit=100_000
+        )
+        # Known before anything is published: an identity that may not read it would store
+        # events it can never see stored.
+        with contextlib.suppress(nats.errors.TimeoutError):
+            self.refused = await bus.refused(self.nc, [self.subject], self.since)
+
+    async def ready(self) -> None:
+        await asyncio.shield(self._ready)
+
+    async def _on_stored(self, msg: Msg) -> None:
+        headers = msg.headers or {}
+        queue = self._waiting.get(headers.get(REPLY_HEADER, ""))
+        if queue is not None:
+            queue.put_nowait(int(headers.get("Nats-Sequence", "0") or 0))
+
+    def expect(self, inbox: str) -> asyncio.Queue[int]:
+        return self._waiting.setdefault(inbox, asyncio.Queue())
+
+    def forget(self, inbox: str) -> None:
+        self._waiting.pop(inbox, None)
+
+
+_dispatchers: weakref.WeakKeyDictionary[NATS, dict[str, StoredDispatcher]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@dataclass
+class StoredWatch:
+    """One publish's view of where the health stream republishes what it stored, subscribed
+    (shared, per connection) before publishing."""
+
+    dispatcher: StoredDispatcher
+    inboxes: list[str] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def since(self) -> float:
+        return self.dispatcher.since
+
+    @property
+    def sub(self) -> Subscription | None:
+        return self.dispatcher.sub
 
     async def unsubscribe(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.sub.unsubscribe()
+        if self.done:
+            return
+        self.done = True
+        d = self.dispatcher
+        for inbox in self.inboxes:
+            d.forget(inbox)
+        d.users -= 1
+        if d.users == 0:
+            shared = _dispatchers.get(d.nc, {})
+            if shared.get(d.subject) is d:
+                del shared[d.subject]
+            if d.sub is not None:
+                with contextlib.suppress(Exception):
+                    await d.sub.unsubscribe()
 
 
 async def watch_stored(nc: NATS, subjects: Subjects) -> StoredWatch:
-    since = time.time()
-    stored = await nc.subscribe(subjects.health_stored, pending_msgs_limit=100_000)
-    return StoredWatch(stored, since)
+    shared = _dispatchers.setdefault(nc, {})
+    d = shared.get(subjects.health_stored)
+    if d is None:
+        d = shared[subjects.health_stored] = StoredDispatcher(nc, subjects.health_stored)
+    d.users += 1
+    watch = StoredWatch(d)
+    try:
+        await d.ready()
+    except BaseException:
+        await watch.unsubscribe()
+        raise
+    return watch
 
 
 async def store(
@@ -193,7 +312,17 @@ async def store(
     no leader (a NATS node was lost, an election: seconds): then we publish again.
     """
     deadline = time.monotonic() + timeout
+    if inbox not in stored.inboxes:
+        stored.inboxes.append(inbox)
+    seen = stored.dispatcher.expect(inbox)
     while True:
+        refused = stored.dispatcher.refused or bus.denied(subjects.health_stored, stored.since)
+        if refused:  # checked before publishing: nothing is stored that we cannot see stored
+            raise PermissionDeniedError(
+                f"{refused}, so it cannot tell an event is stored (nothing was published); "
+                "for a monitor or admin credential made by an older Marduk: regenerate the "
+                "server configuration with `marduk auth update-config DIR` and reload the server"
+            )
         since = time.time()
         await nc.publish(subjects.health, payload, headers={REPLY_HEADER: inbox})
         # The server has now accepted the publish or refused it. A slow one (a node lost) is
@@ -203,21 +332,9 @@ async def store(
             refused = await bus.refused(nc, [subjects.health], since)
         if refused:
             raise PermissionDeniedError(refused)
-        refused = bus.denied(subjects.health_stored, stored.since)
-        if refused:  # may publish health, may not see what is stored: an older server config
-            raise PermissionDeniedError(
-                f"{refused}, so it cannot tell the event is stored: regenerate the server "
-                "configuration with `marduk auth update-config DIR` and reload the server"
-            )
         attempt_ends = min(deadline, time.monotonic() + 1.0)
-        while (left := attempt_ends - time.monotonic()) > 0:
-            try:
-                msg = await stored.sub.next_msg(timeout=left)
-            except (TimeoutError, nats.errors.TimeoutError):
-                break
-            headers = msg.headers or {}
-            if headers.get(REPLY_HEADER) == inbox:
-                return int(headers.get("Nats-Sequence", "0") or 0)
+        with contextlib.suppress(TimeoutError):
+            return await asyncio.wait_for(seen.get(), max(0.0, attempt_ends - time.monotonic()))
         if time.monotonic() + 0.05 >= deadline:
             raise await _unstored(nc, subjects, addr, timeout)
 
@@ -226,7 +343,7 @@ async def _unstored(nc: NATS, subjects: Subjects, addr: str, timeout: float) -> 
     from marduk.health_stream import stream_name
 
     try:
-        await nc.jetstream(timeout=1.0).stream_info(stream_name(subjects.prefix))
+        info = await nc.jetstream(timeout=1.0).stream_info(stream_name(subjects.prefix))
     except nats.js.errors.NotFoundError:
         return NoHealthStreamError(
             f"nothing stores health events at {redact(addr) or 'the server'} on "
@@ -234,11 +351,20 @@ async def _unstored(nc: NATS, subjects: Subjects, addr: str, timeout: float) -> 
             f"{subjects.prefix!r}?"
         )
     except Exception:
-        pass
+        info = None
+    republish = info.config.republish if info is not None else None
+    if info is not None and (republish is None or republish.dest != subjects.health_stored):
+        return MardukError(
+            f"the event may have been stored: the health stream {info.config.name} was made by "
+            f"an older controller and does not say what it stores on {subjects.health_stored}; "
+            "upgrade the controllers first (they update the stream when they start), then the "
+            "monitors (docs/operations.md, Upgrading)"
+        )
     return MardukError(
-        f"the health stream did not store the event within {timeout:g}s: is JetStream "
-        "available (a NATS node down, an election), and does a controller of this version "
-        f"run (the stream republishes what it stores on {subjects.health_stored})?"
+        f"the event may have been stored: the health stream did not confirm it within "
+        f"{timeout:g}s: is JetStream available (a NATS node down, an election), and does a "
+        f"controller of this version run (the stream republishes what it stores on "
+        f"{subjects.health_stored})?"
     )
 
 

@@ -175,8 +175,9 @@ async def test_every_monitor_command_refused_a_permission_says_so_in_one_line(
     server, _ = secure
     env = {**os.environ, "MARDUK_ADDR": server.url, "MARDUK_NKEY": str(auth_dir / "agent.nk")}
     commands = {
-        ("inject-failure", "d1"): "publish on marduk.health",
-        ("mark-healthy", "d1"): "publish on marduk.health",
+        # Checked before publishing: it could not tell a published event was stored.
+        ("inject-failure", "d1"): "subscribe to marduk.health.stored, so it cannot tell",
+        ("mark-healthy", "d1"): "subscribe to marduk.health.stored, so it cannot tell",
         ("status",): "publish on marduk.ctl.query",
         ("drain", "--host", "h1"): "publish on marduk.ctl.drain",
         ("forget", "jobA"): "publish on marduk.ctl.forget",
@@ -202,8 +203,8 @@ async def test_every_monitor_command_refused_a_permission_says_so_in_one_line(
     for (args, permission), (code, stderr) in zip(commands.items(), results, strict=True):
         lines = [line for line in stderr.splitlines() if line.strip()]
         assert code == 1 and len(lines) == 1, (args, stderr)
-        assert (
-            lines[0] == f"error: authorization violation: the agent credential may not {permission}"
+        assert lines[0].startswith(
+            f"error: authorization violation: the agent credential may not {permission}"
         )
 
 
@@ -382,3 +383,221 @@ async def test_marduk_auth_revoke_on_a_running_controller_closes_the_open_connec
         await asyncio.to_thread(ctl.expect, "the embedded server applied it", 5)
     finally:
         ctl.stop()
+
+
+async def test_a_rotation_keeps_the_holder_working_until_it_is_finished_then_says_so(
+    tmp_path: Path, auth_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review of issue 16: a rotated holder reconnected with the old public key signed by the
+    new seed (nats-py re-reads the file), refused forever and silently."""
+    server = NatsServer(tmp_path / "js", args=["-c", str(auth_dir / auth.CONFIG_FILE)]).start()
+    closed, back = asyncio.Event(), asyncio.Event()
+
+    async def on_closed() -> None:
+        closed.set()
+
+    async def on_reconnected() -> None:
+        back.set()
+
+    holder = await bus.connect(
+        server.url, name="holder", credentials=creds(auth_dir, "agent-jobA"),
+        reconnect=True, on_closed=on_closed, on_reconnected=on_reconnected,
+    )  # fmt: skip
+    try:
+        old_controller = auth.identities(auth_dir)[1][0].public_key
+        rotated = auth.rotate(auth_dir, "agent-jobA")
+        server.reload()
+        await asyncio.sleep(0.3)
+        server.stop()  # a reconnect: the holder presents the key it connected with
+        server.start()
+        await asyncio.wait_for(back.wait(), 10)
+        await holder.flush()
+        fresh = await bus.connect(server.url, name="new", credentials=creds(auth_dir, "agent-jobA"))
+        await bus.close(fresh, drain=False)
+        # A controller rotation lists both keys for agents until it is finished.
+        new_controller = auth.rotate(auth_dir, "controller").public_key
+        pub = str(auth_dir / auth.CONTROLLER_PUB)
+        assert auth.load_public_keys(pub) == [new_controller, old_controller]
+        # Finished: the previous key is refused, and the holder says so in one line and stops.
+        auth.finish_rotation(auth_dir, "agent-jobA")
+        auth.finish_rotation(auth_dir, "controller")
+        assert auth.load_public_keys(pub) == [new_controller]
+        assert rotated.previous is not None
+        server.reload()
+        await asyncio.sleep(0.3)
+        server.stop()
+        server.start()
+        await asyncio.wait_for(closed.wait(), 10)
+        said = [r.getMessage() for r in caplog.records if "credentials refused" in r.getMessage()]
+        assert len(said) == 1 and "rotated or revoked" in said[0], said
+        assert bus.refusal(holder) == said[0]
+    finally:
+        if not holder.is_closed:
+            await nats.NATS.close(holder)
+        server.stop()
+
+
+async def test_a_monitor_cannot_forge_another_monitors_decision(
+    secure: tuple[NatsServer, Controller], auth_dir: Path
+) -> None:
+    """Review of issue 16: health.stored shows every inbox; an event naming the victim's inbox
+    made the controller answer there, and the victim took the first answer it got."""
+    server, _ = secure
+    attacker = await bus.connect(
+        server.url, name="attacker", credentials=creds(auth_dir, "monitor")
+    )
+    victim = await bus.connect(server.url, name="victim", credentials=creds(auth_dir, "admin"))
+    forged = 0
+    seen: set[str] = set()
+
+    async def on_stored(msg: nats.aio.msg.Msg) -> None:
+        nonlocal forged
+        inbox = (msg.headers or {}).get("Marduk-Reply-To", "")
+        if inbox.startswith("_INBOX.admin.") and inbox not in seen:  # once: ours are stored too
+            seen.add(inbox)
+            forged += 1
+            for device in ("bad device id!", "elsewhere"):  # an ErrorReply and a HealthReply
+                bad = wire.DeviceHealth(device=device, state="failed", event_id=f"atk-{forged}")
+                await attacker.publish(S.health, encode(bad), headers={"Marduk-Reply-To": inbox})
+
+    await attacker.subscribe(S.health_stored, cb=on_stored)
+    await attacker.flush()
+    ignored = monitor.STATS["monitor.replies_ignored"]
+    try:
+        for i in range(3):
+            ev = wire.DeviceHealth(device=f"v{i}", state="failed", event_id=f"victim-{i}")
+            reply = await monitor.publish_durably(victim, S, ev, timeout=5)
+            assert reply.event_id == ev.event_id and reply.device == ev.device
+            await asyncio.sleep(0.3)  # the forged answers arrive, and are ignored
+        assert forged >= 3 and monitor.STATS["monitor.replies_ignored"] > ignored
+    finally:
+        await bus.close(attacker, drain=False)
+        await bus.close(victim, drain=False)
+
+
+async def test_publishes_in_flight_on_one_connection_share_one_stored_subscription(
+    nats_server: NatsServer,
+) -> None:
+    """Review of issue 16: each publish in flight subscribed to every stored notice, so 32 in
+    flight received each one 32 times."""
+    from marduk.health_stream import ensure_stream
+
+    rx = await bus.connect(nats_server.url, name="rx")
+    tx = await bus.connect(nats_server.url, name="tx")
+    try:
+        await ensure_stream(tx, S.prefix, S.health)
+        watches = [await monitor.watch_stored(rx, S) for _ in range(32)]
+        await rx.flush()
+        before = rx.stats["in_msgs"]
+        n = 200
+        for i in range(n):
+            ev = wire.DeviceHealth(device=f"d{i}", state="healthy", event_id=f"e{i}")
+            await tx.publish(S.health, encode(ev), headers={"Marduk-Reply-To": tx.new_inbox()})
+        await tx.flush()
+        await eventually(lambda: rx.stats["in_msgs"] - before >= n)
+        await asyncio.sleep(0.3)
+        assert rx.stats["in_msgs"] - before == n
+        for w in watches:
+            await w.unsubscribe()
+        assert rx._subs == {} or all(s.subject != S.health_stored for s in rx._subs.values())
+    finally:
+        await bus.close(rx, drain=False)
+        await bus.close(tx, drain=False)
+
+
+async def test_a_credential_that_cannot_see_health_stored_publishes_nothing(
+    tmp_path: Path,
+) -> None:
+    """Review of issue 16: a monitor credential of an older config (health only) stored its
+    event, then was told it may not subscribe to health.stored."""
+    from marduk.health_stream import ensure_stream, stream_name
+
+    conf = tmp_path / "old.conf"
+    conf.write_text(
+        "authorization { users = [\n"
+        "  { user: ctl, password: ctl },\n"
+        "  { user: old, password: old, permissions: {\n"
+        '      publish: { allow: ["marduk.health"] }, subscribe: { allow: ["_INBOX.>"] } } }\n'
+        "] }\n"
+    )
+    server = NatsServer(tmp_path / "js", args=["-c", str(conf)]).start()
+    url = f"nats://127.0.0.1:{server.port}"
+    ctl = await bus.connect(url, name="ctl", credentials=Credentials(user="ctl", password="ctl"))
+    try:
+        await ensure_stream(ctl, S.prefix, S.health)
+        js = ctl.jetstream()
+        with pytest.raises(Exception, match=r"may not subscribe to marduk\.health\.stored"):
+            await _publish_as(url, Credentials(user="old", password="old"))
+        await asyncio.sleep(0.3)
+        assert (await js.stream_info(stream_name(S.prefix))).state.messages == 0
+    finally:
+        await bus.close(ctl, drain=False)
+        server.stop()
+
+
+async def _publish_as(url: str, credentials: Credentials) -> None:
+    nc = await bus.connect(url, name="old-monitor", credentials=credentials)
+    try:
+        ev = wire.DeviceHealth(device="d1", state="failed", event_id="old-1")
+        await monitor.publish_durably(nc, S, ev, timeout=2)
+    finally:
+        await bus.close(nc, drain=False)
+
+
+async def test_without_auth_device_claims_are_not_exclusive_across_jobs(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    """Review of issue 16: on Kubernetes the agent's host is its pod's name, so two pods of
+    different jobs time-slicing one GPU were refused; without auth nothing binds a claim's
+    host or job anyway. The drain-by-host conflict is still reported."""
+    assert controller.policy.config.exclusive_devices is False
+    nc = await bus.connect(nats_server.url, name="pods")
+    try:
+        for job, pod in (("jobB", "podB"), ("jobA", "podA")):
+            reg = wire.Registration(job=job, replica="r", devices=["gpu0"], host=pod, pid=7)
+            reply = await bus.request(nc, S.register(job), reg, wire.RegisterReply, timeout=5)
+            assert reply.outcome == "new"
+        drained = await monitor.drain(nats_server.url, "marduk", [], host="podA")
+        assert drained.devices == [] and drained.conflicts == [
+            "gpu0: also claimed by jobB/r/0 on podB; not drained by host (name it to drain it)"
+        ]
+    finally:
+        await bus.close(nc, drain=False)
+
+
+def test_exclusive_devices_defaults_to_on_with_auth_and_an_operator_may_turn_it_off(
+    tmp_path: Path, auth_dir: Path
+) -> None:
+    from marduk.policy import PolicyConfig
+
+    def exclusive(**kw: object) -> bool | None:
+        settings = ControllerSettings(addr="nats://127.0.0.1:1", state_dir=tmp_path, **kw)  # type: ignore[arg-type]
+        return Controller(settings).policy.config.exclusive_devices
+
+    assert exclusive() is False
+    assert exclusive(credentials=creds(auth_dir, "controller")) is True
+    assert exclusive(auth_dir=auth_dir) is True
+    shared = PolicyConfig(exclusive_devices=False)  # --shared-devices
+    assert exclusive(credentials=creds(auth_dir, "controller"), policy=shared) is False
+
+
+async def test_a_new_monitor_against_an_older_stream_says_the_event_may_be_stored(
+    nats_server: NatsServer,
+) -> None:
+    """Review of issue 16: with an older controller's stream (acks, no republish) a new
+    monitor said the stream "did not store the event", though it had."""
+    from marduk.health_stream import ensure_stream, stream_name
+
+    nc = await bus.connect(nats_server.url, name="upgrade")
+    try:
+        await ensure_stream(nc, S.prefix, S.health)
+        js = nc.jetstream()
+        config = (await js.stream_info(stream_name(S.prefix))).config
+        config.no_ack, config.republish = False, None  # what /tmp/rev/oldstream.py did
+        await js.update_stream(config)
+        ev = wire.DeviceHealth(device="d1", state="failed", event_id="new-monitor-1")
+        with pytest.raises(Exception, match=r"may have been stored.*made by an older controller"):
+            await monitor.publish_durably(nc, S, ev, timeout=1.5)
+        assert (await js.stream_info(stream_name(S.prefix))).state.messages >= 1
+    finally:
+        await bus.close(nc, drain=False)

@@ -113,7 +113,7 @@ def test_a_device_another_job_holds_on_another_host_cannot_be_claimed_until_it_i
 
     from marduk.decisions import PolicyError
 
-    p = Policy(PolicyConfig(worker_ttl_s=15))
+    p = Policy(PolicyConfig(worker_ttl_s=15, exclusive_devices=True))
     p.register(reg("b1", ["dB"], job="B"), now=0)  # host "h"
     evil = reg("a1", ["dA", "dB"], job="A", pid=2)
     evil.host = "attacker"
@@ -146,3 +146,13 @@ def test_drain_by_host_leaves_devices_another_host_claims_and_says_so() -> None:
     ]
     # Named, it is drained: the operator decided.
     assert p.drain(["shared"], host="", undrain=False, reason="", now=2).devices == ["shared"]
+
+
+def test_without_exclusive_devices_jobs_on_different_hosts_share_a_device() -> None:
+    """Kubernetes: the agent's host is its pod's name, so two pods of different jobs
+    time-slicing one GPU look like two hosts; without auth no claim can be trusted anyway."""
+    p = Policy(PolicyConfig(worker_ttl_s=15))
+    p.register(reg("b1", ["dB"], job="B"), now=0)
+    pod = reg("a1", ["dB"], job="A", pid=2)
+    pod.host = "podA"
+    assert p.register(pod, now=1).result == "new"
