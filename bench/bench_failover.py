@@ -58,7 +58,7 @@ from marduk.embedded import find_binary
 from marduk.errors import MardukError
 from marduk.health_stream import CONSUMER
 from marduk.subjects import Subjects
-from monitor_cli.client import publish_durably
+from monitor_cli.client import publish_durably, store, watch_stored
 
 PREFIX = "marduk"
 JOB = "bench"
@@ -316,7 +316,14 @@ async def takeover(args: argparse.Namespace, url: str, ctls: Controllers) -> dic
                         source="bench",
                         event_id=f"rep-{uuid.uuid4()}",
                     )
-                    await js.publish(SUBJECTS.health, wire.encode(event))  # stored when acked
+                    # Stored once the stream republishes it (it sends no acknowledgements).
+                    watch = await watch_stored(nc, SUBJECTS)
+                    try:
+                        await store(
+                            nc, SUBJECTS, wire.encode(event), nc.new_inbox(), watch, timeout=5
+                        )
+                    finally:
+                        await watch.unsubscribe()
                     repeats += 1
                     t_next += args.repeat_every
                 if t_serving is None:
