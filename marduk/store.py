@@ -43,6 +43,7 @@ import copy
 import logging
 import re
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -212,33 +213,16 @@ class StateStore:
     async def load_handled(self) -> list[HealthReply]:
         """The handled events still inside the dedup window (the events bucket)."""
         out = Loaded([], [], [])
-        watcher = await self.events.watchall(ignore_deletes=True)
-        try:
-            while True:
-                entry = await watcher.updates(timeout=10.0)  # type: ignore[no-untyped-call]
-                if entry is None:
-                    break
-                if entry.value is not None and entry.operation is None:
-                    out.add(entry.key, entry.value)
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
+        async for key, value in read_bucket(self.events, self.events_bucket):
+            out.add(key, value)
         return out.handled
 
     async def load(self) -> Loaded:
         """Every record in both buckets. Records that no longer decode are skipped and counted."""
         out = Loaded([], [], [])
-        for kv in (self.kv, self.events):
-            watcher = await kv.watchall(ignore_deletes=True)
-            try:
-                while True:
-                    entry = await watcher.updates(timeout=10.0)  # type: ignore[no-untyped-call]
-                    if entry is None:
-                        break
-                    if entry.value is None or entry.operation is not None:
-                        continue
-                    out.add(entry.key, entry.value)
-            finally:
-                await watcher.stop()  # type: ignore[no-untyped-call]
+        for kv, bucket in ((self.kv, self.bucket), (self.events, self.events_bucket)):
+            async for key, value in read_bucket(kv, bucket):
+                out.add(key, value)
         return out
 
     async def write_ahead(self, ceilings: list[EpochRecord]) -> None:
@@ -438,6 +422,50 @@ async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
         return await js.key_value(config.bucket)
     except BucketNotFoundError:
         return await js.create_key_value(config)
+
+
+async def read_bucket(
+    kv: KeyValue, bucket: str, *, timeout: float = 10.0
+) -> AsyncIterator[tuple[str, bytes]]:
+    """Every key of a bucket with its value (deleted keys left out), read with one watch.
+
+    Not ``KeyValue.watchall``'s end marker: nats-py sends it when the consumer's info says
+    nothing is pending and its callback has not run yet, which is also the case when the server
+    has already pushed every record and the callback is waiting for that very answer: a load
+    then read an empty bucket (a restarted controller with no workers, 6 loads in 150 of a
+    bucket of 303 records). The end here is the server's own count on each record: the one
+    delivered with nothing pending after it. An empty bucket is known from the stream's message
+    count before watching; a quiet second with nothing pending on the server (the last record
+    expired while we read) ends it too. Raises ``TimeoutError`` after ``timeout`` seconds
+    without a record while the server says more are pending."""
+    info = await kv._js.stream_info(f"KV_{bucket}")
+    if not info.state.messages:
+        return
+    watcher = await kv.watchall()
+    quiet = 0.0
+    try:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=1.0)  # type: ignore[no-untyped-call]
+            except (TimeoutError, NatsTimeoutError):
+                pending = (await watcher._sub.consumer_info()).num_pending
+                quiet += 1.0
+                if not pending:
+                    return
+                if quiet >= timeout:
+                    raise TimeoutError(
+                        f"{bucket}: {pending} records pending, none delivered"
+                    ) from None
+                continue
+            quiet = 0.0
+            if entry is None:  # nats-py's end marker (see above): not trusted
+                continue
+            if entry.value is not None and entry.operation is None:
+                yield entry.key, entry.value
+            if not entry.delta:
+                return
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]
 
 
 class StateMirror:
