@@ -448,7 +448,8 @@ async def read_bucket(
             try:
                 entry = await watcher.updates(timeout=1.0)  # type: ignore[no-untyped-call]
             except (TimeoutError, NatsTimeoutError):
-                pending = (await watcher._sub.consumer_info()).num_pending
+                sub: Any = watcher._sub  # the watch's ordered consumer
+                pending = (await sub.consumer_info()).num_pending
                 quiet += 1.0
                 if not pending:
                     return
