@@ -318,6 +318,7 @@ class AsyncClient(CommandInbox):
             worker=o.worker,
             epoch=command.epoch,
             command_id=command.command_id,
+            devices=list(command.devices),
         )
         try:
             assert self._nc is not None

@@ -904,7 +904,7 @@ class Controller:
     async def _on_ack(self, ack: Ack, subject: str) -> AckReply:
         self._check_subject_job(ack.job, subject)
         key = WorkerKey(ack.job, ack.replica, ack.worker)
-        outcome = self.policy.ack(key, ack.epoch, time.time())
+        outcome = self.policy.ack(key, ack.epoch, time.time(), devices=ack.devices)
         await self._commit(outcome)
         return AckReply(epoch=self.policy.epoch_of_worker(key))
 

@@ -12,9 +12,12 @@ scope. A restart unconfirmed after ``pending_timeout_s`` no longer holds events 
 
 Delivery (issue 6). A failure that joins a restart in flight is still told to every scope it
 touches: the command in flight is sent again with the device merged into it (same epoch, so an
-agent acts once). Commands of scopes still awaiting confirmation are resent by ``tick`` about
-once a second, so a worker that missed one (dropped message, failover) has it soon after it can
-receive again. Epochs of a scope are kept when its workers leave: they never go backwards.
+agent acts once). A worker that had already acted when the device was merged (its ack, on its
+way, lists the devices it knew) is restarted again at a new epoch for it: a merge covers only a
+worker that has not restarted yet. Commands of scopes still awaiting confirmation are resent by
+``tick`` about once a second, so a worker that missed one (dropped message, failover) has it
+soon after it can receive again. Epochs of a scope are kept when its workers leave: they never
+go backwards.
 
 Liveness. Workers renew their registration every ``renew_interval`` (told in the reply); one
 silent for ``worker_ttl_s`` is ``stale`` (it no longer holds a restart pending) and is removed
@@ -30,7 +33,7 @@ A ``healthy`` event for the device clears its history.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import msgspec
 
@@ -395,7 +398,10 @@ class Policy(DevicePolicy):
         # (its agent would drop it as stale, and an old command could be replayed to it).
         return out
 
-    def ack(self, key: WorkerKey, epoch: int, now: float) -> Outcome:
+    def ack(
+        self, key: WorkerKey, epoch: int, now: float, *, devices: Sequence[str] | None = None
+    ) -> Outcome:
+        """A worker acted on ``epoch``, knowing its command's ``devices`` (None: not said)."""
         out = Outcome()
         rec = self.workers.get(key)
         if rec is not None:
@@ -411,7 +417,48 @@ class Policy(DevicePolicy):
         state = self.epochs.get(ekey)
         if state is not None and epoch >= state.epoch:
             self._confirm(ekey, key)
+        if state is not None and devices is not None and epoch == state.epoch:
+            self._restart_if_acted_too_early(ekey, state, rec, devices, now, out)
         return out
+
+    def _restart_if_acted_too_early(
+        self,
+        ekey: EpochKey,
+        state: EpochRecord,
+        rec: WorkerRecord,
+        acted_on: Sequence[str],
+        now: float,
+        out: Outcome,
+    ) -> None:
+        """A failure of one of this worker's devices was merged into the restart in flight
+        after the worker had acted on it (its ack was on its way): its trainer may have
+        started before that failure, so the merge did not cover it. A new epoch does."""
+        command = state.command
+        if command is None or command.kind != "restart":
+            return
+        mine = set(rec.registration.devices)
+        late = [d for d in command.devices if d in mine and d not in acted_on]
+        if not late:
+            return
+        reg = rec.registration
+        worker = WorkerKey(reg.job, reg.replica, reg.worker)
+        reason = (
+            f"device(s) {', '.join(late)} failed while {worker} was restarting for epoch "
+            f"{state.epoch}"
+        )
+        issued = self._issue(ekey, "restart", reason, late, "", now, out)
+        out.events.append(
+            ControllerEvent(
+                kind="restart_issued",
+                ts=now,
+                job=ekey.job,
+                replica=ekey.replica,
+                worker=reg.worker,
+                device=late[0],
+                epoch=issued.epoch,
+                detail=reason + " (merged after it acted)",
+            )
+        )
 
     def _seen(self, key: WorkerKey, now: float) -> None:
         self._heard(key, now)

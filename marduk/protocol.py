@@ -142,6 +142,13 @@ class Ack(Message, tag="ack", kw_only=True):
     worker: NonNegInt = 0
     epoch: Epoch
     command_id: ShortText = ""
+    # The devices of the command as the worker knew them when it acted on it (null: an agent
+    # older than this field). A device that joined the restart after that (merged into the
+    # command in flight while this ack travelled) was not covered by it: the controller
+    # restarts the scope again for it.
+    devices: Annotated[list[DeviceId], msgspec.Meta(max_length=MAX_DEVICES_PER_WORKER)] | None = (
+        None
+    )
 
 
 class AckReply(Message, tag="ack_reply", kw_only=True):

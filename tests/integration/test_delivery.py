@@ -63,6 +63,40 @@ async def test_a_failure_joining_a_restart_in_flight_reaches_every_replica(
         await c.stop()
 
 
+async def test_a_failure_merged_while_the_ack_travels_restarts_the_replica_again(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """r2 acts on epoch 1 (d3) and acks; d2 fails before that ack reaches the leader and is
+    merged into epoch 1. The ack says r2 acted knowing only d3: its trainer may have started
+    before d2 failed, so the leader restarts r2 again at epoch 2 for d2 (before the ack carried
+    its devices, d2's failure was answered "coalesced" and never acted on)."""
+    c = await serve(nats_server, tmp_path)
+    r2 = await agent(nats_server, "r2", ["d2", "d3"])
+    nc = await nats.connect(nats_server.url)
+    try:
+        await health_event(nc, "d3")
+        first = await r2.wait(5)
+        assert first is not None and (first.epoch, first.devices) == (1, ("d3",))
+        # The trainer acted on `first`; its ack is still on the way when d2 fails.
+        reply = await health_event(nc, "d2")
+        assert [(a.replica, a.epoch, a.coalesced) for a in reply.actions] == [("r2", 1, True)]
+        assert await r2.ack(first)
+        update = await r2.wait(5)  # the merged command, delivered after the trainer acted
+        assert update is not None and (update.epoch, update.devices) == (1, ("d3", "d2"))
+        again = await r2.wait(5)
+        assert again is not None and (again.kind, again.epoch, again.devices) == (
+            "restart",
+            2,
+            ("d2",),
+        )
+        assert await r2.ack(again)
+        assert await r2.wait(0.3) is None  # acted on knowing d2: nothing more
+    finally:
+        await nc.close()
+        await r2.close()
+        await c.stop()
+
+
 async def test_a_missed_command_arrives_by_resend_without_waiting_for_renewal(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:

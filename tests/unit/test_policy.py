@@ -363,3 +363,26 @@ def test_an_event_redelivered_after_a_takeover_joins_the_restart_issued_for_it()
     q3.register(reg("r1", ["d1", "d2"], epoch=1), now=2)
     late = q3.on_health(failed("d1", "e1"), now=3)
     assert not late.outcome.commands and late.reply.actions[0].epoch == 1
+
+
+def test_a_failure_merged_after_the_worker_acted_restarts_it_again() -> None:
+    """d3 fails while r2's restart for d2 is in flight: merged into epoch 1. r2's ack says it
+    acted knowing only d2, so its trainer may predate d3's failure: epoch 2 for d3."""
+    p = acceptance_map()
+    p.on_health(failed("d2", "e1"), now=1)
+    merged = p.on_health(failed("d3", "e2"), now=1.01)
+    assert [a.coalesced for a in merged.reply.actions] == [True]
+    out = p.ack(WorkerKey("j", "r2", 0), epoch=1, now=1.02, devices=["d2"])
+    assert [(c.replica, c.epoch, c.devices) for c in out.commands] == [("r2", 2, ["d3"])]
+    assert p.awaiting(EpochKey("j", "r2")) == {WorkerKey("j", "r2", 0)}
+    # r1 (on d2, not on d3) acted on what it knew: nothing more for it.
+    assert not p.ack(WorkerKey("j", "r1", 0), epoch=1, now=1.03, devices=["d2"]).commands
+
+
+def test_an_ack_that_knew_the_merged_device_or_says_nothing_restarts_nothing() -> None:
+    for devices in (["d2", "d3"], None):
+        p = acceptance_map()
+        p.on_health(failed("d2", "e1"), now=1)
+        p.on_health(failed("d3", "e2"), now=1.01)
+        assert not p.ack(WorkerKey("j", "r2", 0), epoch=1, now=1.02, devices=devices).commands
+        assert not p.awaiting(EpochKey("j", "r2"))
