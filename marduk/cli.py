@@ -155,6 +155,16 @@ def controller(
             help="A worker silent this long is removed from the map.",
         ),
     ] = 600.0,
+    epoch_retention: Annotated[
+        float,
+        typer.Option(
+            "--epoch-retention",
+            envvar="MARDUK_EPOCH_RETENTION",
+            min=1.0,
+            help="A replica (or job) with no worker for this long has its epoch record "
+            "deleted, so the state does not keep every job ever run.",
+        ),
+    ] = 86_400.0,
     exclusive_devices: Annotated[
         bool | None,
         typer.Option(
@@ -219,6 +229,7 @@ def controller(
             flap_limit=flap_limit,
             flap_window_s=flap_window,
             worker_expiry_s=max(worker_expiry, worker_ttl),
+            epoch_retention_s=epoch_retention,
             exclusive_devices=exclusive_devices,
         ),
     )

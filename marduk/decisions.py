@@ -41,6 +41,8 @@ class PolicyConfig:
     """A worker that has not renewed its registration for this long is ``stale``."""
     worker_expiry_s: float = 600.0
     """A worker silent for this long is removed from the map (with a ``worker_expired`` event)."""
+    epoch_retention_s: float = 86_400.0
+    """A scope (replica, or job) with no worker for this long has its epoch record deleted."""
     resend_interval_s: float = 1.0
     """Commands of scopes whose live workers have not all confirmed are resent this often."""
     flap_limit: int = 3

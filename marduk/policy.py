@@ -17,7 +17,8 @@ way, lists the devices it knew) is restarted again at a new epoch for it: a merg
 worker that has not restarted yet. Commands of scopes still awaiting confirmation are resent by
 ``tick`` about once a second, so a worker that missed one (dropped message, failover) has it
 soon after it can receive again. Epochs of a scope are kept when its workers leave: they never
-go backwards.
+go backwards. After ``epoch_retention_s`` with no worker the record is deleted (a worker that
+returns later has the epoch it saw adopted at registration).
 
 Liveness. Workers renew their registration every ``renew_interval`` (told in the reply); one
 silent for ``worker_ttl_s`` is ``stale`` (it no longer holds a restart pending) and is removed
@@ -115,6 +116,9 @@ class Policy(DevicePolicy):
         self.last_seen: dict[WorkerKey, float] = {}
         self.stale: set[WorkerKey] = set()
         self._last_sent: dict[EpochKey, float] = {}
+        # Scopes with no worker left, since when (oldest first): their epoch record is deleted
+        # after ``epoch_retention_s`` (see ``tick``).
+        self._vacant_since: dict[EpochKey, float] = {}
 
     # --- restore ---------------------------------------------------------------------------------
 
@@ -142,6 +146,9 @@ class Policy(DevicePolicy):
             self._remember(reply)
         for key in self.last_seen:
             self.last_seen[key] = now  # in place: the order (last heard) stays
+        # Vacant scopes' retention counts from now: when they were vacated was not stored.
+        occupied = {self._epoch_key(k) for k in self.workers}
+        self._vacant_since = {k: now for k in self.epochs if k not in occupied}
 
     @classmethod
     def from_records(
@@ -231,6 +238,7 @@ class Policy(DevicePolicy):
         )
         self.workers[key] = rec
         self._job_workers.setdefault(key.job, set()).add(key)
+        self._vacant_since.pop(ekey, None)
         dropped = self.drmap.set_worker(key, reg.devices)
         self._forget_unused(dropped, out)
         if applied >= current or not _awaited(state):
@@ -332,7 +340,7 @@ class Policy(DevicePolicy):
 
     def deregister(self, key: WorkerKey, reason: str, now: float) -> tuple[Outcome, bool]:
         out = Outcome()
-        if not self._remove_worker(key, out):
+        if not self._remove_worker(key, out, now):
             return out, False
         out.events.append(
             ControllerEvent(
@@ -346,7 +354,7 @@ class Policy(DevicePolicy):
         )
         return out, True
 
-    def _remove_worker(self, key: WorkerKey, out: Outcome) -> bool:
+    def _remove_worker(self, key: WorkerKey, out: Outcome, now: float) -> bool:
         rec = self.workers.pop(key, None)
         if rec is None:
             return False
@@ -359,9 +367,13 @@ class Policy(DevicePolicy):
         self.stale.discard(key)
         self.reports.pop(key, None)
         out.deleted_workers.append(key)
-        self._confirm(self._epoch_key_of(rec), key)
-        # The scope's epoch record stays, even with nobody left in it: a replica id that comes
-        # back continues above every epoch its agents may have seen (epochs never go backwards).
+        ekey = self._epoch_key_of(rec)
+        self._confirm(ekey, key)
+        # The scope's epoch record stays with nobody left in it, for ``epoch_retention_s``: a
+        # replica id that comes back continues above every epoch its agents may have seen.
+        if ekey in self.epochs and not self._scope_workers(ekey):
+            self._vacant_since.pop(ekey, None)
+            self._vacant_since[ekey] = now
         return True
 
     def _forget_unused(self, devices: frozenset[str], out: Outcome) -> None:
@@ -382,7 +394,7 @@ class Policy(DevicePolicy):
             if (replica is None or k.replica == replica) and (worker is None or k.worker == worker)
         )
         for key in keys:
-            self._remove_worker(key, out)
+            self._remove_worker(key, out, now)
             out.events.append(
                 ControllerEvent(
                     kind="forgotten",
@@ -631,7 +643,7 @@ class Policy(DevicePolicy):
         for key, seen in silent_ones:
             silent = now - seen
             if silent >= expiry:
-                self._remove_worker(key, out)
+                self._remove_worker(key, out, now)
                 out.events.append(
                     ControllerEvent(
                         kind="worker_expired",
@@ -656,6 +668,7 @@ class Policy(DevicePolicy):
                         detail=f"no renewal for {silent:.0f}s (TTL {ttl:g}s)",
                     )
                 )
+        self._drop_vacant_epochs(now, out)
         for ekey in [k for k in self._last_sent if not self._awaiting.get(k)]:
             del self._last_sent[ekey]  # nothing left to resend for it
         for ekey in list(self._awaiting):
@@ -666,6 +679,35 @@ class Policy(DevicePolicy):
                 out.resent.append(state.command)
                 self._last_sent[ekey] = now
         return out
+
+    def _drop_vacant_epochs(self, now: float, out: Outcome) -> None:
+        """Epoch records of scopes vacant for ``epoch_retention_s`` are deleted, so the state
+        bucket does not keep every job ever run. Safe: a worker that comes back later with an
+        epoch it saw has it adopted at registration (the next command is above it), and a new
+        process starts after every command of the old ones."""
+        retention = self.config.epoch_retention_s
+        expired = []
+        for ekey, since in self._vacant_since.items():  # oldest first
+            if now - since < retention:
+                break
+            expired.append(ekey)
+        for ekey in expired:
+            del self._vacant_since[ekey]
+            if self._scope_workers(ekey) or self.epochs.pop(ekey, None) is None:
+                continue
+            for table in (self._floor, self._last_sent, self._awaiting):
+                table.pop(ekey, None)
+            self._inherited.discard(ekey)
+            out.deleted_epochs.append(ekey)
+            out.events.append(
+                ControllerEvent(
+                    kind="epochs_dropped",
+                    ts=now,
+                    job=ekey.job,
+                    replica=ekey.replica,
+                    detail=f"no worker for {retention:g}s: the scope's epoch record is deleted",
+                )
+            )
 
     def _remember(self, reply: HealthReply) -> None:
         self._recent_events[reply.event_id] = reply

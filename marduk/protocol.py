@@ -244,6 +244,7 @@ EventKind = Literal[
     "worker_live",
     "worker_expired",
     "worker_on_unusable_device",
+    "epochs_dropped",
     # decisions
     "restart_issued",
     "fail_issued",

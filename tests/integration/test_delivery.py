@@ -9,6 +9,7 @@ from pathlib import Path
 
 import nats
 import pytest
+from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from agent.client import AsyncClient, connect_async
 from marduk import protocol as wire
@@ -16,6 +17,7 @@ from marduk.controller import Controller
 from marduk.health_stream import HealthConsumer
 from marduk.policy import PolicyConfig
 from marduk.protocol import decode, encode
+from marduk.records import EpochKey
 from marduk.subjects import Subjects
 from monitor_cli import client as monitor
 from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving
@@ -237,3 +239,31 @@ async def test_a_new_leader_handles_the_stored_backlog_on_first_delivery(
     finally:
         await nc.close()
         await r1.close(deregister=False)
+
+
+async def test_a_vacant_replica_s_epoch_record_is_deleted_after_the_retention(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Every job ever run used to leave its epoch records in the state bucket for good."""
+    c = await serve(nats_server, tmp_path, epoch_retention_s=1.0)
+    kept = await agent(nats_server, "kept", ["d1"])
+    gone = await agent(nats_server, "gone", ["d2"])
+    nc = await nats.connect(nats_server.url)
+    try:
+        kv = await nc.jetstream().key_value(c.store.bucket)
+        assert (await kv.get("e.default.gone")).value
+        await gone.close()  # deregisters: the replica is vacant
+        await eventually(lambda: EpochKey("default", "gone") not in c.policy.epochs, timeout=10)
+        deadline = asyncio.get_running_loop().time() + 10
+        while True:  # written by the commit that follows the decision
+            try:
+                await kv.get("e.default.gone")
+            except (KeyDeletedError, KeyNotFoundError):
+                break
+            assert asyncio.get_running_loop().time() < deadline, "the record is still there"
+            await asyncio.sleep(0.05)
+        assert (await kv.get("e.default.kept")).value  # its worker is still there
+    finally:
+        await nc.close()
+        await kept.close()
+        await c.stop()

@@ -386,3 +386,35 @@ def test_an_ack_that_knew_the_merged_device_or_says_nothing_restarts_nothing() -
         p.on_health(failed("d3", "e2"), now=1.01)
         assert not p.ack(WorkerKey("j", "r2", 0), epoch=1, now=1.02, devices=devices).commands
         assert not p.awaiting(EpochKey("j", "r2"))
+
+
+def test_a_vacant_scope_keeps_its_epochs_for_the_retention_then_they_are_dropped() -> None:
+    p = Policy(PolicyConfig(epoch_retention_s=100))
+    p.register(reg("r1", ["d1"]), now=0)
+    p.register(reg("r2", ["d2"], pid=2), now=0)
+    p.on_health(failed("d1", "e1"), now=1)
+    p.forget("j", "r1", None, now=10)
+    assert not p.tick(now=109).deleted_epochs  # not yet
+    # Comes back within the retention: continues above the epochs issued.
+    p.register(reg("r1", ["d1"], pid=3), now=50)
+    p.forget("j", "r1", None, now=60)
+    assert not p.tick(now=159).deleted_epochs
+    out = p.tick(now=161)
+    assert out.deleted_epochs == [EpochKey("j", "r1")] and EpochKey("j", "r1") not in p.epochs
+    assert [e.kind for e in out.events] == ["epochs_dropped"]
+    assert EpochKey("j", "r2") in p.epochs  # r2 still has its worker
+    assert not p.tick(now=500).deleted_epochs  # once
+    # A worker of r1 that was cut off all along comes back with the epoch it saw: adopted.
+    out_reg = p.register(reg("r1", ["d1"], pid=4, epoch=1), now=600)
+    assert out_reg.epoch == 1
+    r = p.on_health(failed("d1", "e2"), now=601)
+    assert [c.epoch for c in r.outcome.commands] == [2]
+
+
+def test_vacancy_after_a_restore_counts_from_the_takeover() -> None:
+    p = Policy(PolicyConfig(epoch_retention_s=100))
+    p.register(reg("r1", ["d1"]), now=0)
+    p.forget("j", "r1", None, now=1)
+    restored = Policy.restore(p.config, [], list(p.epochs.values()), [], now=1000)
+    assert not restored.tick(now=1099).deleted_epochs
+    assert restored.tick(now=1100).deleted_epochs == [EpochKey("j", "r1")]
