@@ -60,7 +60,7 @@ from agent.launch import Std
 from agent.local import TrainerChannel
 from agent.ports import listening, port_for_incarnation
 from agent.preflight import run_check
-from agent.proctree import become_subreaper, end_leftovers, leftovers, wait_groups_gone
+from agent.proctree import become_subreaper, end_leftovers, find_leftovers, wait_groups_gone
 from agent.ranks import (
     CommandArrived,
     Fact,
@@ -664,7 +664,7 @@ class Supervisor:
                     os.killpg(r.proc.pid, signal.SIGTERM)
             # Their whole trees: helpers that left the group (setsid) get the same grace.
             groups = {r.proc.pid for r in running if r.proc is not None}
-            for p in await asyncio.to_thread(leftovers, spare):
+            for p in await find_leftovers(spare):
                 with contextlib.suppress(Exception):
                     if os.getpgid(p.pid) not in groups:  # (killpg signalled those)
                         p.send_signal(signal.SIGTERM)
