@@ -51,11 +51,11 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from marduk.lease import Lease, Sighting, campaign, serving, term_to_claim
+
 log = logging.getLogger("marduk.leadership")
 
 KEY = "leader"
-FENCE = 0.75
-"""The leader stops serving when its last renewal was sent this fraction of the TTL ago."""
 PROBE_INTERVAL = 0.05
 """How often a standby asks the lease holder whether it is alive (seconds)."""
 PROBE_TIMEOUT = 0.25
@@ -71,19 +71,6 @@ def alive_subject(prefix: str, holder: str) -> str:
 
 def lease_bucket_name(prefix: str) -> str:
     return prefix.replace(".", "_") + "_leader"
-
-
-class Lease(msgspec.Struct, kw_only=True):
-    """The value of the lease key."""
-
-    holder: str
-    term: int
-    ttl: float
-    pid: int = 0
-    host: str = ""
-    acquired_at: float = 0.0
-    alive: str = ""
-    """The holder's liveness subject (empty: a controller that has none is never probed)."""
 
 
 OnChange = Callable[[int], Awaitable[None]]
@@ -203,7 +190,7 @@ class Leadership:
 
     def serving(self) -> bool:
         """True while this controller may act as leader (checked before every commit)."""
-        return self.is_leader and time.monotonic() - self._renewed_sent < FENCE * self.ttl
+        return serving(self.is_leader, self._renewed_sent, self.ttl, time.monotonic())
 
     def since_renewal(self) -> float:
         """Seconds since this leader last sent a renewal (the fence counts from it)."""
@@ -272,29 +259,23 @@ class Leadership:
             # resumes when the bucket is back; we would otherwise race it for nothing.
             self._observed_at = time.monotonic()
             raise
-        if entry is None:
-            await self._take(0, max(self.term, self.lease.term if self.lease else 0) + 1, now)
-            return
-        lease = _decode(entry.value)
-        if entry.revision != self._revision:
-            self._revision, self._observed_at, self.lease = entry.revision or 0, now, lease
-            if lease is not None and lease.holder == self.holder:
-                # Our own lease from before a NATS outage, untouched since: resume at once.
-                await self._take(self._revision, lease.term + 1, now)
-            return
-        if lease is not None and lease.holder == self.holder:
-            # Ours, untouched since we last wrote it (we stepped down because we could not
-            # renew): nobody took it over, so take it back at once (compare-and-set).
-            await self._take(self._revision, lease.term + 1, now)
-            return
-        ttl = lease.ttl if lease is not None else self.ttl
-        if now - self._observed_at >= ttl:
-            term = (lease.term if lease is not None else 0) + 1
-            await self._take(self._revision, term, now)
+        seen = Sighting(self._revision, self._observed_at, self.lease)
+        seen, take = campaign(
+            seen,
+            None if entry is None else entry.revision or 0,
+            None if entry is None else _decode(entry.value),
+            me=self.holder,
+            my_term=self.term,
+            ttl=self.ttl,
+            now=now,
+        )
+        self._revision, self._observed_at, self.lease = seen.revision, seen.since, seen.lease
+        if take is not None:
+            await self._take(take.last, take.term, now)
 
     async def _take(self, last: int, term: int, sent: float, *, holder_gone: bool = False) -> None:
         assert self.kv is not None
-        term = max(term, self.term_floor + 1)
+        term = term_to_claim(term, self.term_floor)
         try:
             if last == 0:
                 self._revision = await self.kv.create(KEY, self._value(term))

@@ -24,7 +24,8 @@ from marduk.commit import CommitPipeline, NotServing, Steps
 from marduk.controller import Controller
 from marduk.decisions import Outcome
 from marduk.health_stream import HealthConsumer, ensure_stream
-from marduk.leadership import FENCE, KEY, Leadership
+from marduk.leadership import KEY, Leadership
+from marduk.lease import FENCE
 from marduk.protocol import Command
 from marduk.records import EpochRecord
 from marduk.store import StateMirror, StateStore
