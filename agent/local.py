@@ -19,7 +19,7 @@ JSON lines, one message per line, a msgspec tagged union on ``op``:
 Decoding is strict (types checked; a line is capped at ``MAX_LINE`` bytes). A message that
 cannot be read is counted and logged, and skipped: it never closes the channel or stops either
 end. Steps and heartbeats feed the supervisor's hang detection; an open section whose timeout
-passes counts as a hang (seed 004's sections: tighter timeouts around the parts you know).
+passes counts as a hang (NVRx's sections: tighter timeouts around the parts you know).
 """
 
 from __future__ import annotations

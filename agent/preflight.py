@@ -1,4 +1,5 @@
-"""A device check between incarnations (issue 9, item 4; seed 003's lesson).
+"""A device check between incarnations (a runtime that crashed can fail
+again in the next process if the device is bad: check it before starting one).
 
 A crashed accelerator runtime can poison the process it ran in, and a fresh process cures it;
 but a device that is really broken fails the fresh process too. Before starting a new trainer

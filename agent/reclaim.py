@@ -1,4 +1,4 @@
-"""Between incarnations: wait until the GPUs' memory is released (seed 004's memory reclaim).
+"""Between incarnations: wait until the GPUs' memory is released (as NVRx's launcher does).
 
 A killed trainer's device memory is freed by the driver shortly after the process is gone;
 starting the next trainer before that can make it fail to allocate. For each device of this

@@ -5,7 +5,7 @@ calls ``diagnose`` when the trainer dies or hangs; the class and the matching li
 the failure report and show in ``marduk monitor watch``.
 
 Actions:
-* ``restart``: a fresh process cures it (seed 003: TPU launch-group state is only reset by a new
+* ``restart``: a fresh process cures it (TPU launch-group state is only reset by a new
   process);
 * ``restart_job``: a collective failed; every worker of the mesh must restart together;
 * ``check_device``: the hardware reported a fault; restarting may not help, count it against the
@@ -41,7 +41,7 @@ SIGNATURES: tuple[Signature, ...] = (
         "tpu_runtime_halt",
         r"Core halted unexpectedly|Accelerator device halted prematurely",
         "restart",
-        "TPU core halted; a fresh process resets the runtime (seed 003)",
+        "TPU core halted; a fresh process resets the runtime",
     ),
     _sig(
         "tpu_runtime_halt",

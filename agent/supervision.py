@@ -15,7 +15,7 @@ decision about them is made here, from facts the shell observes, with ``now`` as
 * joining a controller late (standalone until then) -> ``GiveUp`` 71 when it says our devices
   are out of service, else nothing: its epochs apply from the next restart on.
 
-Budget (DESIGN.md decision 6): at most ``max_restarts`` local failures within
+Budget (decisions.md #6): at most ``max_restarts`` local failures within
 ``restart_window_s``; the next one gives up (exit 70) so the scheduler replaces the pod. Standalone
 (no controller) the rules are the same: a local failure restarts at the current epoch, since only
 a controller issues epochs; with one, at the epoch its reply names (``restart_epoch``).

@@ -1,7 +1,7 @@
 """Identities, permissions and command signatures, on NATS's own security model.
 
 ``marduk auth init DIR`` makes one nkey identity per role and a nats-server configuration that
-grants each role only what it needs under the prefix (DESIGN.md decision 10):
+grants each role only what it needs under the prefix (decisions.md #10):
 
 * ``controller``: everything Marduk uses (its subjects, JetStream, replies);
 * ``agent``: request ``<job>.register|deregister|ack|report``, subscribe to command subjects and

@@ -1,6 +1,6 @@
 """How a Marduk process proves who it is to NATS: the credentials every process takes.
 
-NATS's own mechanisms, nothing of ours (DESIGN.md decision 10): an nkey seed file (``--nkey`` /
+NATS's own mechanisms, nothing of ours (decisions.md #10): an nkey seed file (``--nkey`` /
 MARDUK_NKEY, what ``marduk auth init`` writes), a decentralized-auth creds file (``--creds`` /
 MARDUK_CREDS), user and password or a token (in the URL, or MARDUK_USER / MARDUK_PASSWORD /
 MARDUK_TOKEN), and TLS (``--tls-ca``, ``--tls-cert``, ``--tls-key`` / MARDUK_TLS_*).

@@ -1,4 +1,4 @@
-"""DRMap: the many-to-many map between physical devices and training replicas (seed 001).
+"""DRMap: the many-to-many map between physical devices and training replicas.
 
 Pure data structure, no I/O. A replica spans one or more workers (one per host, say); each worker
 registers the devices it uses. The map answers both ways:
@@ -6,7 +6,7 @@ registers the devices it uses. The map answers both ways:
 * ``replicas_for_device(d)``: the replicas to tell when device ``d`` fails;
 * ``devices_for_replica(r)``: every device any worker of replica ``r`` uses.
 
-Invariant (seed 001), checked by ``check_invariants`` and by property tests: if device ``d`` maps
+Invariant, checked by ``check_invariants`` and by property tests: if device ``d`` maps
 to replica ``r`` then ``r`` maps back to ``d``, and the reverse; no empty entries are kept.
 Workers are the unit of registration so that re-registering one worker of a replica replaces that
 worker's devices without touching the others'.
@@ -143,7 +143,7 @@ class DRMap:
     def __len__(self) -> int:
         return len(self._worker_devices)
 
-    # The two maps of seed 001, materialised (for display, snapshots and tests).
+    # Both maps (device -> replicas, replica -> devices), for display, snapshots and tests.
     @property
     def device_to_replicas(self) -> dict[str, frozenset[ReplicaKey]]:
         return {d: self.replicas_for_device(d) for d in self._device_to_workers}
@@ -177,7 +177,7 @@ class DRMap:
     # --- invariants ----------------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        """Raise AssertionError if the indexes disagree (seed 001's invariant and ours)."""
+        """Raise AssertionError if the indexes disagree (the invariant above)."""
         for device, workers in self._device_to_workers.items():
             assert workers, f"empty worker set kept for device {device}"
             for key in workers:

@@ -1,6 +1,6 @@
 """Pages that fit: split an answer of many items into replies under a byte budget (no I/O).
 
-DESIGN.md decision 12: no message exceeds the server's max payload. The controller measures
+decisions.md #12: no message exceeds the server's max payload. The controller measures
 each item's encoded size once, then cuts pages greedily; a page always holds at least one item
 (an item larger than the budget is the caller's error to report).
 """

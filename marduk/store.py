@@ -1,4 +1,4 @@
-"""Controller state in a JetStream key-value bucket (DESIGN.md decision 4).
+"""Controller state in a JetStream key-value bucket (decisions.md #4).
 
 Keys (the bucket is ``<prefix>_state`` with dots replaced by ``_``)::
 
@@ -13,7 +13,7 @@ failover is answered "duplicate" with the original decision.
 
     h.<base64url(event_id)>      HealthReply
 
-Fencing (DESIGN.md decision 13). A leader's first write of its term is the ``term`` key of the
+Fencing (decisions.md #13). A leader's first write of its term is the ``term`` key of the
 state bucket (``TermRecord``, compare-and-set from the revision it read, refused if a later
 term is already there). Every later write of that leader to the state bucket (ceilings,
 records, deletes) carries the headers ``Nats-Expected-Last-Subject-Sequence: <revision of its

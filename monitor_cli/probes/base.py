@@ -1,4 +1,4 @@
-"""The shape every probe has (issue 9).
+"""The shape every probe has.
 
 A probe observes devices and says which *conditions* hold now, level-triggered: "GPU-x has an
 uncorrectable ECC error", "this host is being preempted". It never publishes: the daemon

@@ -18,11 +18,11 @@ What a node-level monitor CAN observe:
 
 What it CANNOT observe:
 
-* **A crashed or poisoned runtime** (seed 003: "Core halted unexpectedly", "program continuator
-  has halted unexpectedly", an unexpected peer in the launch group). Those live in the trainer
-  process: the runtime raises them into it, the process must be replaced, and only the agent,
-  which runs that process and reads its log (``agent/signatures.py``), sees them. The chips
-  stay present and look fine from here.
+* **A crashed or poisoned runtime** (seen on TPU fleets: "Core halted unexpectedly", "program
+  continuator has halted unexpectedly", an unexpected peer in the launch group). Those live in
+  the trainer process: the runtime raises them into it, the process must be replaced, and only
+  the agent, which runs that process and reads its log (``agent/signatures.py``), sees them.
+  The chips stay present and look fine from here.
 * **"The runtime does not answer"** is not a condition: the metrics server lives and dies with
   the trainer, so it is also silent between two trainers, during startup and after a job ends.
   Unreachability is only counted (``stats``) and logged at debug level.
