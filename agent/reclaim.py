@@ -76,7 +76,7 @@ async def between_incarnations(
     released (``marduk agent run`` does this before every restart)."""
     for path in stale_files:
         with contextlib.suppress(FileNotFoundError, PermissionError):
-            await asyncio.to_thread(os.unlink, path)
+            os.unlink(path)  # a local lockfile: no thread hop on the restart's path
             log.info("removed stale %s", path)
     if cleanup_cmd:
         proc = await asyncio.create_subprocess_shell(cleanup_cmd)

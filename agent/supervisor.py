@@ -508,7 +508,10 @@ class Supervisor:
             log.warning("%s", decision.why)
             self.stats["restarts.command"] += 1
             self.core.restarting_at(command.epoch)
-            await self.link.ack(command)
+            # Not awaited: the next trainer need not wait for the controller's answer (a round
+            # trip to a controller busy with the whole job's acks); a lost ack is resent by
+            # the next registration.
+            self._spawn(self.link.ack(command), "ack")
             if command.devices and not await self._preflight(
                 f"device(s) {', '.join(command.devices)}"
             ):

@@ -51,6 +51,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import restart_breakdown
 from bench_notify import machine, source_version, start_nats_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -152,6 +153,7 @@ time.sleep(10**7)
 
 
 def start_marduk(bench_dir: Path, env: dict[str, str], extra: list[str]) -> Procs:
+    breakdown = bool(os.environ.get("BENCH_BREAKDOWN"))  # each agent logs to its own file
     server, url = start_nats_server(bench_dir)
     (bench_dir / "url").write_text(url)
     env = {
@@ -199,7 +201,9 @@ def start_marduk(bench_dir: Path, env: dict[str, str], extra: list[str]) -> Proc
                             "--max-restarts",
                             "100000",
                             "--log-level",
-                            os.environ.get("BENCH_AGENT_LOG_LEVEL", "warning"),
+                            "info"
+                            if breakdown
+                            else os.environ.get("BENCH_AGENT_LOG_LEVEL", "warning"),
                         ),
                         *extra,
                         *("--", sys.executable, WORKER),
@@ -207,7 +211,9 @@ def start_marduk(bench_dir: Path, env: dict[str, str], extra: list[str]) -> Proc
                     env=env,
                     cwd=ROOT,
                     stdout=subprocess.DEVNULL,
-                    stderr=log,
+                    stderr=open(bench_dir / f"agent-r{r}-{w}.log", "wb")  # noqa: SIM115
+                    if breakdown
+                    else log,
                 )
             )
     return procs
@@ -332,6 +338,7 @@ class Trials:
         self.restart: list[float] = []
         self.ready: list[float] = []
         self.by: Counter[str] = Counter()
+        self.breakdown: dict[str, float] = {}
 
     def fault_and_measure(self, bench_dir: Path, inc: int, at: float) -> tuple[float, float]:
         """Fault incarnation ``inc`` at wall time ``at`` (or as soon after as it can be);
@@ -365,6 +372,7 @@ class Trials:
             **stats("restart", self.restart),
             **stats("ready", self.ready),
             "started_by": dict(self.by),
+            **({"breakdown_p50_ms": self.breakdown} if self.breakdown else {}),
         }
 
 
@@ -417,6 +425,8 @@ def run(name: str, scenario: str, args: argparse.Namespace) -> dict[str, object]
         for k in range(args.trials):
             at = last_ready + args.settle if scenario == "isolated" else last_start + args.gap
             last_start, last_ready = trials.fault_and_measure(bench_dir, k, at)
+        if os.environ.get("BENCH_BREAKDOWN") and name in ("marduk", "marduk-standby"):
+            trials.breakdown = restart_breakdown.breakdown(bench_dir, args.trials)
     finally:
         stop(name, procs)
         if os.environ.get("BENCH_KEEP"):
@@ -460,7 +470,15 @@ def main() -> None:
     )
     p.add_argument("--framework", choices=("torch", "jax"), default="torch")
     p.add_argument("--out", help="also write the JSON report here")
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="marduk, crash faults (isolated, back-to-back): also say where each restart's time "
+        "went (bench/restart_breakdown.py; the agents log at info, each to its own file)",
+    )
     args = p.parse_args()
+    if args.breakdown:
+        os.environ["BENCH_BREAKDOWN"] = "1"
     results = []
     for scenario in args.scenario.split(","):
         if scenario not in SCENARIOS:
