@@ -39,6 +39,7 @@ from marduk.protocol import (
     Registration,
 )
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.scopes import Scopes
 
 MAX_MERGED_DEVICES = 64
 """Devices one command lists at most: a failure past it takes a new epoch instead of merging."""
@@ -50,13 +51,16 @@ class DevicePolicy:
     config: PolicyConfig
     drmap: DRMap
     devices: dict[str, DeviceRecord]
-    epochs: dict[EpochKey, EpochRecord]
+    scopes: Scopes
     workers: dict[WorkerKey, WorkerRecord]
     last_seen: dict[WorkerKey, float]
     stale: set[WorkerKey]
     _recent_events: OrderedDict[str, HealthReply]
-    _last_sent: dict[EpochKey, float]
-    _inherited: set[EpochKey]
+
+    @property
+    def epochs(self) -> dict[EpochKey, EpochRecord]:
+        """Every scope's epoch record (read it; the policy changes it through ``scopes``)."""
+        return self.scopes.records
 
     def _epoch_key(self, key: WorkerKey) -> EpochKey:
         raise NotImplementedError
@@ -182,7 +186,7 @@ class DevicePolicy:
             if not self._issued_for(k, event.event_id)
             and (
                 not self._pending(k, now)
-                or k in self._inherited
+                or self.scopes.inherited(k)
                 or self._confirmed_on(k, event.device, workers)
                 or self._merge_full(k, event.device)
             )
@@ -261,7 +265,7 @@ class DevicePolicy:
         )
         state.command = merged
         out.resent.append(merged)
-        self._last_sent[ekey] = now
+        self.scopes.sent(ekey, now)
         if state not in out.write_ahead and state not in out.put_epochs:
             out.put_epochs.append(state)
 

@@ -63,6 +63,7 @@ from marduk.protocol import (
     WorkerInfo,
 )
 from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.scopes import Scopes
 
 
 def _awaited(state: EpochRecord) -> bool:
@@ -97,16 +98,10 @@ class Policy(DevicePolicy):
         self.config = config or PolicyConfig()
         self.drmap = DRMap()
         self.workers: dict[WorkerKey, WorkerRecord] = {}
-        self.epochs: dict[EpochKey, EpochRecord] = {}
+        # Each restart scope's epoch record, and what is derived from it (marduk/scopes.py).
+        self.scopes = Scopes()
         self.devices: dict[str, DeviceRecord] = {}
-        # Workers that have not confirmed the current epoch of their scope (derived, not stored).
-        self._awaiting: dict[EpochKey, set[WorkerKey]] = {}
         self._job_workers: dict[str, set[WorkerKey]] = {}
-        self._floor: dict[EpochKey, int] = {}
-        # Scopes whose restart in flight was read from the store, not issued by this policy:
-        # whether their workers applied it is unknown (acks are not persisted), so a failure
-        # meeting it issues a new epoch rather than being coalesced into it.
-        self._inherited: set[EpochKey] = set()
         # The latest report of each worker (status, step, failure): shown, not persisted.
         self.reports: dict[WorkerKey, Report] = {}
         self._recent_events: OrderedDict[str, HealthReply] = OrderedDict()
@@ -115,10 +110,6 @@ class Policy(DevicePolicy):
         # workers that have been silent for a TTL, not at all 25k of them four times a second.
         self.last_seen: dict[WorkerKey, float] = {}
         self.stale: set[WorkerKey] = set()
-        self._last_sent: dict[EpochKey, float] = {}
-        # Scopes with no worker left, since when (oldest first): their epoch record is deleted
-        # after ``epoch_retention_s`` (see ``tick``).
-        self._vacant_since: dict[EpochKey, float] = {}
 
     # --- restore ---------------------------------------------------------------------------------
 
@@ -147,8 +138,7 @@ class Policy(DevicePolicy):
         for key in self.last_seen:
             self.last_seen[key] = now  # in place: the order (last heard) stays
         # Vacant scopes' retention counts from now: when they were vacated was not stored.
-        occupied = {self._epoch_key(k) for k in self.workers}
-        self._vacant_since = {k: now for k in self.epochs if k not in occupied}
+        self.scopes.vacant_all({self._epoch_key(k) for k in self.workers}, now)
 
     @classmethod
     def from_records(
@@ -161,10 +151,8 @@ class Policy(DevicePolicy):
         """The map, epochs and devices the records describe; ``resume`` before leading."""
         policy = cls(config)
         for epoch in epochs:
-            ekey = EpochKey(epoch.job, epoch.replica)
-            policy.epochs[ekey] = epoch
             # Commands up to the ceiling may have gone out after the last exact write.
-            policy._floor[ekey] = max(epoch.epoch, epoch.ceiling)
+            policy.scopes.restore(epoch)
         for device in devices:
             policy.devices[device.device] = device
         for rec in workers:
@@ -176,8 +164,7 @@ class Policy(DevicePolicy):
             ekey = policy._epoch_key(key)
             state = policy.epochs.get(ekey)
             if state is not None and rec.applied_epoch < state.epoch and _awaited(state):
-                policy._awaiting.setdefault(ekey, set()).add(key)
-                policy._inherited.add(ekey)
+                policy.scopes.inherit(ekey, key)
         return policy
 
     # --- registration ----------------------------------------------------------------------------
@@ -206,7 +193,7 @@ class Policy(DevicePolicy):
             # Reserve the first block now, off the failure path. Written ahead: a command under
             # this ceiling needs no write of its own, so the ceiling must be durable first.
             state = EpochRecord(job=ekey.job, replica=ekey.replica, ceiling=self.config.epoch_block)
-            self.epochs[ekey] = state
+            self.scopes.put(ekey, state)
             out.write_ahead.append(state)
         seen = max(reg.epoch, reg.seen_epoch)
         if seen > state.epoch:
@@ -238,13 +225,13 @@ class Policy(DevicePolicy):
         )
         self.workers[key] = rec
         self._job_workers.setdefault(key.job, set()).add(key)
-        self._vacant_since.pop(ekey, None)
+        self.scopes.occupied(ekey)
         dropped = self.drmap.set_worker(key, reg.devices)
         self._forget_unused(dropped, out)
         if applied >= current or not _awaited(state):
-            self._confirm(ekey, key)
+            self.scopes.confirm(ekey, key)
         else:
-            self._awaiting.setdefault(ekey, set()).add(key)
+            self.scopes.wait_for(ekey, key)
         if result != "unchanged":
             # Agents re-register every 30 s to converge; an unchanged one is neither written
             # nor announced.
@@ -371,9 +358,8 @@ class Policy(DevicePolicy):
         self._confirm(ekey, key)
         # The scope's epoch record stays with nobody left in it, for ``epoch_retention_s``: a
         # replica id that comes back continues above every epoch its agents may have seen.
-        if ekey in self.epochs and not self._scope_workers(ekey):
-            self._vacant_since.pop(ekey, None)
-            self._vacant_since[ekey] = now
+        if not self._scope_workers(ekey):
+            self.scopes.vacated(ekey, now)
         return True
 
     def _forget_unused(self, devices: frozenset[str], out: Outcome) -> None:
@@ -481,11 +467,7 @@ class Policy(DevicePolicy):
         self.last_seen[key] = now
 
     def _confirm(self, ekey: EpochKey, key: WorkerKey) -> None:
-        waiting = self._awaiting.get(ekey)
-        if waiting is not None:
-            waiting.discard(key)
-            if not waiting:
-                del self._awaiting[ekey]
+        self.scopes.confirm(ekey, key)
 
     # --- agent reports ---------------------------------------------------------------------------
 
@@ -520,7 +502,7 @@ class Policy(DevicePolicy):
         ekey = self._epoch_key_of(rec)
         state = self.epochs.get(ekey)
         current = state.epoch if state else 0
-        if report.epoch < current or (self._pending(ekey, now) and ekey not in self._inherited):
+        if report.epoch < current or (self._pending(ekey, now) and not self.scopes.inherited(ekey)):
             # A restart that covers this failure is already under way (one inherited from an
             # earlier term may have been applied already: the crash may come after it).
             assert state is not None
@@ -591,8 +573,8 @@ class Policy(DevicePolicy):
     ) -> Command:
         """A new epoch for ``ekey`` and its command. ``pending``: a restart the scope's workers
         must confirm (coalescing further failures, resent until then); a checkpoint is not."""
+        epoch = self.scopes.next_epoch(ekey)
         state = self.epochs.get(ekey) or EpochRecord(job=ekey.job, replica=ekey.replica)
-        epoch = max(state.epoch, self._floor.pop(ekey, 0)) + 1
         if epoch > state.ceiling:
             state.ceiling = epoch + self.config.epoch_block - 1
             out.write_ahead.append(state)
@@ -609,13 +591,9 @@ class Policy(DevicePolicy):
             issued_at=now,
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
-        self.epochs[ekey] = state
-        self._inherited.discard(ekey)  # in flight by our own decision now
-        if pending:
-            self._awaiting[ekey] = {w for w in self._scope_workers(ekey) if w not in self.stale}
-            self._last_sent[ekey] = now
-        else:
-            self._awaiting.pop(ekey, None)
+        self.scopes.put(ekey, state)
+        live = [w for w in self._scope_workers(ekey) if w not in self.stale]
+        self.scopes.issued(ekey, live if pending else None, now)
         out.commands.append(command)
         if state not in out.write_ahead:
             out.put_epochs.append(state)
@@ -623,7 +601,7 @@ class Policy(DevicePolicy):
 
     def _pending(self, ekey: EpochKey, now: float) -> bool:
         state = self.epochs.get(ekey)
-        if state is None or not self._awaiting.get(ekey):
+        if state is None or not self.scopes.in_flight(ekey):
             return False
         return now - state.issued_at < self.config.pending_timeout_s
 
@@ -669,15 +647,12 @@ class Policy(DevicePolicy):
                     )
                 )
         self._drop_vacant_epochs(now, out)
-        for ekey in [k for k in self._last_sent if not self._awaiting.get(k)]:
-            del self._last_sent[ekey]  # nothing left to resend for it
-        for ekey in list(self._awaiting):
+        for ekey in self.scopes.due(now, self.config.resend_interval_s):
             state = self.epochs.get(ekey)
             if state is None or state.command is None or not self._pending(ekey, now):
                 continue
-            if now - self._last_sent.get(ekey, 0.0) >= self.config.resend_interval_s:
-                out.resent.append(state.command)
-                self._last_sent[ekey] = now
+            out.resent.append(state.command)
+            self.scopes.sent(ekey, now)
         return out
 
     def _drop_vacant_epochs(self, now: float, out: Outcome) -> None:
@@ -686,18 +661,9 @@ class Policy(DevicePolicy):
         epoch it saw has it adopted at registration (the next command is above it), and a new
         process starts after every command of the old ones."""
         retention = self.config.epoch_retention_s
-        expired = []
-        for ekey, since in self._vacant_since.items():  # oldest first
-            if now - since < retention:
-                break
-            expired.append(ekey)
-        for ekey in expired:
-            del self._vacant_since[ekey]
-            if self._scope_workers(ekey) or self.epochs.pop(ekey, None) is None:
+        for ekey in self.scopes.vacant_for(retention, now):
+            if self._scope_workers(ekey) or not self.scopes.drop(ekey):
                 continue
-            for table in (self._floor, self._last_sent, self._awaiting):
-                table.pop(ekey, None)
-            self._inherited.discard(ekey)
             out.deleted_epochs.append(ekey)
             out.events.append(
                 ControllerEvent(
@@ -738,7 +704,7 @@ class Policy(DevicePolicy):
         return self.epoch_of(self._epoch_key_of(rec)) if rec else 0
 
     def awaiting(self, ekey: EpochKey) -> frozenset[WorkerKey]:
-        return frozenset(self._awaiting.get(ekey, ()))
+        return self.scopes.awaiting(ekey)
 
     # --- views for queries (marduk.views) --------------------------------------------------------
 

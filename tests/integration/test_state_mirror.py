@@ -156,8 +156,8 @@ def policy_state(p: Policy) -> tuple[object, ...]:
         sorted((str(k), enc(v)) for k, v in p.epochs.items()),
         sorted((k, enc(v)) for k, v in p.devices.items()),
         sorted((d, sorted(map(str, r))) for d, r in p.drmap.device_to_replicas.items()),
-        sorted((str(k), sorted(map(str, v))) for k, v in p._awaiting.items() if v),
-        sorted(p._floor.items()),
+        sorted((str(k), sorted(map(str, v))) for k, v in p.scopes._awaiting.items() if v),
+        sorted(p.scopes._floor.items()),
     )
 
 
