@@ -366,9 +366,10 @@ class Supervisor:
     def _ask_for_peer_notices(self) -> None:
         """A trainer's library wants ``peer_failed`` notices: register asking for them (from
         now on, for every later incarnation too)."""
-        self.opts.peer_notices = True
         client = self.link.client
-        if client is not None and not client.opts.peer_notices:
+        asked = self.opts.peer_notices and (client is None or client.opts.peer_notices)
+        self.opts.peer_notices = True  # often the very object the client holds
+        if client is not None and not asked:
             client.opts.peer_notices = True
             self._spawn(client.reregister(), "register")
 
