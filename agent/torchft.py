@@ -28,7 +28,8 @@ Guard reports the error to the Manager (the step in flight does not commit) and 
 process group (a collective pending with the failed group ends now instead of at its timeout),
 and does not exit: the next step's quorum forms without the failed group (torchft reconfigures
 the process group when the membership changes, which it does: the failed group's trainer is
-ended by its agent). A notice about a group not in the last quorum (already gone) changes
+ended by its agent). A notice about a group not in the last quorum (already gone), or one
+that comes while the next quorum is forming (no collective of the step has started), changes
 nothing. Which groups were in the quorum is read from the Manager's quorum answers
 (``Manager._client``, wrapped at ``attach``); where that is not possible the Guard only reports
 the error, and aborts nothing.
@@ -141,6 +142,17 @@ class Guard:
         step = self._step_or_none()
         failed = ", ".join(f"{p.replica} {p.kind} at epoch {p.epoch}" for p in cmd.peers)
         ours = [p.replica for p in cmd.peers if quorum is None or p.replica in quorum]
+        if ours and self._quorum_forming():
+            # No collective of this step has started: the quorum being formed decides without
+            # the failed group (it does not heartbeat), and an error reported now would only
+            # make the healthy groups skip the first step of the new quorum.
+            print(
+                f"marduk: peer_failed: {failed}: the next quorum is forming, nothing to abandon "
+                f"(step {step})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         if not ours:
             print(
                 f"marduk: peer_failed: {failed}: not in our last quorum, nothing to abandon "
@@ -163,6 +175,13 @@ class Guard:
                 self.pg.abort()
             except Exception as e:
                 log.warning("aborting the process group: %s", e)
+
+    def _quorum_forming(self) -> bool:
+        """The Manager is waiting for this step's quorum (torchft 0.2.0's ``_quorum_future``;
+        False where that cannot be read)."""
+        future = getattr(self.manager, "_quorum_future", None)
+        done = getattr(future, "done", None)
+        return callable(done) and not done()
 
     def _saw_quorum(self, replica_ids: Any) -> None:
         try:

@@ -177,7 +177,7 @@ def test_device_failure_and_crash_cost_the_healthy_groups_no_restart(
         # in flight if g2 was in their last quorum.
         for h in (g1, g3):
             line = h.expect("marduk: peer_failed: g2 restart at epoch 1", timeout=10)
-            assert "abandoning step" in line or "not in our last quorum" in line, line
+            assert any(w in line for w in ("abandoning", "last quorum", "quorum is forming")), line
             print(f"a healthy group: {line.strip()}")
         assert not any("peer_failed" in ln for ln in g2.all)  # not told about itself
         heals("device failure", g2, [g1, g3], t0, every)
