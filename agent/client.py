@@ -71,6 +71,7 @@ async def connect_async(
     nkey: str | os.PathLike[str] | None = None,
     credentials: Credentials | None = None,
     controller_key: str | None = None,
+    peer_notices: bool = False,
 ) -> AsyncClient:
     """Register this worker and return once registered; raise AgentError after ``timeout``.
 
@@ -80,6 +81,8 @@ async def connect_async(
     ``credentials``, else MARDUK_NKEY / MARDUK_CREDS / MARDUK_USER, MARDUK_PASSWORD /
     MARDUK_TOKEN / MARDUK_TLS_*. ``controller_key`` (or MARDUK_CONTROLLER_KEY, or the
     ``controller.pub`` beside the nkey file): commands not signed with it are dropped.
+    ``peer_notices``: also receive ``peer_failed`` notices (``Command.is_notice``) when another
+    replica of the job restarts or fails; they need no ack and set no ``failed``.
     """
     opts = resolve_options(
         replica_id,
@@ -92,6 +95,7 @@ async def connect_async(
         timeout=timeout,
         credentials=with_nkey(nkey, credentials),
         controller_key=controller_key,
+        peer_notices=peer_notices,
     )
     client = open_client(opts, on_command, None)
     await client.start()
@@ -113,6 +117,7 @@ def connect(
     nkey: str | os.PathLike[str] | None = None,
     credentials: Credentials | None = None,
     controller_key: str | None = None,
+    peer_notices: bool = False,
 ) -> Client:
     """Register this worker with the controller and return a ``Client``.
 
@@ -130,5 +135,6 @@ def connect(
         timeout=timeout,
         credentials=with_nkey(nkey, credentials),
         controller_key=controller_key,
+        peer_notices=peer_notices,
     )
     return Client(opts, on_command)

@@ -10,10 +10,26 @@ from marduk import protocol as wire
 
 
 @dataclass(frozen=True, slots=True)
-class Command:
-    """A command for this replica, as the trainer sees it."""
+class PeerFailure:
+    """Another replica of the job that restarts or fails (a ``peer_failed`` notice names it)."""
 
-    kind: Literal["restart", "fail", "stop", "checkpoint"]
+    replica: str
+    epoch: int  # the epoch of the command that replica was sent (not ours)
+    kind: Literal["restart", "fail"]
+    devices: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A command for this replica, as the trainer sees it.
+
+    ``peer_failed`` is a notice, not a command to act on: other replicas of the job (``peers``)
+    restart or fail, so a collective step with them will not complete; keep training (a torchft
+    group abandons the step in flight and goes on to the next quorum). Only a client that asked
+    (``connect(peer_notices=True)``) gets it; its ``epoch`` is 0 and it sets no ``failed``.
+    """
+
+    kind: Literal["restart", "fail", "stop", "checkpoint", "peer_failed"]
     epoch: int
     reason: str
     devices: tuple[str, ...]
@@ -23,10 +39,16 @@ class Command:
     command_id: str
     issued_at: float
     received_at: float = field(compare=False)
+    peers: tuple[PeerFailure, ...] = ()
 
     @property
     def is_failure(self) -> bool:
         return self.kind in ("restart", "fail")
+
+    @property
+    def is_notice(self) -> bool:
+        """Other replicas fail (``peer_failed``); nothing to restart here."""
+        return self.kind == "peer_failed"
 
     def to_wire(self) -> wire.Command:
         return wire.Command(
@@ -39,6 +61,12 @@ class Command:
             reason=self.reason,
             devices=list(self.devices),
             issued_at=self.issued_at,
+            peers=[
+                wire.PeerFailure(
+                    replica=p.replica, epoch=p.epoch, kind=p.kind, devices=list(p.devices)
+                )
+                for p in self.peers
+            ],
         )
 
     @classmethod
@@ -54,6 +82,7 @@ class Command:
             command_id=c.command_id,
             issued_at=c.issued_at,
             received_at=received_at,
+            peers=tuple(PeerFailure(p.replica, p.epoch, p.kind, tuple(p.devices)) for p in c.peers),
         )
 
 

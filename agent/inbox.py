@@ -7,7 +7,9 @@ import logging
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any, Final, Literal
+
+import msgspec
 
 from agent.command import Command, OnCommand
 from agent.fencing import Fence, Verdict
@@ -17,6 +19,9 @@ from marduk import protocol as wire
 log = logging.getLogger("agent")
 
 State = Literal["connecting", "registered", "disconnected", "closed"]
+
+# Failed replicas whose last notice is remembered (the oldest are forgotten past it).
+MAX_NOTICED: Final = 4096
 
 
 class CommandInbox:
@@ -46,6 +51,8 @@ class CommandInbox:
         self._tasks: set[asyncio.Task[None]] = set()
         self.last_step: int | None = None
         self.last_progress = 0.0
+        # ``peer_failed`` notices: the epoch of the last command each failed replica was sent.
+        self._noticed: dict[str, int] = {}
 
     def _verify_by_asking(self) -> None:
         """Ask the controller what is current (AsyncClient re-registers; under a supervisor the
@@ -85,6 +92,9 @@ class CommandInbox:
 
     def _accept(self, c: wire.Command, *, confirmed: bool = False) -> None:
         """Fence and deliver a command. ``confirmed``: it came in the controller's reply."""
+        if c.kind == "peer_failed":
+            self._accept_notice(c)
+            return
         last = self.fence.received
         verdict, self.fence = self.fence.admit(c.epoch, c.devices, confirmed=confirmed)
         if verdict is Verdict.IMPLAUSIBLE:
@@ -99,6 +109,28 @@ class CommandInbox:
             self.stats["dropped_stale"] += 1
             return
         self._deliver_command(c, update=verdict is Verdict.UPDATE)
+
+    def _accept_notice(self, c: wire.Command) -> None:
+        """A ``peer_failed`` notice. Outside the restart epochs: the fence is neither consulted
+        nor moved (the failed replicas' epochs are theirs, not ours). Each failed replica is
+        news once per epoch of its command: a repeat or a replay is dropped."""
+        if not self.opts.peer_notices:
+            self.stats["dropped_notices.unasked"] += 1
+            return
+        fresh = [
+            p
+            for p in c.peers
+            if p.replica != self.opts.replica and p.epoch > self._noticed.get(p.replica, 0)
+        ]
+        if not fresh:
+            self.stats["dropped_notices.seen"] += 1
+            return
+        for p in fresh:
+            self._noticed.pop(p.replica, None)  # to the end: the oldest is forgotten first
+            self._noticed[p.replica] = p.epoch
+        while len(self._noticed) > MAX_NOTICED:
+            del self._noticed[next(iter(self._noticed))]
+        self._deliver_command(msgspec.structs.replace(c, peers=fresh), update=False)
 
     def _deliver_command(self, c: wire.Command, *, update: bool) -> None:
         """Hand a command the fence let through to the trainer (queue, ``on_command``)."""

@@ -7,7 +7,7 @@ outlives trainer restarts.
 
 JSON lines, one message per line, a msgspec tagged union on ``op``:
 
-    trainer -> agent   {"op": "hello", "pid": 123}
+    trainer -> agent   {"op": "hello", "pid": 123, "peer_notices": true}
                        {"op": "step", "step": 42}
                        {"op": "heartbeat"}
                        {"op": "section", "name": "checkpoint", "open": true, "timeout": 120}
@@ -59,9 +59,11 @@ class _Message(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True)
 
 
 class Hello(_Message, tag="hello"):
-    """The trainer's library connected."""
+    """The trainer's library connected; ``peer_notices``: it wants ``peer_failed`` notices (the
+    supervisor asks the controller for them and forwards them as they come)."""
 
     pid: int
+    peer_notices: bool = False
 
 
 class Step(_Message, tag="step"):
@@ -229,7 +231,8 @@ class TrainerChannel:
                 if isinstance(msg, Hello):
                     writer.write(encode(Welcome(epoch=self._epoch())))
                     await writer.drain()
-                    continue
+                    if not msg.peer_notices:
+                        continue
                 try:
                     await self._on_message(msg)
                 except Exception:  # the supervisor's bug: logged, the channel goes on
@@ -277,7 +280,7 @@ class LocalAsyncClient(CommandInbox):
             reader, self._writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(self.socket_path, limit=MAX_LINE), self.opts.timeout
             )
-            await self._send(Hello(pid=os.getpid()))
+            await self._send(Hello(pid=os.getpid(), peer_notices=self.opts.peer_notices))
             line = await asyncio.wait_for(read_line(reader), self.opts.timeout)
             if line is None:
                 raise ChannelError("it closed the connection before its welcome")

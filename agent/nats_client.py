@@ -123,6 +123,7 @@ class AsyncClient(CommandInbox):
             epoch=self.fence.acked,
             seen_epoch=self.fence.received,
             role=o.role,
+            peer_notices=o.peer_notices,
         )
         deadline = time.monotonic() + timeout
         waiting_said = time.monotonic()

@@ -47,6 +47,8 @@ class Options:
     controller_keys: list[str] | None = None
     # Under ``marduk agent run``: its unix socket (the library talks to it, see agent/local.py).
     agent_socket: str | None = None
+    # Ask for ``peer_failed`` notices (another replica of the job restarts or fails).
+    peer_notices: bool = False
 
 
 def resolve_controller_keys(
@@ -77,6 +79,7 @@ def resolve_options(
     role: Literal["library", "supervisor"] = "library",
     credentials: Credentials | None = None,
     controller_key: str | None = None,
+    peer_notices: bool = False,
 ) -> Options:
     try:
         given = Handoff.from_env()
@@ -121,6 +124,7 @@ def resolve_options(
         role=role,
         credentials=creds,
         controller_keys=keys,
+        peer_notices=peer_notices,
     )
 
 

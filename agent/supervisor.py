@@ -352,9 +352,26 @@ class Supervisor:
         self.facts.put_nowait(Joined(client.epoch, list(client.unusable_devices)))
         if any(r.running for r in self.ranks):
             await self._report("running")
+        if self.opts.peer_notices and not client.opts.peer_notices:
+            self._ask_for_peer_notices()
 
     def _on_command(self, command: Command) -> None:
+        if command.is_notice:
+            # Another replica fails: nothing to restart here; the trainers' libraries decide
+            # (a torchft group abandons its step). At once, not behind the supervision loop.
+            self._spawn(self._forward(command), "notice")
+            return
         self.facts.put_nowait(CommandArrived(command))
+
+    def _ask_for_peer_notices(self) -> None:
+        """A trainer's library wants ``peer_failed`` notices: register asking for them (from
+        now on, for every later incarnation too)."""
+        client = self.link.client
+        asked = self.opts.peer_notices and (client is None or client.opts.peer_notices)
+        self.opts.peer_notices = True  # often the very object the client holds
+        if client is not None and not asked:
+            client.opts.peer_notices = True
+            self._spawn(client.reregister(), "register")
 
     def _ready(self) -> tuple[bool, str]:
         if not all(r.running for r in self.ranks):
@@ -432,6 +449,8 @@ class Supervisor:
                 decision = self.core.joined(fact.epoch, fact.unusable_devices)
             else:
                 command = fact.command
+                if command.kind == "peer_failed":  # forwarded by _on_command, never queued
+                    continue
                 decision = self.core.command(command.kind, command.epoch, command.reason)
                 if isinstance(decision, Forward):
                     # Save now, keep training: the trainers' libraries see it; nothing stops.
@@ -769,6 +788,8 @@ class Supervisor:
     async def _on_trainer(self, rank: int, msg: local.ToAgent) -> None:
         now = time.monotonic()
         match msg:
+            case local.Hello(peer_notices=True):
+                self._ask_for_peer_notices()
             case local.Step(step=step):
                 self._progress(rank, step)
             case local.Heartbeat():

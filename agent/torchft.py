@@ -22,6 +22,18 @@ thread. The exit is ``os._exit``: nothing deregisters (the next incarnation re-r
 there is nothing to save (the group heals from a peer). Exit codes: ``RESTART_EXIT`` (75) for
 ``restart``, 71 for ``fail`` (as ``marduk agent run``: the device is bad, replace the pod).
 
+The group also asks for ``peer_failed`` notices: when the controller restarts or fails another
+group of the job, this one is told at once. If that group was in this group's last quorum, the
+Guard reports the error to the Manager (the step in flight does not commit) and aborts the
+process group (a collective pending with the failed group ends now instead of at its timeout),
+and does not exit: the next step's quorum forms without the failed group (torchft reconfigures
+the process group when the membership changes, which it does: the failed group's trainer is
+ended by its agent). A notice about a group not in the last quorum (already gone), or one
+that comes while the next quorum is forming (no collective of the step has started), changes
+nothing. Which groups were in the quorum is read from the Manager's quorum answers
+(``Manager._client``, wrapped at ``attach``); where that is not possible the Guard only reports
+the error, and aborts nothing.
+
 Importing this module needs neither torch nor torchft: the Manager is used by its methods only.
 """
 
@@ -47,6 +59,10 @@ EXIT_AFTER_S: Final = 1.0
 
 class MardukCommandError(RuntimeError):
     """What the Manager is told (``report_error``) when Marduk restarts or fails this group."""
+
+
+class PeerFailedError(RuntimeError):
+    """What the Manager is told (``report_error``) when another group of its quorum fails."""
 
 
 class _Manager(Protocol):
@@ -78,6 +94,10 @@ class Guard:
         self.command: Command | None = None
         self.client: agent.Client | None = None
         self._lock = threading.Lock()
+        self.abandoned = 0  # steps abandoned for another group's failure
+        # The replica ids (Marduk's: torchft's before its ":uuid") of the last quorum; None
+        # while unknown (no quorum yet, or the Manager's client could not be wrapped).
+        self.quorum: frozenset[str] | None = None
 
     @property
     def restart_requested(self) -> bool:
@@ -86,6 +106,9 @@ class Guard:
 
     def on_command(self, cmd: Command) -> None:
         """The library's callback (its own thread): abandon the step, and exit soon."""
+        if cmd.is_notice:
+            self.on_peer_failed(cmd)
+            return
         if not cmd.is_failure:
             return  # checkpoint requests: a torchft group heals from a peer instead
         with self._lock:
@@ -111,6 +134,60 @@ class Guard:
         timer = threading.Timer(self.exit_after, self._exit, kwargs={"late": True})
         timer.daemon = True
         timer.start()
+
+    def on_peer_failed(self, cmd: Command) -> None:
+        """Other groups restart or fail: if one was in our last quorum, abandon the step in
+        flight (``report_error``) and end a collective pending with it (abort), without exiting."""
+        quorum = self.quorum
+        step = self._step_or_none()
+        failed = ", ".join(f"{p.replica} {p.kind} at epoch {p.epoch}" for p in cmd.peers)
+        ours = [p.replica for p in cmd.peers if quorum is None or p.replica in quorum]
+        if ours and self._quorum_forming():
+            # No collective of this step has started: the quorum being formed decides without
+            # the failed group (it does not heartbeat), and an error reported now would only
+            # make the healthy groups skip the first step of the new quorum.
+            print(
+                f"marduk: peer_failed: {failed}: the next quorum is forming, nothing to abandon "
+                f"(step {step})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        if not ours:
+            print(
+                f"marduk: peer_failed: {failed}: not in our last quorum, nothing to abandon "
+                f"(step {step})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
+        print(f"marduk: peer_failed: {failed}: abandoning step {step}", file=sys.stderr, flush=True)
+        self.abandoned += 1
+        try:
+            self.manager.report_error(PeerFailedError(f"peer_failed: {failed}"))
+        except Exception as e:
+            log.warning("report_error: %s", e)
+        if self.pg is not None and quorum is not None:
+            # Safe only because the failed group was in the quorum: its trainer is ended, so
+            # the next quorum differs and torchft configures a new process group. Aborting
+            # when the quorum stays the same would leave none.
+            try:
+                self.pg.abort()
+            except Exception as e:
+                log.warning("aborting the process group: %s", e)
+
+    def _quorum_forming(self) -> bool:
+        """The Manager is waiting for this step's quorum (torchft 0.2.0's ``_quorum_future``;
+        False where that cannot be read)."""
+        future = getattr(self.manager, "_quorum_future", None)
+        done = getattr(future, "done", None)
+        return callable(done) and not done()
+
+    def _saw_quorum(self, replica_ids: Any) -> None:
+        try:
+            self.quorum = frozenset(str(r).split(":", 1)[0] for r in replica_ids)
+        except TypeError:  # not a list of ids (another torchft): unknown
+            self.quorum = None
 
     def step(self) -> None:
         """Call once per step, after ``optimizer.step()``: reports progress (hang detection
@@ -168,8 +245,35 @@ def attach(
             "pass replica_id=agent.torchft.replica_id() to Manager"
         )
     guard = Guard(manager, pg, exit_after=exit_after)
+    _watch_quorums(manager, guard)
+    connect.setdefault("peer_notices", True)
     guard.client = agent.connect(replica_id=replica, on_command=guard.on_command, **connect)
     return guard
+
+
+class _QuorumClient:
+    """The Manager's quorum client (torchft 0.2.0: ``Manager._client``), recording the replica
+    ids of each quorum it answers; everything else is passed through."""
+
+    def __init__(self, inner: Any, guard: Guard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        result = self._inner._quorum(*args, **kwargs)
+        self._guard._saw_quorum(getattr(result, "replica_ids", None))
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _watch_quorums(manager: Any, guard: Guard) -> None:
+    inner = getattr(manager, "_client", None)
+    if inner is None or not callable(getattr(inner, "_quorum", None)):
+        log.info("the Manager's quorums cannot be read: peer notices abort nothing")
+        return
+    manager._client = _QuorumClient(inner, guard)
 
 
 __all__ = [
@@ -177,6 +281,7 @@ __all__ = [
     "RESTART_EXIT",
     "Guard",
     "MardukCommandError",
+    "PeerFailedError",
     "attach",
     "replica_id",
 ]

@@ -1075,6 +1075,10 @@ class Controller:
         for command in outcome.resent:
             await self._publish_command(command)
             self.stats["commands.resent"] += 1
+        for notice in outcome.notices:
+            # After the commands: the failed replicas hear first. Signed like them.
+            await self._publish_command(notice)
+            self.stats["commands.peer_failed"] += 1
 
     async def _announce_all(self, outcome: Outcome) -> None:
         for event in outcome.events:

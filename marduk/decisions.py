@@ -81,6 +81,9 @@ class Outcome:
     handled: list[HealthReply] = field(default_factory=list)
     # Commands sent again (same epoch): a merged device, or a worker that has not confirmed.
     resent: list[Command] = field(default_factory=list)
+    # ``peer_failed`` notices to the other replicas of jobs whose replicas the commands restart
+    # or fail (marduk.notices): published after the commands, never resent.
+    notices: list[Command] = field(default_factory=list)
 
 
 @dataclass(slots=True)

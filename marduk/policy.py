@@ -50,6 +50,7 @@ from marduk.decisions import (
 )
 from marduk.device_policy import DevicePolicy
 from marduk.drmap import DRMap, ReplicaKey, WorkerKey
+from marduk.notices import failed_peers, peer_notices
 from marduk.protocol import (
     MAX_EPOCH,
     Action,
@@ -597,7 +598,32 @@ class Policy(DevicePolicy):
         out.commands.append(command)
         if state not in out.write_ahead:
             out.put_epochs.append(state)
+        if kind in ("restart", "fail") and ekey.replica is not None:
+            self._notify_peers(ekey.job, now, out)
         return command
+
+    def _notify_peers(self, job: str, now: float, out: Outcome) -> None:
+        """The notices of ``out`` for ``job``, made again from all of its commands so far (a
+        decision may restart several replicas of the job: each notice names them all)."""
+        recipients = self.notice_replicas(job)
+        if not recipients:
+            return
+        peers = failed_peers(job, out.commands)
+        reason = "; ".join(
+            f"{c.replica} {c.kind} at epoch {c.epoch}: {c.reason}"
+            for c in out.commands
+            if c.job == job and c.replica is not None and c.kind in ("restart", "fail")
+        )
+        out.notices = [n for n in out.notices if n.job != job]
+        out.notices.extend(peer_notices(job, recipients, peers, reason, now))
+
+    def notice_replicas(self, job: str) -> set[str]:
+        """Replicas of ``job`` with a live worker that asked for peer notices."""
+        return {
+            k.replica
+            for k in self._job_workers.get(job, ())
+            if k not in self.stale and self.workers[k].registration.peer_notices
+        }
 
     def _pending(self, ekey: EpochKey, now: float) -> bool:
         state = self.epochs.get(ekey)

@@ -51,7 +51,13 @@ Scope = Literal["replica", "job"]
 # preempting: the device's host is about to go away (maintenance, preemption): checkpoint now.
 HealthState = Literal["failed", "degraded", "preempting", "healthy"]
 # checkpoint: save now (the host is about to go away); not a restart: keep training.
-CommandKind = Literal["restart", "fail", "stop", "checkpoint"]
+# peer_failed: a notice that other replicas of the job restart or fail (their ``peers``); not a
+# restart either, and outside the recipient's epochs. Sent only to replicas that asked for it
+# (``Registration.peer_notices``): older agents never see the kind.
+CommandKind = Literal["restart", "fail", "stop", "checkpoint", "peer_failed"]
+FailureKind = Literal["restart", "fail"]
+# A notice lists at most this many failed replicas (a larger storm gives several notices).
+MAX_PEERS_PER_NOTICE: Final = 256
 Role = Literal["library", "supervisor"]
 QueryWhat = Literal["map", "devices", "stats", "ping"]
 
@@ -85,6 +91,18 @@ class Registration(Message, tag="register", kw_only=True):
     # The highest epoch it has received, applied or not: the controller never reissues it.
     seen_epoch: Epoch = 0
     role: Role = "library"
+    # Tell this replica when another replica of its job restarts or fails (``peer_failed``
+    # commands): torchft groups abandon the step in flight instead of waiting for a timeout.
+    peer_notices: bool = False
+
+
+class PeerFailure(msgspec.Struct, kw_only=True):
+    """One replica a ``peer_failed`` notice is about: the command it was sent, at its epoch."""
+
+    replica: Token
+    epoch: Epoch
+    kind: FailureKind = "restart"
+    devices: list[DeviceId] = []
 
 
 class Command(Message, tag="command", kw_only=True):
@@ -104,6 +122,9 @@ class Command(Message, tag="command", kw_only=True):
     devices: list[DeviceId] = []
     event_id: ShortText = ""
     issued_at: float = 0.0
+    # ``peer_failed`` only: the other replicas that fail (``epoch`` is 0: a notice belongs to
+    # no epoch of the recipient's).
+    peers: Annotated[list[PeerFailure], msgspec.Meta(max_length=MAX_PEERS_PER_NOTICE)] = []
 
 
 class RegisterReply(Message, tag="register_reply", kw_only=True):

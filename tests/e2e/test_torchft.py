@@ -173,6 +173,13 @@ def test_device_failure_and_crash_cost_the_healthy_groups_no_restart(
         out = inject(env, f"{JOB}-g2-d0")
         assert "g2" in out, out
         g2.expect("stopping the trainer", timeout=10)
+        # The healthy groups are told at once (a notice, not a restart) and abandon the step
+        # in flight if g2 was in their last quorum.
+        for h in (g1, g3):
+            line = h.expect("marduk: peer_failed: g2 restart at epoch 1", timeout=10)
+            assert any(w in line for w in ("abandoning", "last quorum", "quorum is forming")), line
+            print(f"a healthy group: {line.strip()}")
+        assert not any("peer_failed" in ln for ln in g2.all)  # not told about itself
         heals("device failure", g2, [g1, g3], t0, every)
 
         # g3's trainer crashes (SIGKILL): its agent restarts it; it heals the same way.
@@ -180,6 +187,10 @@ def test_device_failure_and_crash_cost_the_healthy_groups_no_restart(
         t1 = time.time()
         os.kill(pid, signal.SIGKILL)
         g3.expect("trainer crashed", timeout=10)
+        # g3 is gone already when the others hear of it (its crash report restarts it): the
+        # notice must cost them no restart, and they keep committing (heals).
+        for h in (g1, g2):
+            print(f"a healthy group: {h.expect('marduk: peer_failed: g3 restart', 10).strip()}")
         heals("trainer crash", g3, [g1, g2], t1, every)
 
         # Exactly one restart each for g2 and g3; none for g1.
