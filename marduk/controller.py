@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from marduk import __version__, auth, bus
+from marduk.aio import Backoff
 from marduk.commit import CommitPipeline, NotServing, Steps
 from marduk.credentials import Credentials, redact
 from marduk.drmap import WorkerKey
@@ -1121,7 +1122,7 @@ class Controller:
         and one acknowledged after we gave up only makes the store more current.
         """
         deadline = time.monotonic() + budget_s
-        delay, attempt = 0.05, 0
+        backoff, attempt = Backoff(initial=0.05, cap=0.5), 0
         while True:
             attempt += 1
             remaining = deadline - time.monotonic()
@@ -1137,10 +1138,9 @@ class Controller:
                 self.stats["store.errors"] += 1
                 why = str(e) or type(e).__name__
                 self._log_limited("store", f"state write failed (attempt {attempt}): {why}")
-            if not self._leading() or deadline - time.monotonic() <= delay:
+            if not self._leading() or deadline - time.monotonic() <= backoff.delay:
                 break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            await asyncio.sleep(backoff.next())
         self.stats["store.given_up"] += 1
         return False
 

@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from marduk import bus
+from marduk.aio import Backoff
 from marduk.credentials import redact
 from marduk.errors import ConnectError, MardukError, ProtocolError, RequestRejected
 from marduk.metrics import StatsCollector
@@ -292,7 +293,7 @@ class Publisher:
         log.info("connected to NATS at %s", redact(self.addr))
 
     async def _connect_loop(self) -> None:
-        delay, failures = 0.5, 0
+        backoff, failures = Backoff(initial=0.5, cap=10.0), 0
         while True:
             try:
                 await self._connect()
@@ -305,8 +306,7 @@ class Publisher:
             except MardukError as e:  # e.g. credentials: retrying does not help
                 log.error("%s", e)
                 return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+            await asyncio.sleep(backoff.next())
 
     async def publish(self, event: DeviceHealth, timeout: float) -> HealthReply | None:
         """Store ``event`` and return the controller's decision (None: stored, not decided yet).
@@ -316,7 +316,8 @@ class Publisher:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        delay, why = 0.25, f"not connected to NATS at {redact(self.addr)} yet"
+        backoff = Backoff(initial=0.25, cap=5.0)
+        why = f"not connected to NATS at {redact(self.addr)} yet"
         while True:
             left = deadline - loop.time()
             if left <= 0:
@@ -347,8 +348,7 @@ class Publisher:
             except (MardukError, nats.errors.Error, OSError) as e:
                 why = str(e) or type(e).__name__
             self.stats["nats.publish_retries"] += 1
-            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-            delay = min(delay * 2, 5.0)
+            await asyncio.sleep(min(backoff.next(), max(0.0, deadline - loop.time())))
 
     async def close(self) -> None:
         self._closing = True
