@@ -46,7 +46,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from marduk import __version__, auth, bus
-from marduk.aio import Backoff, TaskSet
+from marduk.aio import Backoff, RateLimitedLog, TaskSet
 from marduk.commit import CommitPipeline, NotServing, Steps
 from marduk.credentials import Credentials, redact
 from marduk.drmap import WorkerKey
@@ -211,7 +211,10 @@ class Controller:
         self._tasks = TaskSet(self._task_crashed, on_return=self._task_returned)
         self._term_task: asyncio.Task[None] | None = None
         self._event_seq = 0
-        self._warned: Counter[str] = Counter()
+        # A flood of junk must not flood the log: a few lines per kind a minute; an internal
+        # error's traceback once a minute per kind.
+        self._limited = RateLimitedLog(log, clock=time.time)
+        self._internal = RateLimitedLog(log, burst=1, more=None, clock=time.time)
         self._standbys: dict[str, tuple[ControllerInfo, float]] = {}
         # A standby's policy built from its mirror ahead of a takeover: (mirror version, policy).
         self._prepared: tuple[int, Policy] | None = None
@@ -552,14 +555,13 @@ class Controller:
     def _background_failed(self, task: asyncio.Task[Any], error: BaseException) -> None:
         """A spawned task's error would otherwise vanish (nobody awaits it): count and log it."""
         self.stats["errors.internal"] += 1
-        bucket = f"internal.{task.get_name()}.{int(time.time() // 60)}"
-        self._warned[bucket] += 1
-        if self._warned[bucket] == 1:
-            log.error(
-                "internal error in task %s (repeats this minute are counted)",
-                task.get_name(),
-                exc_info=error,
-            )
+        self._internal.log(
+            f"task.{task.get_name()}",
+            logging.ERROR,
+            "internal error in task %s (repeats this minute are counted)",
+            task.get_name(),
+            exc_info=error,
+        )
 
     async def _on_deposed(self, why: str) -> None:
         if self._term_task is not None:
@@ -830,22 +832,18 @@ class Controller:
 
     def _log_limited(self, key: str, line: str, level: int = logging.WARNING) -> None:
         """The first few of each kind per minute: a flood of junk must not flood the log."""
-        bucket = f"{key}.{int(time.time() // 60)}"
-        self._warned[bucket] += 1
-        if self._warned[bucket] <= 5:
-            log.log(level, "%s", line)
-        elif self._warned[bucket] == 6:
-            log.log(level, "(more %s this minute are counted, not logged)", key)
-        if len(self._warned) > 1000:
-            self._warned.clear()
+        self._limited.log(key, level, "%s", line)
 
     def _log_internal(self, what: str) -> None:
         """An internal error: counted; the traceback once a minute per kind, not per message."""
         self.stats["errors.internal"] += 1
-        bucket = f"internal.{what.split(' ')[0]}.{int(time.time() // 60)}"
-        self._warned[bucket] += 1
-        if self._warned[bucket] == 1:
-            log.exception("internal error handling %s (repeats this minute are counted)", what)
+        self._internal.log(
+            f"handling.{what.split(' ')[0]}",
+            logging.ERROR,
+            "internal error handling %s (repeats this minute are counted)",
+            what,
+            exc_info=True,
+        )
 
     def _check_subject_job(self, job: str, subject: str) -> None:
         if self.subjects.job_of(subject) != job:
