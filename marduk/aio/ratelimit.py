@@ -6,9 +6,11 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 
+@dataclass(slots=True)
 class RateLimitedLog:
     """Logs the first ``burst`` lines of each key per ``window_s``, then one ``more`` line (if
     any; ``%s`` in it is the key), then nothing until the next window: a flood of bad input
@@ -17,24 +19,15 @@ class RateLimitedLog:
     ``clock`` is injectable (tests); windows are aligned on it (``now // window_s``).
     """
 
-    def __init__(
-        self,
-        logger: logging.Logger,
-        *,
-        burst: int = 5,
-        window_s: float = 60.0,
-        more: str | None = "(more %s this minute are counted, not logged)",
-        clock: Callable[[], float] = time.monotonic,
-        max_keys: int = 1000,
-    ) -> None:
-        self.logger = logger
-        self.burst = burst
-        self.window_s = window_s
-        self.more = more
-        self.clock = clock
-        self.max_keys = max_keys
-        self._window = -1
-        self._seen: Counter[str] = Counter()
+    logger: logging.Logger
+    _: KW_ONLY
+    burst: int = 5
+    window_s: float = 60.0
+    more: str | None = "(more %s this minute are counted, not logged)"
+    clock: Callable[[], float] = time.monotonic
+    max_keys: int = 1000
+    _window: int = field(default=-1, init=False, repr=False)
+    _seen: Counter[str] = field(default_factory=Counter, init=False, repr=False)
 
     def seen(self, key: str) -> int:
         """Count one occurrence of ``key``; how many there were in this window, this one too."""
