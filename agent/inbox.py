@@ -15,6 +15,7 @@ from agent.command import Command, OnCommand
 from agent.fencing import Fence, Verdict
 from agent.options import Options
 from marduk import protocol as wire
+from marduk.aio import TaskSet
 
 log = logging.getLogger("agent")
 
@@ -48,7 +49,7 @@ class CommandInbox:
         self.fence = Fence.started_at(opts.epoch)  # which commands are news (agent/fencing.py)
         self._checkpoint: Command | None = None  # a checkpoint asked for, not yet saved
         self._pending_failure: Command | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks = TaskSet(self._task_failed, prefix="marduk-agent-")
         self.last_step: int | None = None
         self.last_progress = 0.0
         # ``peer_failed`` notices: the epoch of the last command each failed replica was sent.
@@ -60,15 +61,9 @@ class CommandInbox:
 
     def _spawn(self, coro: Any, name: str) -> None:
         """Run ``coro`` in the background, named; if it fails, that is recorded, not lost."""
-        task = asyncio.create_task(coro, name=f"marduk-agent-{name}")
-        self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        self._tasks.spawn(coro, name)
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
-        if task.cancelled() or task.exception() is None:
-            return
-        e = task.exception()
+    def _task_failed(self, task: asyncio.Task[Any], e: BaseException) -> None:
         self.stats["errors.task"] += 1
         self._record(f"background task {task.get_name()} failed: {type(e).__name__}: {e}")
 

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Final, TypeVar
@@ -40,6 +39,7 @@ from agent.errors import AgentError
 from agent.inbox import CommandInbox
 from agent.options import Options
 from marduk import protocol as wire
+from marduk.aio import RateLimitedLog
 
 log = logging.getLogger("agent.local")
 
@@ -204,7 +204,9 @@ class TrainerChannel:
         self.stats = stats
         self._server: asyncio.Server | None = None
         self._trainers: set[asyncio.StreamWriter] = set()
-        self._warned: Counter[int] = Counter()
+        self._bad_lines = RateLimitedLog(
+            log, more="(more bad messages from the trainer this minute are counted, not logged)"
+        )
 
     async def start(self) -> None:
         self._server = await asyncio.start_unix_server(self._serve, self.path, limit=MAX_LINE)
@@ -246,14 +248,9 @@ class TrainerChannel:
 
     def _bad(self, why: str) -> None:
         self.stats["channel_bad_messages"] += 1
-        minute = int(time.monotonic() // 60)
-        self._warned[minute] += 1
-        if len(self._warned) > 2:
-            del self._warned[min(self._warned)]
-        if self._warned[minute] <= 5:
-            log.warning("bad message from the trainer's library, skipped: %s", why)
-        elif self._warned[minute] == 6:
-            log.warning("(more bad messages from the trainer this minute are counted, not logged)")
+        self._bad_lines.log(
+            "bad", logging.WARNING, "bad message from the trainer's library, skipped: %s", why
+        )
 
 
 # --- the trainer's end -------------------------------------------------------------------------

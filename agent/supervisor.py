@@ -88,6 +88,7 @@ from agent.supervision import (
 from agent.supervisor_config import SupervisorConfig, default_preload
 from agent.zygote import TrainerProcess
 from marduk import protocol as wire
+from marduk.aio import TaskSet
 from marduk.credentials import redact
 from marduk.errors import MardukError
 from marduk.metrics import MetricsServer, Probes, StatsCollector, gauge, histogram
@@ -137,6 +138,7 @@ class Supervisor:
         self.step_re = re.compile(config.step_regex)
         self.facts: asyncio.Queue[Fact] = asyncio.Queue()
         self.stats: Counter[str] = Counter()
+        self._tasks = TaskSet(self._task_failed, prefix="marduk-agent-")
         self.starter = Starter(
             config.cmd,
             nproc=nproc,
@@ -336,14 +338,9 @@ class Supervisor:
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """A named background task whose failure is logged and counted, not lost."""
-        task = asyncio.create_task(coro, name=f"marduk-agent-{name}")
-        task.add_done_callback(self._task_done)
-        return task
+        return self._tasks.spawn(coro, name)
 
-    def _task_done(self, task: asyncio.Task[None]) -> None:
-        if task.cancelled() or task.exception() is None:
-            return
-        e = task.exception()
+    def _task_failed(self, task: asyncio.Task[Any], e: BaseException) -> None:
         self.stats["errors.task"] += 1
         log.error("background task %s failed: %s: %s", task.get_name(), type(e).__name__, e)
 

@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from marduk import __version__, auth, bus
+from marduk.aio import Backoff, RateLimitedLog, TaskSet
 from marduk.commit import CommitPipeline, NotServing, Steps
 from marduk.credentials import Credentials, redact
 from marduk.drmap import WorkerKey
@@ -205,10 +206,15 @@ class Controller:
         # Requests in flight at once: each endpoint's handler spawns one task per request, so
         # a registration waiting for its records does not hold up the next one's decision.
         self._in_flight = asyncio.Semaphore(_REQUESTS_IN_FLIGHT)
-        self._tasks: list[asyncio.Task[None]] = []
+        # Long-running loops: one that crashes or returns is fatal (the process's supervisor
+        # restarts it, a standby leads meanwhile).
+        self._tasks = TaskSet(self._task_crashed, on_return=self._task_returned)
         self._term_task: asyncio.Task[None] | None = None
         self._event_seq = 0
-        self._warned: Counter[str] = Counter()
+        # A flood of junk must not flood the log: a few lines per kind a minute; an internal
+        # error's traceback once a minute per kind.
+        self._limited = RateLimitedLog(log, clock=time.time)
+        self._internal = RateLimitedLog(log, burst=1, more=None, clock=time.time)
         self._standbys: dict[str, tuple[ControllerInfo, float]] = {}
         # A standby's policy built from its mirror ahead of a takeover: (mirror version, policy).
         self._prepared: tuple[int, Policy] | None = None
@@ -233,7 +239,7 @@ class Controller:
         self._snapshots = SnapshotCache()
         self.serving = asyncio.Event()  # set while leading and subscribed
         self._accepting = False  # handlers may decide (set just before subscribing)
-        self._background: set[asyncio.Task[None]] = set()
+        self._background = TaskSet(self._background_failed)  # per request, per event, ...
         self.fatal = asyncio.Event()
         self.fatal_reason = ""
         self._stopping = False
@@ -352,14 +358,11 @@ class Controller:
         await self._stop_serving()
         if self.leadership is not None:
             await self.leadership.resign()
-        for task in self._tasks:
-            task.cancel()
         if self._term_task is not None:
             self._term_task.cancel()
-        await asyncio.gather(
-            *self._tasks, *([self._term_task] if self._term_task else []), return_exceptions=True
-        )
-        self._tasks = []
+        await self._tasks.stop()
+        if self._term_task is not None:
+            await asyncio.gather(self._term_task, return_exceptions=True)
         if self.mirror is not None:
             await self.mirror.stop()
         if self._metrics is not None:
@@ -374,19 +377,14 @@ class Controller:
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         """Start a named long-running task; a crash or an unexpected exit is fatal and logged."""
+        self._tasks.spawn(coro, name)
 
-        async def guarded() -> None:
-            try:
-                await coro
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                log.exception("task %s crashed", name)
-                self._die(f"task {name} crashed: {e}")
-                return
-            self._die(f"task {name} exited unexpectedly")
+    def _task_crashed(self, task: asyncio.Task[Any], error: BaseException) -> None:
+        log.error("task %s crashed", task.get_name(), exc_info=error)
+        self._die(f"task {task.get_name()} crashed: {error}")
 
-        self._tasks.append(asyncio.create_task(guarded(), name=name))
+    def _task_returned(self, task: asyncio.Task[Any]) -> None:
+        self._die(f"task {task.get_name()} exited unexpectedly")
 
     def _die(self, reason: str) -> None:
         if not self.fatal.is_set():
@@ -552,25 +550,18 @@ class Controller:
         self._spawn_background(self._step_down(why, term), "step-down")
 
     def _spawn_background(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-        task = asyncio.create_task(coro, name=name)
-        self._background.add(task)  # held: the loop keeps only weak references to tasks
-        task.add_done_callback(self._background.discard)
-        task.add_done_callback(self._background_done)
-        return task
+        return self._background.spawn(coro, name)
 
-    def _background_done(self, task: asyncio.Task[None]) -> None:
+    def _background_failed(self, task: asyncio.Task[Any], error: BaseException) -> None:
         """A spawned task's error would otherwise vanish (nobody awaits it): count and log it."""
-        if task.cancelled() or task.exception() is None:
-            return
         self.stats["errors.internal"] += 1
-        bucket = f"internal.{task.get_name()}.{int(time.time() // 60)}"
-        self._warned[bucket] += 1
-        if self._warned[bucket] == 1:
-            log.error(
-                "internal error in task %s (repeats this minute are counted)",
-                task.get_name(),
-                exc_info=task.exception(),
-            )
+        self._internal.log(
+            f"task.{task.get_name()}",
+            logging.ERROR,
+            "internal error in task %s (repeats this minute are counted)",
+            task.get_name(),
+            exc_info=error,
+        )
 
     async def _on_deposed(self, why: str) -> None:
         if self._term_task is not None:
@@ -841,22 +832,18 @@ class Controller:
 
     def _log_limited(self, key: str, line: str, level: int = logging.WARNING) -> None:
         """The first few of each kind per minute: a flood of junk must not flood the log."""
-        bucket = f"{key}.{int(time.time() // 60)}"
-        self._warned[bucket] += 1
-        if self._warned[bucket] <= 5:
-            log.log(level, "%s", line)
-        elif self._warned[bucket] == 6:
-            log.log(level, "(more %s this minute are counted, not logged)", key)
-        if len(self._warned) > 1000:
-            self._warned.clear()
+        self._limited.log(key, level, "%s", line)
 
     def _log_internal(self, what: str) -> None:
         """An internal error: counted; the traceback once a minute per kind, not per message."""
         self.stats["errors.internal"] += 1
-        bucket = f"internal.{what.split(' ')[0]}.{int(time.time() // 60)}"
-        self._warned[bucket] += 1
-        if self._warned[bucket] == 1:
-            log.exception("internal error handling %s (repeats this minute are counted)", what)
+        self._internal.log(
+            f"handling.{what.split(' ')[0]}",
+            logging.ERROR,
+            "internal error handling %s (repeats this minute are counted)",
+            what,
+            exc_info=True,
+        )
 
     def _check_subject_job(self, job: str, subject: str) -> None:
         if self.subjects.job_of(subject) != job:
@@ -1125,7 +1112,7 @@ class Controller:
         and one acknowledged after we gave up only makes the store more current.
         """
         deadline = time.monotonic() + budget_s
-        delay, attempt = 0.05, 0
+        backoff, attempt = Backoff(initial=0.05, cap=0.5), 0
         while True:
             attempt += 1
             remaining = deadline - time.monotonic()
@@ -1141,10 +1128,9 @@ class Controller:
                 self.stats["store.errors"] += 1
                 why = str(e) or type(e).__name__
                 self._log_limited("store", f"state write failed (attempt {attempt}): {why}")
-            if not self._leading() or deadline - time.monotonic() <= delay:
+            if not self._leading() or deadline - time.monotonic() <= backoff.delay:
                 break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.5)
+            await asyncio.sleep(backoff.next())
         self.stats["store.given_up"] += 1
         return False
 

@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from marduk.aio import Backoff
 from marduk.children import die_with_parent
 from marduk.credentials import redact
 from marduk.errors import MardukError
@@ -411,12 +412,12 @@ class ServerKeeper:
         Poll rather than wait: a thread blocked in Popen.wait() would keep the process from
         exiting if the loop closed with the server still up.
         """
-        backoff = 0.1
+        backoff = Backoff(initial=0.1, cap=5.0)
         while self.server is not None:
             await asyncio.sleep(0.2)
             await self._reload_if_auth_changed()
             if self.server.alive() or stopping():
-                backoff = 0.1
+                backoff.reset()
                 continue
             self.stats["nats.server_restarts"] += 1
             log.warning(
@@ -427,8 +428,7 @@ class ServerKeeper:
                 log.info("embedded nats-server is back at %s", self.server.url)
             except MardukError as e:
                 log.error("could not restart the embedded nats-server: %s", e)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                await asyncio.sleep(backoff.next())
 
     async def _reload_if_auth_changed(self) -> None:
         """`marduk auth add-agent|rotate|revoke` rewrote the config: the server re-reads it,

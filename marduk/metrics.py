@@ -25,7 +25,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from marduk.errors import MardukError
+from marduk.aio import HttpServer, parse_host_port, respond
 
 log = logging.getLogger("marduk.metrics")
 
@@ -109,24 +109,14 @@ class MetricsServer:
     def __init__(self, addr: str, probes: Probes) -> None:
         self.host, self.port = parse_listen_addr(addr)
         self.probes = probes
-        self._server: asyncio.Server | None = None
+        self._server = HttpServer(self.host, self.port, self._handle, what="serve metrics")
 
     async def start(self) -> None:
-        try:
-            self._server = await asyncio.start_server(self._handle, self.host, self.port)
-        except OSError as e:
-            raise MardukError(
-                f"cannot serve metrics on {self.host}:{self.port}: {e.strerror or e}"
-            ) from None
-        sock = self._server.sockets[0].getsockname()
-        self.port = sock[1]
-        log.info("metrics and probes on http://%s:%d (/metrics /healthz /readyz)", sock[0], sock[1])
+        host, self.port = await self._server.start()
+        log.info("metrics and probes on http://%s:%d (/metrics /healthz /readyz)", host, self.port)
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
+        await self._server.stop()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -135,13 +125,7 @@ class MetricsServer:
                 pass  # headers: nothing we need
             parts = request.decode("latin-1").split()
             path = parts[1].split("?")[0] if len(parts) >= 2 else ""
-            status, ctype, body = self._route(parts[0] if parts else "", path)
-            head = (
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode() + body)
-            await writer.drain()
+            await respond(writer, self._route(parts[0] if parts else "", path))
         except (TimeoutError, OSError, UnicodeDecodeError, ValueError):
             pass  # a client gone, slow, or sending a line over the reader's limit
         finally:
@@ -163,15 +147,4 @@ class MetricsServer:
 
 def parse_listen_addr(addr: str) -> tuple[str, int]:
     """``HOST:PORT``, ``:PORT`` or ``PORT`` -> (host, port); one clear error otherwise."""
-    host, sep, port = addr.rpartition(":")
-    if not sep:
-        host, port = "", addr
-    try:
-        number = int(port)
-        if not 0 <= number <= 65535:
-            raise ValueError
-    except ValueError:
-        raise MardukError(
-            f"--metrics-addr {addr!r}: expected HOST:PORT, e.g. 0.0.0.0:9090"
-        ) from None
-    return host.strip("[]") or "0.0.0.0", number
+    return parse_host_port(addr, option="--metrics-addr", example="0.0.0.0:9090", bare_port=True)

@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from marduk import bus
+from marduk.aio import Backoff, HttpServer, parse_host_port, respond
 from marduk.credentials import redact
 from marduk.errors import ConnectError, MardukError, ProtocolError, RequestRejected
 from marduk.metrics import StatsCollector
@@ -292,7 +293,7 @@ class Publisher:
         log.info("connected to NATS at %s", redact(self.addr))
 
     async def _connect_loop(self) -> None:
-        delay, failures = 0.5, 0
+        backoff, failures = Backoff(initial=0.5, cap=10.0), 0
         while True:
             try:
                 await self._connect()
@@ -305,8 +306,7 @@ class Publisher:
             except MardukError as e:  # e.g. credentials: retrying does not help
                 log.error("%s", e)
                 return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
+            await asyncio.sleep(backoff.next())
 
     async def publish(self, event: DeviceHealth, timeout: float) -> HealthReply | None:
         """Store ``event`` and return the controller's decision (None: stored, not decided yet).
@@ -316,7 +316,8 @@ class Publisher:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        delay, why = 0.25, f"not connected to NATS at {redact(self.addr)} yet"
+        backoff = Backoff(initial=0.25, cap=5.0)
+        why = f"not connected to NATS at {redact(self.addr)} yet"
         while True:
             left = deadline - loop.time()
             if left <= 0:
@@ -347,8 +348,7 @@ class Publisher:
             except (MardukError, nats.errors.Error, OSError) as e:
                 why = str(e) or type(e).__name__
             self.stats["nats.publish_retries"] += 1
-            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
-            delay = min(delay * 2, 5.0)
+            await asyncio.sleep(min(backoff.next(), max(0.0, deadline - loop.time())))
 
     async def close(self) -> None:
         self._closing = True
@@ -383,14 +383,7 @@ class ReceiverSettings:
 
 
 def parse_listen(listen: str) -> tuple[str, int]:
-    host, sep, port = listen.rpartition(":")
-    try:
-        number = int(port)
-        if not sep or not 0 <= number <= 65535:
-            raise ValueError
-    except ValueError:
-        raise MardukError(f"--listen {listen!r}: expected HOST:PORT, e.g. 0.0.0.0:9095") from None
-    return host.strip("[]") or "0.0.0.0", number
+    return parse_host_port(listen, option="--listen", example="0.0.0.0:9095")
 
 
 class _HttpError(Exception):
@@ -412,18 +405,12 @@ class AlertmanagerReceiver:
         )
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(self.stats, list, help_texts=_HELP))
-        self._server: asyncio.Server | None = None
+        self._server = HttpServer(self.host, self.port, self._accept, what="listen")
         self._handlers: set[asyncio.Task[Any]] = set()
         self._publishing = asyncio.Semaphore(settings.max_concurrent_publishes)
 
     async def start(self) -> None:
-        try:
-            self._server = await asyncio.start_server(self._accept, self.host, self.port)
-        except OSError as e:
-            raise MardukError(
-                f"cannot listen on {self.host}:{self.port}: {e.strerror or e}"
-            ) from None
-        self.port = self._server.sockets[0].getsockname()[1]
+        _, self.port = await self._server.start()
         try:
             await self.publisher.start()
         except BaseException:
@@ -445,9 +432,7 @@ class AlertmanagerReceiver:
 
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting, let requests in flight finish (``grace_s``), then close NATS."""
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        self._server.close()
         if self._handlers:
             _, pending = await asyncio.wait(set(self._handlers), timeout=grace_s)
             for task in pending:
@@ -473,12 +458,7 @@ class AlertmanagerReceiver:
             except TimeoutError:
                 self.stats["webhooks.timeout"] += 1
                 status, ctype, payload = "408 Request Timeout", "text/plain", b"request too slow\n"
-            head = (
-                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
-            )
-            writer.write(head.encode() + payload)
-            await writer.drain()
+            await respond(writer, (status, ctype, payload))
         except (OSError, asyncio.IncompleteReadError):
             pass  # the client went away
         except Exception:  # a bug must not end the server: log it, count it, answer nothing

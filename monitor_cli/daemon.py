@@ -58,6 +58,7 @@ from typing import Any, Final
 from nats.aio.client import Client as NATS
 
 from marduk import bus
+from marduk.aio import Backoff, restart_forever
 from marduk.credentials import redact
 from marduk.errors import MardukError, RequestRejected
 from marduk.protocol import DeviceHealth, HealthState
@@ -426,27 +427,16 @@ class MonitorDaemon:
 
     def _spawn(self, name: str, factory: Callable[[], Awaitable[None]]) -> asyncio.Task[None]:
         """A named task that is restarted with backoff when it crashes (kopf-style)."""
-        s = self.settings
 
-        async def guarded() -> None:
-            backoff = s.restart_initial_s
-            loop = asyncio.get_running_loop()
-            while True:
-                began = loop.time()
-                try:
-                    await factory()
-                    log.error("task %s exited unexpectedly; restarting in %gs", name, backoff)
-                except asyncio.CancelledError:
-                    raise
-                except Exception:
-                    log.exception("task %s crashed; restarting in %gs", name, backoff)
-                self.stats[f"task.{name}.restarts"] += 1
-                if loop.time() - began > 60:
-                    backoff = s.restart_initial_s
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, s.restart_max_s)
+        def ended(error: BaseException | None, pause: float) -> None:
+            if error is None:
+                log.error("task %s exited unexpectedly; restarting in %gs", name, pause)
+            else:
+                log.error("task %s crashed; restarting in %gs", name, pause, exc_info=error)
+            self.stats[f"task.{name}.restarts"] += 1
 
-        task = asyncio.create_task(guarded(), name=f"marduk-monitor:{name}")
+        guarded = restart_forever(factory, self._restart_backoff(), ended)
+        task = asyncio.create_task(guarded, name=f"marduk-monitor:{name}")
         self._tasks.append(task)
         return task
 
@@ -464,30 +454,18 @@ class MonitorDaemon:
                 self._observe(probe.name, conditions)
             await asyncio.sleep(max(0.0, probe.interval_s - (loop.time() - began)))
 
-    async def _watch(self, probe: EventProbe) -> None:
-        s = self.settings
-        loop = asyncio.get_running_loop()
-        backoff = s.restart_initial_s
+    def _restart_backoff(self) -> Backoff:
+        return Backoff(self.settings.restart_initial_s, self.settings.restart_max_s)
 
+    async def _watch(self, probe: EventProbe) -> None:
         async def emit(conditions: list[Condition]) -> None:
             self._observe(probe.name, conditions)
 
-        while True:
-            began = loop.time()
-            error: BaseException
-            try:
-                await probe.watch(emit)
-                error = MardukError("its watch returned")
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                error = e
-            self._probe_failed(probe.name, error)
+        def ended(error: BaseException | None, _pause: float) -> None:
+            self._probe_failed(probe.name, error or MardukError("its watch returned"))
             self.stats[f"probe.{probe.name}.restarts"] += 1
-            if loop.time() - began > 60:
-                backoff = s.restart_initial_s
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, s.restart_max_s)
+
+        await restart_forever(lambda: probe.watch(emit), self._restart_backoff(), ended)
 
     async def _tick(self) -> None:
         while True:
@@ -556,7 +534,7 @@ class MonitorDaemon:
     async def _publish_loop(self) -> None:
         """Publish the queue's head until it is stored and decided, in order, never skipping."""
         s = self.settings
-        backoff = s.retry_initial_s
+        backoff = Backoff(s.retry_initial_s, s.retry_max_s)
         failures = 0
         while True:
             if not self._queue:
@@ -595,8 +573,7 @@ class MonitorDaemon:
                     _one_line(e),
                     len(self._queue),
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, s.retry_max_s)
+                await asyncio.sleep(backoff.next())
                 continue
             else:
                 self.stats["events.published"] += 1
@@ -614,7 +591,7 @@ class MonitorDaemon:
             if failures > 1:
                 log.info("published again after %d failed attempt(s)", failures)
             failures = 0
-            backoff = s.retry_initial_s
+            backoff.reset()
             self._queue.popleft()
 
 

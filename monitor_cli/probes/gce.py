@@ -24,10 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 
+from marduk.aio import Backoff
 from monitor_cli.probes.base import Condition, Emit
 from monitor_cli.probes.httpget import HttpError, http_get
 
@@ -120,7 +120,7 @@ class GceMetadataProbe:
 
     async def _watch_key(self, key: str, emit: Emit) -> None:
         etag = "0"  # Google's samples start from 0: the first answer comes at once
-        delay = self.backoff_s
+        backoff = Backoff(self.backoff_s, self.max_backoff_s, jitter=0.2)
         failing = False
         while True:
             url = (
@@ -143,15 +143,16 @@ class GceMetadataProbe:
                 self.stats[f"errors.{kind}"] += 1
                 self.last_error = f"{key}: {e}"
                 level = logging.WARNING if not failing else logging.DEBUG
-                log.log(level, "metadata server: %s; retrying in %.1fs", self.last_error, delay)
+                log.log(
+                    level, "metadata server: %s; retrying in %.1fs", self.last_error, backoff.delay
+                )
                 failing = True
-                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, self.max_backoff_s)
+                await asyncio.sleep(backoff.next())
                 continue
             if failing:
                 log.info("metadata server answers again (%s)", key)
                 failing, self.last_error = False, ""
-            delay = self.backoff_s
+            backoff.reset()
             self.stats["answers"] += 1
             etag = new_etag
             await self._update(key, response.text().strip(), emit)
