@@ -1,4 +1,4 @@
-"""An Alertmanager webhook receiver: alerts about a device become health events (issue 9).
+"""An Alertmanager webhook receiver: alerts about a device become health events.
 
 For sites that already alert on GPU health with DCGM + Prometheus + Alertmanager: point a
 ``webhook_config`` at ``marduk monitor alertmanager`` and every alert that carries the device
@@ -20,14 +20,13 @@ Answers: 200 once every event is stored (decided or not); 503 with one line when
 longer than ``publish_timeout_s`` (Alertmanager retries 5xx); 400 with one line for a payload
 that is not Alertmanager's webhook JSON (it does not retry 4xx). ``GET /healthz`` (liveness),
 ``/readyz`` (200 while connected to NATS) and ``/metrics`` (``stats``: ``webhooks.*``,
-``alerts.*``, ``alertmanager_events.*``, ``nats.*``) on the same port. The payload (version 4)
-is documented at https://prometheus.io/docs/alerting/latest/configuration/#webhook_config.
+``alerts.*``, ``alertmanager_events.*``, ``nats.*``, ``publish.retries``) on the same port. The
+payload (version 4) is documented at https://prometheus.io/docs/alerting/latest/configuration/#webhook_config.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import hashlib
 import hmac
@@ -38,19 +37,15 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, get_args
 
 import msgspec
-import nats.errors
-from nats.aio.client import Client as NATS
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from marduk import bus
-from marduk.aio import Backoff, HttpServer, parse_host_port, respond
-from marduk.credentials import redact
-from marduk.errors import ConnectError, MardukError, ProtocolError, RequestRejected
+from marduk.aio import HttpServer, parse_host_port, respond
+from marduk.errors import MardukError, ProtocolError, RequestRejected
 from marduk.metrics import StatsCollector
-from marduk.protocol import DeviceHealth, HealthReply, HealthState, decode, encode
-from marduk.subjects import Subjects
-from monitor_cli import client
+from marduk.protocol import DeviceHealth, HealthState, decode, encode
+from monitor_cli.publisher import DurablePublisher, UnavailableError
 
 log = logging.getLogger("marduk.monitor.alertmanager")
 
@@ -238,128 +233,6 @@ def _unix(rfc3339: str) -> float:
     return t if t > 0 else 0.0
 
 
-# --- publishing ----------------------------------------------------------------------------------
-
-
-class UnavailableError(MardukError):
-    """NATS (or JetStream) did not take the event in time; Alertmanager should retry."""
-
-
-class Publisher:
-    """One long-lived NATS connection, (re)connected in the background, and durable publishes
-    retried with backoff until a deadline."""
-
-    def __init__(
-        self, addr: str, prefix: str, stats: Counter[str], *, decide_timeout_s: float = 5.0
-    ) -> None:
-        self.addr = addr
-        self.subjects = Subjects(prefix)
-        self.stats = stats
-        self.decide_timeout_s = decide_timeout_s
-        self.nc: NATS | None = None
-        self._connected = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-        self._closing = False
-
-    @property
-    def ready(self) -> bool:
-        return self.nc is not None and self.nc.is_connected
-
-    async def start(self) -> None:
-        """Connect in the background (webhooks answer 503 until connected); a credential that
-        cannot be used fails here, in one line."""
-        bus.default_credentials().nats_options()
-        self._task = asyncio.create_task(self._connect_loop(), name="alertmanager-nats")
-
-    async def _connect(self) -> None:
-        async def disconnected() -> None:
-            if self._closing or not self._connected.is_set():
-                return  # our own close, or a first connect that has not succeeded
-            self.stats["nats.disconnects"] += 1
-            log.warning("lost NATS at %s; reconnecting", redact(self.addr))
-
-        async def reconnected() -> None:
-            log.info("reconnected to NATS")
-
-        self.nc = await bus.connect(
-            self.addr,
-            name="marduk-alertmanager",
-            timeout=5.0,
-            reconnect=True,
-            on_disconnected=disconnected,
-            on_reconnected=reconnected,
-        )
-        self._connected.set()
-        log.info("connected to NATS at %s", redact(self.addr))
-
-    async def _connect_loop(self) -> None:
-        backoff, failures = Backoff(initial=0.5, cap=10.0), 0
-        while True:
-            try:
-                await self._connect()
-                return
-            except ConnectError as e:
-                self.stats["nats.connect_failures"] += 1
-                failures += 1
-                level = logging.WARNING if failures == 1 else logging.DEBUG
-                log.log(level, "%s; retrying (webhooks answer 503 meanwhile)", e)
-            except MardukError as e:  # e.g. credentials: retrying does not help
-                log.error("%s", e)
-                return
-            await asyncio.sleep(backoff.next())
-
-    async def publish(self, event: DeviceHealth, timeout: float) -> HealthReply | None:
-        """Store ``event`` and return the controller's decision (None: stored, not decided yet).
-
-        Raises UnavailableError after ``timeout``; RequestRejected if the controller refuses it.
-        Retrying is safe: the event id makes a repeat a duplicate.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        backoff = Backoff(initial=0.25, cap=5.0)
-        why = f"not connected to NATS at {redact(self.addr)} yet"
-        while True:
-            left = deadline - loop.time()
-            if left <= 0:
-                raise UnavailableError(f"{why} (gave up after {timeout:g}s)")
-            scope = asyncio.timeout(left)
-            try:
-                async with scope:
-                    await self._connected.wait()
-                    nc = self.nc
-                    assert nc is not None
-                    if nc.is_connected:
-                        return await client.publish_durably(
-                            nc,
-                            self.subjects,
-                            event,
-                            timeout=min(self.decide_timeout_s, left),
-                            addr=self.addr,
-                        )
-                    why = f"the connection to NATS at {redact(self.addr)} is down"
-            except client.UndecidedError:
-                return None
-            except RequestRejected:
-                raise
-            except TimeoutError as e:
-                if scope.expired():
-                    continue  # the deadline: the loop's head raises with the last reason
-                why = str(e) or "NATS did not answer in time"
-            except (MardukError, nats.errors.Error, OSError) as e:
-                why = str(e) or type(e).__name__
-            self.stats["nats.publish_retries"] += 1
-            await asyncio.sleep(min(backoff.next(), max(0.0, deadline - loop.time())))
-
-    async def close(self) -> None:
-        self._closing = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        if self.nc is not None:
-            await bus.close(self.nc, drain=False)
-
-
 # --- the HTTP server ------------------------------------------------------------------------------
 
 
@@ -400,8 +273,12 @@ class AlertmanagerReceiver:
         self.settings = settings
         self.host, self.port = parse_listen(settings.listen)
         self.stats: Counter[str] = Counter()
-        self.publisher = Publisher(
-            settings.addr, settings.prefix, self.stats, decide_timeout_s=settings.decide_timeout_s
+        self.publisher = DurablePublisher(
+            settings.addr,
+            settings.prefix,
+            self.stats,
+            name="marduk-alertmanager",
+            decide_timeout_s=settings.decide_timeout_s,
         )
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(self.stats, list, help_texts=_HELP))
@@ -412,7 +289,7 @@ class AlertmanagerReceiver:
     async def start(self) -> None:
         _, self.port = await self._server.start()
         try:
-            await self.publisher.start()
+            self.publisher.start()
         except BaseException:
             self._server.close()
             raise
@@ -537,7 +414,7 @@ class AlertmanagerReceiver:
         }
         async with self._publishing:
             try:
-                reply = await self.publisher.publish(event, self.settings.publish_timeout_s)
+                reply = await self.publisher.publish(event, timeout=self.settings.publish_timeout_s)
             except UnavailableError as e:
                 return {**result, "outcome": "unavailable", "error": str(e)}
             except RequestRejected as e:

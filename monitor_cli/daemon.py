@@ -1,6 +1,6 @@
 """``marduk monitor run``: run probes, turn their conditions into health events, publish them.
 
-Two layers, as in the controller (DESIGN decision 1):
+Two layers, as in the controller (docs/decisions.md #1):
 
 * ``ConditionTracker`` is pure (no I/O; ``now`` is an argument). It is fed each probe's current
   conditions, or the news that a probe failed, and returns the ``DeviceHealth`` events to publish:
@@ -28,13 +28,13 @@ Two layers, as in the controller (DESIGN decision 1):
 
 * ``MonitorDaemon`` is the async shell: one guarded, named task per probe (a polled ``Probe`` is
   checked every ``interval_s``; an ``EventProbe``'s ``watch`` is restarted with backoff when it
-  raises or returns), one publisher that sends events in order on one long-lived NATS connection
-  with ``publish_durably`` and retries a failed publish with backoff (nothing is dropped but an
+  raises or returns), one task that sends events in order through a ``DurablePublisher`` (one
+  long-lived NATS connection; a failed publish retried with backoff; nothing is dropped but an
   event the controller rejects), counters in ``stats``, and a clean stop on SIGTERM that gives
   queued events a few seconds to go out.
 
 Known limit: the controller treats any ``healthy`` event as "clears the failure history" (the
-restart budget of decision 6). A device that fails, recovers and fails again is therefore never
+restart budget of docs/decisions.md #6). A device that fails, recovers and fails again is therefore never
 escalated by the monitor's own events alone; keep ``clear_after_s`` and the probes' hold times
 long enough that a recovery is real.
 """
@@ -55,16 +55,14 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from nats.aio.client import Client as NATS
-
 from marduk import bus
 from marduk.aio import Backoff, restart_forever
 from marduk.credentials import redact
 from marduk.errors import MardukError, RequestRejected
-from marduk.protocol import DeviceHealth, HealthState
+from marduk.protocol import DeviceHealth, HealthReply, HealthState
 from marduk.subjects import Subjects
-from monitor_cli.client import UndecidedError, publish_durably
 from monitor_cli.probes.base import Condition, EventProbe, Probe
+from monitor_cli.publisher import DurablePublisher, one_line
 
 log = logging.getLogger("monitor_cli.daemon")
 
@@ -339,12 +337,22 @@ class MonitorDaemon:
         self._idle.set()
         self._tasks: list[asyncio.Task[None]] = []
         self._publisher: asyncio.Task[None] | None = None
-        self._nc: NATS | None = None
+        self.publisher = DurablePublisher(
+            settings.addr,
+            settings.prefix,
+            self.stats,
+            name=f"marduk-monitor@{settings.host}",
+            connect_timeout_s=settings.connect_timeout_s,
+            decide_timeout_s=settings.publish_timeout_s,
+            retry_initial_s=settings.retry_initial_s,
+            retry_max_s=settings.retry_max_s,
+        )
         self._stopped = False
 
     # -- lifecycle --
 
     async def start(self) -> None:
+        self.publisher.start()
         for probe in self.probes:
             if _is_event_probe(probe):
                 self._spawn(probe.name, lambda p=probe: self._watch(p))  # type: ignore[misc]
@@ -385,9 +393,7 @@ class MonitorDaemon:
                 len(self._queue),
                 ", ".join(f"{e.device} {e.state}" for e in self._queue),
             )
-        if self._nc is not None:
-            await bus.close(self._nc, drain=False)
-            self._nc = None
+        await self.publisher.close()
         log.info("monitor stopped; counters: %s", dict(sorted(self.stats.items())))
 
     async def run(self) -> None:
@@ -480,7 +486,7 @@ class MonitorDaemon:
         self._enqueue(self.tracker.observe(name, conditions, time.time()))
 
     def _probe_failed(self, name: str, error: BaseException) -> None:
-        text = _one_line(error)
+        text = one_line(error)
         first = self.tracker.failing(name) == 0
         events = self.tracker.probe_failed(name, text, time.time(), self.host_devices())
         self.stats[f"probe.{name}.errors"] += 1
@@ -506,36 +512,8 @@ class MonitorDaemon:
 
     # -- publishing --
 
-    async def _connection(self) -> NATS:
-        if self._nc is not None and not self._nc.is_closed:
-            return self._nc
-
-        async def disconnected() -> None:
-            if self._stopped:
-                return
-            self.stats["nats.disconnects"] += 1
-            log.warning("lost the connection to NATS; reconnecting (events are queued)")
-
-        async def reconnected() -> None:
-            self.stats["nats.reconnects"] += 1
-            log.info("reconnected to NATS")
-
-        self._nc = await bus.connect(
-            self.settings.addr,
-            name=f"marduk-monitor@{self.settings.host}",
-            timeout=self.settings.connect_timeout_s,
-            reconnect=True,
-            on_disconnected=disconnected,
-            on_reconnected=reconnected,
-        )
-        log.info("connected to NATS at %s", redact(self.settings.addr))
-        return self._nc
-
     async def _publish_loop(self) -> None:
         """Publish the queue's head until it is stored and decided, in order, never skipping."""
-        s = self.settings
-        backoff = Backoff(s.retry_initial_s, s.retry_max_s)
-        failures = 0
         while True:
             if not self._queue:
                 self._idle.set()
@@ -543,56 +521,50 @@ class MonitorDaemon:
                 await self._wake.wait()
                 continue
             event = self._queue[0]
-            try:
-                nc = await self._connection()
-                reply = await asyncio.wait_for(
-                    publish_durably(
-                        nc, self.subjects, event, timeout=s.publish_timeout_s, addr=s.addr
-                    ),
-                    s.publish_timeout_s + 5.0,
+            failures = 0
+
+            def retrying(why: str, n: int, event: DeviceHealth = event) -> None:
+                nonlocal failures
+                failures = n
+                log.log(
+                    logging.WARNING if n == 1 else logging.DEBUG,
+                    "cannot publish %s about %s yet (%s); retrying with backoff, %d queued",
+                    event.state,
+                    event.device,
+                    why,
+                    len(self._queue),
                 )
-            except asyncio.CancelledError:
-                raise
-            except UndecidedError as e:
-                # Stored durably: the controller handles it when one serves. Not lost.
-                self.stats["events.undecided"] += 1
-                log.warning("%s", e)
+
+            try:
+                reply = await self.publisher.publish(event, on_retry=retrying)
             except RequestRejected as e:
                 # The controller refuses it (e.g. a malformed device id): repeating won't help.
                 self.stats["events.rejected"] += 1
                 log.error("event %s about %s rejected: %s", event.event_id, event.device, e)
-            except Exception as e:
-                failures += 1
-                self.stats["publish.retries"] += 1
-                level = logging.WARNING if failures == 1 else logging.DEBUG
-                log.log(
-                    level,
-                    "cannot publish %s about %s yet (%s); retrying with backoff, %d queued",
-                    event.state,
-                    event.device,
-                    _one_line(e),
-                    len(self._queue),
-                )
-                await asyncio.sleep(backoff.next())
-                continue
             else:
-                self.stats["events.published"] += 1
-                if reply.duplicate:
-                    self.stats["events.duplicate"] += 1
-                acted = len(reply.actions)
-                log.info(
-                    "controller: %s %s%s",
-                    event.device,
-                    event.state,
-                    f", {acted} restart scope(s) acted on"
-                    if acted
-                    else ("" if reply.known else " (no replica uses it)"),
-                )
+                self._published(event, reply)
             if failures > 1:
                 log.info("published again after %d failed attempt(s)", failures)
-            failures = 0
-            backoff.reset()
             self._queue.popleft()
+
+    def _published(self, event: DeviceHealth, reply: HealthReply | None) -> None:
+        if reply is None:
+            # Stored durably: the controller handles it when one serves. Not lost.
+            self.stats["events.undecided"] += 1
+            log.warning("%s %s: stored; no controller decided yet", event.device, event.state)
+            return
+        self.stats["events.published"] += 1
+        if reply.duplicate:
+            self.stats["events.duplicate"] += 1
+        acted = len(reply.actions)
+        log.info(
+            "controller: %s %s%s",
+            event.device,
+            event.state,
+            f", {acted} restart scope(s) acted on"
+            if acted
+            else ("" if reply.known else " (no replica uses it)"),
+        )
 
 
 def _is_event_probe(probe: Any) -> bool:
@@ -603,12 +575,3 @@ def _describe(probe: Any) -> str:
     if _is_event_probe(probe):
         return f"{probe.name} (events)"
     return f"{probe.name} (every {probe.interval_s:g}s)"
-
-
-def _one_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    detail = text[0] if text else ""
-    name = type(error).__name__
-    if isinstance(error, MardukError) and detail:
-        return detail
-    return f"{name}: {detail}" if detail else name
