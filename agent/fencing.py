@@ -1,7 +1,7 @@
 """Epoch fencing: which commands an agent acts on. Pure: no I/O, no clock, no asyncio.
 
 The controller gives every restart of a scope a new, higher epoch and resends a command until
-its workers confirm it (DESIGN.md, decision 3). An agent acts on each epoch once:
+its workers confirm it (docs/decisions.md #3). An agent acts on each epoch once:
 
 * a command above the last epoch received is **new**: act on it;
 * one at that epoch naming devices not seen for it is an **update** (another device failed

@@ -196,7 +196,7 @@ class DRMap:
             assert workers, f"empty worker set kept for replica {replica}"
             for key in workers:
                 assert key in self._worker_devices and key.replica_key == replica
-        # Seed 001: device -> replicas and replica -> devices agree both ways.
+        # The map is many-to-many: device -> replicas and replica -> devices agree both ways.
         d2r, r2d = self.device_to_replicas, self.replica_to_devices
         for device, replicas in d2r.items():
             for replica in replicas:

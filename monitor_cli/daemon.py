@@ -34,9 +34,9 @@ Two layers, as in the controller (docs/decisions.md #1):
   queued events a few seconds to go out.
 
 Known limit: the controller treats any ``healthy`` event as "clears the failure history" (the
-restart budget of docs/decisions.md #6). A device that fails, recovers and fails again is therefore never
-escalated by the monitor's own events alone; keep ``clear_after_s`` and the probes' hold times
-long enough that a recovery is real.
+restart budget of docs/decisions.md #6). A device that fails, recovers and fails again is
+therefore never escalated by the monitor's own events alone; keep ``clear_after_s`` and the
+probes' hold times long enough that a recovery is real.
 """
 
 from __future__ import annotations

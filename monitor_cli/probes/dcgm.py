@@ -1,4 +1,4 @@
-"""GPU health from a dcgm-exporter's ``/metrics`` (issue 9): for hosts that already run DCGM.
+"""GPU health from a dcgm-exporter's ``/metrics`` for hosts that already run DCGM.
 
 A polled ``Probe``: GET the exporter (``http://localhost:9400/metrics`` by default), parse the
 Prometheus text format (``prometheus_client``'s parser) and map each GPU by its ``UUID`` label

@@ -1,4 +1,4 @@
-"""Compute Engine maintenance and preemption notices, from the metadata server (issue 9).
+"""Compute Engine maintenance and preemption notices, from the metadata server.
 
 Two keys are watched with Google's documented hanging GET: ``?wait_for_change=true`` with the
 ``last_etag`` of the previous answer, so the server answers at once when the value changed and
