@@ -12,9 +12,10 @@ so the controller never names the port of the coordinator that is stopping now.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections.abc import Callable
+
+import msgspec
 
 from agent.nats_client import AsyncClient
 from agent.options import Options
@@ -69,7 +70,7 @@ def refresh_ports(opts: Options, membership: Membership, me: Member) -> bool:
     if r is None or me.node_rank != 0 or membership.coordinator_port not in r.ports:
         return False
     fresh = coordinator_ports(len(r.ports), frozenset({membership.coordinator_port}))
-    opts.rendezvous = dataclasses.replace(r, ports=fresh)
+    opts.rendezvous = msgspec.structs.replace(r, ports=fresh)
     return True
 
 
