@@ -212,7 +212,9 @@ def run(
         typer.Option(
             "--nnodes",
             envvar="MARDUK_NNODES",
-            help="Nodes in the job (one agent each); N or N:N.",
+            help="Nodes in the job (one agent each): N, or torchrun's MIN:MAX. Without "
+            "--node-rank (or with MIN below MAX) the controller assigns the node ranks and "
+            "the coordinator at each epoch (needs --scope job).",
             show_default=str(LAUNCH.nnodes),
         ),
     ] = None,
@@ -223,7 +225,8 @@ def run(
             "--node_rank",
             envvar="MARDUK_NODE_RANK",
             min=0,
-            help="This node's rank (GROUP_RANK); required with --nnodes above 1.",
+            help="This node's rank (GROUP_RANK); without it, across nodes, the controller "
+            "assigns one.",
             show_default=str(LAUNCH.node_rank),
         ),
     ] = None,
@@ -251,6 +254,17 @@ def run(
             show_default=f"a free port per restart on one node; {DEFAULT_MASTER_PORT} across nodes",
         ),
     ] = None,
+    local_addr: Annotated[
+        str | None,
+        typer.Option(
+            "--local-addr",
+            "--local_addr",
+            envvar="MARDUK_LOCAL_ADDR",
+            help="With ranks from the controller: the address this node's rank 0 serves the "
+            "job's coordinator on, if it is node 0 (torchrun's --local-addr).",
+            show_default="the host name",
+        ),
+    ] = None,
     rdzv_endpoint: Annotated[
         str,
         typer.Option(
@@ -264,7 +278,8 @@ def run(
         typer.Option(
             "--rdzv-backend",
             "--rdzv_backend",
-            help="Accepted for torchrun command lines; ranks are static (--node-rank).",
+            help="Accepted for torchrun command lines; ranks are --node-rank's or the "
+            "controller's.",
         ),
     ] = "static",
     rdzv_id: Annotated[

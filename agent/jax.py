@@ -6,9 +6,12 @@
 
 ``initialize`` calls ``jax.distributed.initialize`` with what the agent hands every rank
 (torchrun's variables, agent/launch.py): the coordinator ``MASTER_ADDR:MASTER_PORT``,
-``num_processes=WORLD_SIZE``, ``process_id=RANK``. With ``--nnodes N`` the agents derive
-``MASTER_PORT`` from the restart epoch, so a restarted rank never reaches the previous
-incarnation's coordinator (docs/architecture.md, "jax.distributed jobs").
+``num_processes=WORLD_SIZE``, ``process_id=RANK``. With ``--nnodes MIN:MAX`` (no
+``--node-rank``) they come from the controller's membership of the epoch: node ranks it
+assigned and a coordinator port node 0's agent picked, never the previous epoch's; with
+``--nnodes N --node-rank I`` the agents derive ``MASTER_PORT`` from the restart epoch. Either
+way a restarted rank never reaches the previous incarnation's coordinator
+(docs/architecture.md, "jax.distributed jobs").
 
 ``exit_on_restart``: once ``jax.distributed`` is initialized, JAX's preemption service catches
 SIGTERM (it only marks a preemption sync point, see ``reached_preemption_sync_point``), so a
@@ -54,8 +57,9 @@ def distributed_args(env: Mapping[str, str] | None = None) -> Distributed:
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if not env.get(v)]
     if missing:
         raise ValueError(
-            f"{', '.join(missing)} not set: run under `marduk agent run --nnodes N "
-            "--node-rank I` (or --nproc-per-node), or set torchrun's variables"
+            f"{', '.join(missing)} not set: run under `marduk agent run --scope job --nnodes "
+            "MIN:MAX` (or --nnodes N --node-rank I, or --nproc-per-node), or set torchrun's "
+            "variables"
         )
     host = env["MASTER_ADDR"]
     if ":" in host and not host.startswith("["):

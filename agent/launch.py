@@ -9,14 +9,17 @@ An existing ``torchrun`` command line works by changing the launcher::
 Each local rank gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``GROUP_WORLD_SIZE``, ``ROLE_RANK``, ``ROLE_WORLD_SIZE``,
 ``ROLE_NAME``, ``MASTER_ADDR``, ``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``,
-``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``). The
-rendezvous is static: every agent knows its node rank (``--node-rank``), as with torchrun's
-``static`` backend; ``--rdzv-endpoint host:port`` names the master. Pure: the look-ups of the
+``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``). Either every agent knows its node
+rank (``--node-rank``), as with torchrun's ``static`` backend (``--rdzv-endpoint host:port``
+names the master), or, with ``--nnodes MIN:MAX`` and no ``--node-rank``, the controller is the
+rendezvous: each epoch's membership (marduk/membership.py) gives the node rank, world size and
+coordinator (``LaunchSpec.placed``). Pure: the look-ups of the
 machine's ports are agent/ports.py's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import string
@@ -62,6 +65,9 @@ class LaunchSpec:
     role: str = "default"
     run_id: str = "none"
     max_restarts: int = 0
+    # --nnodes MIN:MAX (or N) without --node-rank: the controller assigns the node rank and
+    # names the coordinator at each epoch (``placed``); ``nnodes`` is MAX until then.
+    min_nodes: int = 0  # 0: ranks are static (--node-rank)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
@@ -70,12 +76,32 @@ class LaunchSpec:
             raise LaunchError(f"--node-rank {self.node_rank} is not in [0, {self.nnodes})")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise LaunchError(f"--master-port {self.master_port} is not a port")
-        if self.nnodes > 1 and (self.master_port or 0) + PORT_SPAN > 65536:
+        if (
+            self.nnodes > 1
+            and not self.from_controller
+            and (self.master_port or 0) + PORT_SPAN > 65536
+        ):
             raise LaunchError(
                 f"--master-port {self.master_port}: across nodes the coordinator moves over "
                 f"{PORT_SPAN} ports from it (one per restart epoch); pick one below "
                 f"{65536 - PORT_SPAN + 1}"
             )
+
+    @property
+    def from_controller(self) -> bool:
+        """Node rank, world size and coordinator come from the controller's membership."""
+        return self.min_nodes > 0
+
+    def placed(self, nnodes: int, node_rank: int, master_addr: str, master_port: int) -> LaunchSpec:
+        """This node's place in an epoch's membership (the controller's): the spec whose
+        torchrun variables say it (``env``; ``fixed_port`` is the membership's port)."""
+        return dataclasses.replace(
+            self,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+        )
 
     @property
     def world_size(self) -> int:
@@ -146,6 +172,8 @@ class LaunchSpec:
         the new coordinator never binds a port the old one holds or left in TIME_WAIT (the
         same port comes back only PORT_SPAN epochs later).
         """
+        if self.from_controller:
+            return self.master_port  # the membership's, once ``placed``
         if self.nnodes > 1:
             return (self.master_port or DEFAULT_MASTER_PORT) + epoch % PORT_SPAN
         return self.master_port
@@ -167,19 +195,16 @@ def parse_endpoint(endpoint: str) -> tuple[str, int | None]:
     return host.strip("[]"), int(port)
 
 
-def parse_nnodes(value: str) -> int:
-    """``N`` or ``N:N`` (torchrun's elastic range ``MIN:MAX`` only when both are equal)."""
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``N`` or torchrun's elastic range ``MIN:MAX``: (MIN, MAX)."""
     lo, _, hi = value.partition(":")
     try:
         n, m = int(lo), int(hi or lo)
     except ValueError:
         raise LaunchError(f"--nnodes {value!r}: a number, or MIN:MAX") from None
-    if n != m:
-        raise LaunchError(
-            f"--nnodes {value}: elastic node counts are not supported; restarts keep the "
-            "node count (give one number)"
-        )
-    return n
+    if not 1 <= n <= m:
+        raise LaunchError(f"--nnodes {value}: MIN:MAX with 1 <= MIN <= MAX")
+    return n, m
 
 
 def parse_std(value: str, nproc: int, option: str) -> dict[int, Std]:

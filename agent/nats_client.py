@@ -56,6 +56,10 @@ class AsyncClient(CommandInbox):
         self._last_hello = 0.0
         # Devices of ours the controller has taken out of service (RegisterReply).
         self.unusable_devices: list[str] = []
+        # A job whose ranks the controller assigns: the latest membership received, with the
+        # epoch of the command that carried it; set (and ``membership_changed``) on news.
+        self.membership: tuple[int, wire.Membership] | None = None
+        self.membership_changed = asyncio.Event()
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -124,6 +128,7 @@ class AsyncClient(CommandInbox):
             seen_epoch=self.fence.received,
             role=o.role,
             peer_notices=o.peer_notices,
+            rendezvous=o.rendezvous,
         )
         deadline = time.monotonic() + timeout
         waiting_said = time.monotonic()
@@ -172,6 +177,8 @@ class AsyncClient(CommandInbox):
                 )
         if reply.renew_interval > 0:
             self.renew_interval = reply.renew_interval
+        if reply.command is not None:
+            self._note_membership(reply.command)
         first = not self._registered_once
         self._registered_once = True
         if self.state != "closed":
@@ -249,7 +256,17 @@ class AsyncClient(CommandInbox):
         )
         if self._misdirected(command, msg.subject, to):
             return
+        self._note_membership(command)
         self._accept(command)
+
+    def _note_membership(self, command: wire.Command) -> None:
+        """Keep the newest membership (by its command's epoch), whatever the fence says of the
+        command: a supervisor waiting to start reads it here."""
+        m = command.membership
+        if m is None or (self.membership is not None and command.epoch <= self.membership[0]):
+            return
+        self.membership = (command.epoch, m)
+        self.membership_changed.set()
 
     @property
     def connected(self) -> bool:

@@ -15,6 +15,7 @@ from agent.handoff import Handoff, HandoffError
 from marduk import bus
 from marduk.credentials import Credentials
 from marduk.errors import MardukError
+from marduk.protocol import Rendezvous
 from marduk.subjects import DEFAULT_PREFIX, check_job, check_replica
 
 DEFAULT_JOB: Final = "default"
@@ -49,6 +50,8 @@ class Options:
     agent_socket: str | None = None
     # Ask for ``peer_failed`` notices (another replica of the job restarts or fails).
     peer_notices: bool = False
+    # ``marduk agent run --nnodes MIN:MAX``: the node ranks come from the controller.
+    rendezvous: Rendezvous | None = None
 
 
 def resolve_controller_keys(

@@ -15,6 +15,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def coordinator_ports(count: int = 2, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """Free ports (on every address) for the controller to choose the job's coordinator port
+    from, if this node becomes rank 0; ``exclude``: the port in use."""
+    out: list[int] = []
+    while len(out) < count:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        if port not in exclude and port not in out:
+            out.append(port)
+    return out
+
+
 def listening(port: int) -> bool:
     """Some process of this network namespace listens on TCP ``port`` (/proc/net/tcp{,6})."""
     suffix = f":{port:04X}"

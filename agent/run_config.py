@@ -31,6 +31,7 @@ from agent.launch import (
 )
 from agent.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
 from marduk import options
+from marduk.protocol import Rendezvous
 from marduk.subjects import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
@@ -79,6 +80,7 @@ class RunArgs:
     node_rank: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
+    local_addr: str | None = None
     rdzv_endpoint: str = ""
     rdzv_backend: str = "static"
     rdzv_id: str = LAUNCH.run_id
@@ -102,6 +104,14 @@ class RunArgs:
         """Any of torchrun's placement options given: the ranks get torchrun's variables."""
         placed = (self.nproc_per_node, self.nnodes, self.node_rank, self.master_addr)
         return any(x is not None for x in (*placed, self.master_port)) or bool(self.rdzv_endpoint)
+
+    @property
+    def ranks_from_controller(self) -> bool:
+        """``--nnodes MIN:MAX`` (MIN below MAX), or across nodes without ``--node-rank``: the
+        controller assigns the node ranks (marduk/membership.py)."""
+        lo, _, hi = (self.nnodes or "1").partition(":")
+        hi = hi or lo
+        return lo != hi or (self.node_rank is None and hi not in ("", "1"))
 
 
 def _default_preload(cmd: list[str]) -> list[str]:
@@ -127,6 +137,7 @@ class Lookups:
         default_factory=lambda: _default_preload
     )
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
+    free_ports: Callable[[], list[int]] = field(default_factory=lambda: ports.coordinator_ports)
 
 
 def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorConfig:
@@ -150,6 +161,15 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
             controller_key=args.controller_key,
         )
         launch = _launch(args, opts.devices, look) if args.torchrun_style else None
+        if launch is not None and launch.from_controller:
+            opts.rendezvous = Rendezvous(
+                nproc=launch.nproc_per_node,
+                min_nodes=launch.min_nodes,
+                max_nodes=launch.nnodes,
+                node_rank=args.node_rank,
+                addr=args.local_addr or opts.host,
+                ports=look.free_ports(),
+            )
         logs = _logs(args, launch, look)
     except (AgentError, LaunchError) as e:
         raise ConfigError(str(e)) from None
@@ -180,7 +200,8 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
         logs=logs,
         monitor_interval_s=args.monitor_interval,
         standalone=args.standalone,
-        require_controller=args.require_controller,
+        # Ranks from the controller: nothing can start without it.
+        require_controller=args.require_controller or opts.rendezvous is not None,
         preload=(
             look.default_preload(command)
             if not args.preload
@@ -197,7 +218,8 @@ def _replica(args: RunArgs, look: Lookups) -> str:
     if args.rdzv_id != LAUNCH.run_id:
         return args.rdzv_id
     across = args.nnodes is not None and args.nnodes.partition(":")[0] not in ("", "1")
-    return "main" if across else look.node_name()
+    # Ranks from the controller: each agent is its own worker of the job, named by its host.
+    return "main" if across and not args.ranks_from_controller else look.node_name()
 
 
 def _check_regex(step_regex: str) -> None:
@@ -211,15 +233,23 @@ def _launch(args: RunArgs, devices: list[str], look: Lookups) -> LaunchSpec:
     nproc = args.nproc_per_node or str(LAUNCH.nproc_per_node)
     n = (len(devices) or 1) if nproc in ("gpu", "auto") else _count(nproc)
     host, port = parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else (None, None)
-    nodes = parse_nnodes(args.nnodes or str(LAUNCH.nnodes))
-    if nodes > 1 and args.node_rank is None:
+    lo, hi = parse_nnodes(args.nnodes or str(LAUNCH.nnodes))
+    elastic = args.ranks_from_controller
+    if elastic and args.scope != "job":
         raise LaunchError(
-            f"--nnodes {nodes} needs --node-rank: ranks are static (each agent is told "
-            "its node), there is no elastic rendezvous"
+            f"--nnodes {args.nnodes} without --node-rank: the controller assigns the node "
+            "ranks, which needs --scope job (the whole job restarts together); or give "
+            "--node-rank"
+        )
+    if elastic and args.standalone:
+        raise LaunchError(
+            f"--nnodes {args.nnodes} without --node-rank: the controller assigns the node "
+            "ranks; --standalone cannot"
         )
     launch = LaunchSpec(
         nproc_per_node=n,
-        nnodes=nodes,
+        nnodes=hi,
+        min_nodes=lo if elastic else 0,
         node_rank=args.node_rank or LAUNCH.node_rank,
         master_addr=args.master_addr or host or LAUNCH.master_addr,
         master_port=args.master_port if args.master_port is not None else port,
@@ -229,7 +259,8 @@ def _launch(args: RunArgs, devices: list[str], look: Lookups) -> LaunchSpec:
         max_restarts=args.max_restarts,
     )
     launch.check_devices(devices)
-    look.check_master(launch)
+    if not launch.from_controller:
+        look.check_master(launch)
     return launch
 
 

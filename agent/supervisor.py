@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from agent import handoff, local
+from agent import handoff, local, placement
 from agent.client import AsyncClient, Command
 from agent.controller_link import (
     REPORT_TIMEOUT_S,
@@ -56,7 +56,7 @@ from agent.controller_link import (
     ControllerLink,
 )
 from agent.handoff import Handoff
-from agent.launch import Std
+from agent.launch import LaunchSpec, Std
 from agent.local import TrainerChannel
 from agent.ports import listening, port_for_incarnation
 from agent.preflight import run_check
@@ -161,6 +161,9 @@ class Supervisor:
         ]
         self.channels: list[TrainerChannel] = []  # each rank's library (agent/local.py)
         self.master_port = 0
+        # Where this node's ranks sit at the current incarnation (the controller's membership
+        # with --nnodes MIN:MAX; else the launch spec as given).
+        self.placed: LaunchSpec | None = config.launch
         self._master_first = False  # start rank 0 first, the others once it listens
         self.run_dir = ""  # --log-dir/<job>_<replica>_<worker>_<unique>, made at the first start
         self.registry = CollectorRegistry()
@@ -568,18 +571,41 @@ class Supervisor:
 
     def _rank_env(self, rank: Rank, base: dict[str, str]) -> dict[str, str]:
         env = {**base, handoff.AGENT_SOCKET: rank.socket_path}
-        if self.launch is not None:
+        if self.placed is not None:
             env.update(
-                self.launch.env(rank.index, self.opts.devices, self.incarnation, self.master_port)
+                self.placed.env(rank.index, self.opts.devices, self.incarnation, self.master_port)
             )
         return env
+
+    async def _placement(self) -> LaunchSpec:
+        """This node's place at the epoch it starts at: the controller's membership (waited
+        for; a newer one moves the epoch up to its command's)."""
+        assert self.launch is not None
+        epoch, m, me = await placement.membership_for(
+            lambda: self.link.client, self.opts, self.epoch
+        )
+        self.core.restarting_at(epoch)
+        client = self.link.client
+        if placement.refresh_ports(self.opts, m, me) and client is not None:
+            client.opts.rendezvous = self.opts.rendezvous
+            self._spawn(client.reregister(), "register")
+        log.info("%s", placement.describe(epoch, m, me))
+        return self.launch.placed(
+            len(m.members), me.node_rank, m.coordinator_addr, m.coordinator_port
+        )
 
     async def _start_all(self) -> None:
         """Start every rank. A signal meanwhile: the ranks not started yet are not (the loop
         then stops those that are)."""
+        if self.launch is not None and self.launch.from_controller:
+            placed = await self._or_signal(self._placement())
+            if placed is None:
+                log.warning("%s before this node had its ranks: not starting", self._signal_name)
+                return
+            self.placed = placed
         incarnation = self.core.started(time.monotonic())
-        if self.launch is not None:
-            self.master_port = port_for_incarnation(self.launch, self.epoch)
+        if self.placed is not None:
+            self.master_port = port_for_incarnation(self.placed, self.epoch)
         base = self._trainer_env()
         for rank in self.ranks:
             rank.tail.clear()
@@ -737,7 +763,7 @@ class Supervisor:
         logs = self.config.logs
         console = sys.stdout.buffer if which == Std.OUT else sys.stderr.buffer
         show = logs.to_console(rank.index, which)
-        prefix = logs.prefix(self.launch, rank.index) if self.launch is not None else b""
+        prefix = logs.prefix(self.placed, rank.index) if self.placed is not None else b""
         file = rank.files[0 if which == Std.OUT else 1] if rank.files else None
         at_start = True  # of a line: a long line's later pieces get no prefix
         while True:

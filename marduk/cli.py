@@ -81,6 +81,16 @@ def controller(
             "unless every worker confirms it sooner.",
         ),
     ] = 60.0,
+    join_timeout: Annotated[
+        float,
+        typer.Option(
+            "--join-timeout",
+            envvar="MARDUK_JOIN_TIMEOUT",
+            min=0.0,
+            help="A job whose ranks the controller assigns (--nnodes MIN:MAX) starts with MIN "
+            "workers once this many seconds passed without MAX registering.",
+        ),
+    ] = 30.0,
     restart_on_degraded: Annotated[
         bool,
         typer.Option(
@@ -222,6 +232,7 @@ def controller(
         metrics_addr=metrics_addr,
         policy=PolicyConfig(
             pending_timeout_s=pending_timeout,
+            join_timeout_s=join_timeout,
             restart_on_degraded=restart_on_degraded,
             device_max_failures=device_max_failures,
             device_failure_window_s=device_failure_window,

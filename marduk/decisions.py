@@ -50,6 +50,9 @@ class PolicyConfig:
     quarantined: its replicas get ``fail``; only an operator's ``undrain`` brings it back."""
     flap_window_s: float = 3600.0
     """The window of flap damping."""
+    join_timeout_s: float = 30.0
+    """A job whose ranks the controller assigns (``--nnodes MIN:MAX``) forms its first
+    membership once MAX workers registered, or MIN did and this long has passed since."""
     exclusive_devices: bool | None = None
     """Refuse a registration claiming a device a live worker of another job holds on another
     host (``device_claimed``). None: on when the controller runs with auth (identities bound

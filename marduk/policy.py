@@ -50,6 +50,7 @@ from marduk.decisions import (
 )
 from marduk.device_policy import DevicePolicy
 from marduk.drmap import DRMap, ReplicaKey, WorkerKey
+from marduk.membership_policy import MembershipPolicy
 from marduk.notices import failed_peers, peer_notices
 from marduk.protocol import (
     MAX_EPOCH,
@@ -59,6 +60,7 @@ from marduk.protocol import (
     ControllerEvent,
     DeviceInfo,
     HealthReply,
+    Membership,
     Registration,
     Report,
     WorkerInfo,
@@ -92,7 +94,7 @@ MAX_ADOPTED_JUMP = 10_000
 FAILURE_STATUSES = frozenset({"crashed", "hung", "gave_up", "preempted"})
 
 
-class Policy(DevicePolicy):
+class Policy(DevicePolicy, MembershipPolicy):
     """Controller state and decisions. One instance per controller."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
@@ -111,6 +113,7 @@ class Policy(DevicePolicy):
         # workers that have been silent for a TTL, not at all 25k of them four times a second.
         self.last_seen: dict[WorkerKey, float] = {}
         self.stale: set[WorkerKey] = set()
+        self._quorum_since: dict[str, float] = {}  # marduk/membership_policy.py
 
     # --- restore ---------------------------------------------------------------------------------
 
@@ -183,6 +186,7 @@ class Policy(DevicePolicy):
         # Every check before the first change: a refused registration leaves no trace (a
         # worker heard from but never recorded would expire, and fail, forever).
         self._check_adoptable(max(reg.epoch, reg.seen_epoch), state)
+        self._check_rendezvous(reg, state)
         was_stale = key in self.stale
         self._heard(key, now)
         self.stale.discard(key)
@@ -260,6 +264,8 @@ class Policy(DevicePolicy):
                     detail="renewed again after being stale",
                 )
             )
+        if reg.rendezvous is not None:
+            self._rendezvous(ekey, now, out)
         unusable = self.unusable(reg.devices)
         if unusable and result != "unchanged":
             out.events.append(
@@ -273,7 +279,7 @@ class Policy(DevicePolicy):
                 )
             )
         return Registered(
-            out, result, current, state.command, self.config.renew_interval_s, unusable
+            out, result, state.epoch, state.command, self.config.renew_interval_s, unusable
         )
 
     def _check_adoptable(self, seen: int, state: EpochRecord | None) -> None:
@@ -571,14 +577,23 @@ class Policy(DevicePolicy):
         out: Outcome,
         *,
         pending: bool = True,
+        membership: Membership | None = None,
     ) -> Command:
         """A new epoch for ``ekey`` and its command. ``pending``: a restart the scope's workers
-        must confirm (coalescing further failures, resent until then); a checkpoint is not."""
+        must confirm (coalescing further failures, resent until then); a checkpoint is not.
+        ``membership``: the job's first (else a restart renews the one in force)."""
         epoch = self.scopes.next_epoch(ekey)
         state = self.epochs.get(ekey) or EpochRecord(job=ekey.job, replica=ekey.replica)
         if epoch > state.ceiling:
             state.ceiling = epoch + self.config.epoch_block - 1
             out.write_ahead.append(state)
+        membership = membership or self._next_membership(ekey, state, kind, epoch)
+        if membership is not state.membership:
+            # Who takes part at this epoch must be durable before anyone is told: a leader
+            # taking over mid-change starts from it, never from a membership nobody saw.
+            state.membership = membership
+            if state not in out.write_ahead:
+                out.write_ahead.append(state)
         command = Command(
             command_id=f"{ekey.job}/{ekey.replica or '*'}/{epoch}",
             job=ekey.job,
@@ -590,6 +605,7 @@ class Policy(DevicePolicy):
             devices=devices,
             event_id=cause,
             issued_at=now,
+            membership=state.membership,
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
         self.scopes.put(ekey, state)
@@ -673,6 +689,7 @@ class Policy(DevicePolicy):
                     )
                 )
         self._drop_vacant_epochs(now, out)
+        self._rendezvous_tick(now, out)
         for ekey in self.scopes.due(now, self.config.resend_interval_s):
             state = self.epochs.get(ekey)
             if state is None or state.command is None or not self._pending(ekey, now):

@@ -59,6 +59,11 @@ FailureKind = Literal["restart", "fail"]
 # A notice lists at most this many failed replicas (a larger storm gives several notices).
 MAX_PEERS_PER_NOTICE: Final = 256
 Role = Literal["library", "supervisor"]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+# A membership lists at most this many workers (one per node): it travels in every command of
+# its job and must fit the message cap with room to spare (about 120 bytes each).
+MAX_MEMBERS: Final = 1024
 QueryWhat = Literal["map", "devices", "stats", "ping"]
 
 
@@ -69,6 +74,50 @@ class Message(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=Fals
 
 
 # --- registration ------------------------------------------------------------------------------
+
+
+class Rendezvous(msgspec.Struct, kw_only=True):
+    """What a worker of a job whose ranks the controller assigns brings to that rendezvous
+    (``marduk agent run --nnodes MIN:MAX``, scope ``job``): its shape, the node rank it was
+    given (if any), where its local rank 0 would serve as the job's coordinator and free ports
+    its agent picked for that."""
+
+    nproc: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    min_nodes: Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERS)]
+    max_nodes: Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERS)]
+    # --node-rank, when the agent was given one: the controller keeps it.
+    node_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_MEMBERS)] | None = None
+    addr: ShortText
+    # Free ports on ``addr``; the controller never names the previous epoch's port again.
+    ports: Annotated[list[Port], msgspec.Meta(max_length=8)] = []
+
+
+class Member(msgspec.Struct, kw_only=True, frozen=True):
+    """One worker of a membership: its node's ranks are ``first_rank`` .. + ``nproc`` - 1."""
+
+    replica: Token
+    worker: NonNegInt = 0
+    node_rank: NonNegInt
+    first_rank: NonNegInt
+    nproc: PosInt = 1
+    addr: ShortText = ""
+
+
+class Membership(msgspec.Struct, kw_only=True, frozen=True):
+    """Who takes part in a job of scope ``job`` from ``epoch`` on: the members in node-rank
+    order, the world size and the coordinator (member 0's address and a port its agent chose)."""
+
+    epoch: Epoch
+    world_size: PosInt
+    coordinator_addr: ShortText
+    coordinator_port: Port
+    members: Annotated[list[Member], msgspec.Meta(max_length=MAX_MEMBERS)]
+
+    def member(self, replica: str, worker: int) -> Member | None:
+        for m in self.members:
+            if m.replica == replica and m.worker == worker:
+                return m
+        return None
 
 
 class Registration(Message, tag="register", kw_only=True):
@@ -94,6 +143,8 @@ class Registration(Message, tag="register", kw_only=True):
     # Tell this replica when another replica of its job restarts or fails (``peer_failed``
     # commands): torchft groups abandon the step in flight instead of waiting for a timeout.
     peer_notices: bool = False
+    # A job whose ranks the controller assigns (``Membership``); null: ranks are the agent's.
+    rendezvous: Rendezvous | None = None
 
 
 class PeerFailure(msgspec.Struct, kw_only=True):
@@ -125,6 +176,9 @@ class Command(Message, tag="command", kw_only=True):
     # ``peer_failed`` only: the other replicas that fail (``epoch`` is 0: a notice belongs to
     # no epoch of the recipient's).
     peers: Annotated[list[PeerFailure], msgspec.Meta(max_length=MAX_PEERS_PER_NOTICE)] = []
+    # A job whose ranks the controller assigns: the membership in force at ``epoch`` (for a
+    # restart, the one the trainers start with). Older agents ignore it.
+    membership: Membership | None = None
 
 
 class RegisterReply(Message, tag="register_reply", kw_only=True):
@@ -266,6 +320,7 @@ EventKind = Literal[
     "worker_expired",
     "worker_on_unusable_device",
     "epochs_dropped",
+    "membership_formed",
     # decisions
     "restart_issued",
     "fail_issued",

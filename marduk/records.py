@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from marduk.protocol import Command, HealthState, Registration
+from marduk.protocol import Command, HealthState, Membership, Registration
 
 
 class EpochKey(NamedTuple):
@@ -41,6 +41,9 @@ class EpochRecord(msgspec.Struct, kw_only=True):
     # any command above the previous one goes out, and a restored controller issues above it.
     # Epochs must only increase; gaps are harmless.
     ceiling: int = 0
+    # A job whose ranks the controller assigns: the membership in force (set by the restart
+    # that began it). Written ahead with the epoch, so a new leader starts from it.
+    membership: Membership | None = None
 
 
 class DeviceRecord(msgspec.Struct, kw_only=True):

@@ -63,6 +63,11 @@ class Scopes:
         record = self.records.get(ekey)
         return max(record.epoch if record else 0, self._floor.pop(ekey, 0)) + 1
 
+    def next_epoch_peek(self, ekey: EpochKey) -> int:
+        """What ``next_epoch`` will answer, without using up the floor."""
+        record = self.records.get(ekey)
+        return max(record.epoch if record else 0, self._floor.get(ekey, 0)) + 1
+
     def drop(self, ekey: EpochKey) -> bool:
         """Forget the scope entirely; False if it had no record."""
         for table in (self._floor, self._last_sent, self._awaiting, self._vacant_since):

@@ -93,10 +93,28 @@ class MeshJob:
         n: int = 2,
         step_seconds: float = 0.02,
         agent_args: tuple[str, ...] = (),
+        *,
+        ranks_from_controller: bool = False,
     ) -> None:
         self.env, self.job, self.n = env, job, n
+        self.ranks_from_controller = ranks_from_controller
         self.ctl = controller(env)
         base = free_port_base()
+        if ranks_from_controller:
+            # No --node-rank: the controller assigns the ranks and the coordinator per epoch.
+            placement = [
+                ["--replica", f"node{i}", "--nnodes", f"{n}:{n}", "--local-addr", "127.0.0.1"]
+                for i in range(n)
+            ]
+        else:
+            placement = [
+                [
+                    *("--replica", "r0", "--worker", str(i)),
+                    *("--nnodes", str(n), "--node-rank", str(i)),
+                    *("--master-addr", "127.0.0.1", "--master-port", str(base)),
+                ]
+                for i in range(n)
+            ]
         self.agents = [
             TimedProc(
                 [
@@ -105,9 +123,8 @@ class MeshJob:
                     "marduk",
                     "agent",
                     "run",
-                    *("--job", job, "--replica", "r0", "--worker", str(i), "--scope", "job"),
-                    *("--devices", self.device(i), "--nnodes", str(n), "--node-rank", str(i)),
-                    *("--master-addr", "127.0.0.1", "--master-port", str(base)),
+                    *("--job", job, "--scope", "job", "--devices", self.device(i)),
+                    *placement[i],
                     *agent_args,
                     "--",
                     sys.executable,
@@ -130,7 +147,8 @@ class MeshJob:
         for t, line in list(self.agents[rank].timed):
             m = RESUMED.search(line)
             if m:
-                assert int(m.group(1)) == rank, line
+                # Static ranks: agent i runs process i; the controller's may be any.
+                assert self.ranks_from_controller or int(m.group(1)) == rank, line
                 out.append(Incarnation(int(m.group(3)), int(m.group(4)), t, {}))
                 continue
             m = STEP.match(line)
@@ -223,3 +241,28 @@ def left_behind(pids: list[int]) -> list[int]:
         except psutil.NoSuchProcess:
             continue
     return alive
+
+
+def resumed(job: MeshJob, name: str, t_fault: float, epoch_before: int) -> list[Incarnation]:
+    """Wait for the mesh to step again after a fault; check it resumed right; print timings."""
+    old = [job.trainer_pid(r) for r in range(job.n)]  # (may be the ones the fault replaced)
+    now = job.wait_stepping(t_fault, epoch_before)
+    before = next(i for i in job.incarnations(0) if i.epoch == epoch_before)
+    starts = {inc.start for inc in now}
+    assert len(starts) == 1, f"ranks restored different checkpoints: {starts}"
+    start = starts.pop()
+    assert 0 < start <= max(before.steps), (start, max(before.steps))
+    common = set.intersection(*(set(inc.steps) for inc in now))
+    for step in common:
+        assert len({inc.steps[step][1] for inc in now}) == 1, f"ranks disagree at step {step}"
+    replayed = common & set(before.steps)
+    for step in replayed:  # same data, same restored state: the same numbers again
+        assert now[0].steps[step][1] == before.steps[step][1], step
+    back = [inc.first_step_at - t_fault for inc in now if inc.first_step_at is not None]
+    print(
+        f"{name}: epoch {epoch_before} -> {now[0].epoch}, resumed at step {start}, "
+        f"every rank stepping {max(back):.2f}s after the fault "
+        f"({', '.join(f'{b:.2f}' for b in back)}); {len(replayed)} step(s) replayed identically"
+    )
+    assert not left_behind([p for p in old if p not in {job.trainer_pid(r) for r in range(job.n)}])
+    return now

@@ -17,35 +17,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import eventually_sync
-from tests.jax_mesh import Incarnation, MeshJob, left_behind, mesh_env
+from tests.jax_mesh import MeshJob, left_behind, mesh_env, resumed
 from tests.processes import agent_run, controller
 
 pytestmark = pytest.mark.e2e
-
-
-def resumed(job: MeshJob, name: str, t_fault: float, epoch_before: int) -> list[Incarnation]:
-    """Wait for the mesh to step again after a fault; check it resumed right; print timings."""
-    old = [job.trainer_pid(r) for r in range(job.n)]  # (may be the ones the fault replaced)
-    now = job.wait_stepping(t_fault, epoch_before)
-    before = next(i for i in job.incarnations(0) if i.epoch == epoch_before)
-    starts = {inc.start for inc in now}
-    assert len(starts) == 1, f"ranks restored different checkpoints: {starts}"
-    start = starts.pop()
-    assert 0 < start <= max(before.steps), (start, max(before.steps))
-    common = set.intersection(*(set(inc.steps) for inc in now))
-    for step in common:
-        assert len({inc.steps[step][1] for inc in now}) == 1, f"ranks disagree at step {step}"
-    replayed = common & set(before.steps)
-    for step in replayed:  # same data, same restored state: the same numbers again
-        assert now[0].steps[step][1] == before.steps[step][1], step
-    back = [inc.first_step_at - t_fault for inc in now if inc.first_step_at is not None]
-    print(
-        f"{name}: epoch {epoch_before} -> {now[0].epoch}, resumed at step {start}, "
-        f"every rank stepping {max(back):.2f}s after the fault "
-        f"({', '.join(f'{b:.2f}' for b in back)}); {len(replayed)} step(s) replayed identically"
-    )
-    assert not left_behind([p for p in old if p not in {job.trainer_pid(r) for r in range(job.n)}])
-    return now
 
 
 def test_one_mesh_over_two_agents_survives_every_fault(env: dict[str, str], tmp_path: Path) -> None:

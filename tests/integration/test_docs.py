@@ -418,13 +418,13 @@ def test_the_prometheus_rules_are_a_whole_rules_file() -> None:
 
 
 def test_the_error_code_table_lists_every_code_the_code_answers() -> None:
-    """Every ProtocolError/PolicyError reason and ErrorReply code in the code is in the table."""
+    """Every ProtocolError/PolicyError/MembershipError reason and ErrorReply code in the code is in the table."""
     codes: set[str] = set()
     for path in [*(ROOT / "marduk").glob("*.py")]:
         for call in ast.walk(ast.parse(path.read_text())):
             if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
                 continue
-            if call.func.id in {"ProtocolError", "PolicyError"} and call.args:
+            if call.func.id in {"ProtocolError", "PolicyError", "MembershipError"} and call.args:
                 arg = call.args[0]
             elif call.func.id == "ErrorReply":
                 arg = next((k.value for k in call.keywords if k.arg == "code"), None)

@@ -65,9 +65,10 @@ def test_split_needs_a_multiple_of_the_ranks() -> None:
 def test_bad_node_rank_and_elastic_nnodes_are_clear_errors() -> None:
     with pytest.raises(LaunchError, match="not in"):
         LaunchSpec(nnodes=2, node_rank=2)
-    assert parse_nnodes("3") == parse_nnodes("3:3") == 3
-    with pytest.raises(LaunchError, match="elastic"):
-        parse_nnodes("1:4")
+    assert parse_nnodes("3") == parse_nnodes("3:3") == (3, 3)
+    assert parse_nnodes("1:4") == (1, 4)
+    with pytest.raises(LaunchError, match="MIN:MAX"):
+        parse_nnodes("4:1")
 
 
 def test_master_port_fixed_free_or_torchruns_default() -> None:
@@ -143,8 +144,8 @@ def test_node_name_is_a_valid_replica_id() -> None:
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (["--nnodes", "2"], "--nnodes 2 needs --node-rank"),
-        (["--nnodes", "1:4"], "elastic node counts are not supported"),
+        (["--nnodes", "2"], "--nnodes 2 without --node-rank: the controller assigns"),
+        (["--nnodes", "1:4", "--scope", "job"], "--standalone cannot"),
         (["--nproc-per-node", "3", "--devices", "a,b", "--rank-devices", "split"], "multiple of 3"),
         (["--nproc-per-node", "2", "--tee", "x"], "--tee 'x'"),
         (["--rdzv-endpoint", "h0:port"], "the port must be a number"),

@@ -53,6 +53,7 @@ class Fakes:
             check_master=self.checked.append,
             default_preload=self.preload,
             environ=self.environ,
+            free_ports=lambda: [41000, 41001],
         )
 
 
@@ -115,6 +116,35 @@ def test_across_nodes_the_replica_is_main_and_the_worker_is_the_node_rank() -> N
     )
 
 
+def test_nnodes_min_max_without_a_node_rank_asks_the_controller_for_ranks() -> None:
+    fakes = Fakes()
+    config = build(fakes, nnodes="2:4", scope="job", nproc_per_node="2", local_addr="10.0.0.7")
+    assert fakes.resolved["replica_id"] == "host-a" and fakes.resolved["worker"] == 0
+    launch = config.launch
+    assert launch.from_controller and (launch.min_nodes, launch.nnodes) == (2, 4)
+    r = config.opts.rendezvous
+    assert (r.nproc, r.min_nodes, r.max_nodes, r.node_rank) == (2, 2, 4, None)
+    assert (r.addr, r.ports) == ("10.0.0.7", [41000, 41001])
+    assert config.require_controller and fakes.checked == []
+    placed = launch.placed(3, 1, "10.0.0.5", 39000)
+    env = placed.env(1, [], 0, placed.fixed_port(5))
+    assert (env["RANK"], env["WORLD_SIZE"], env["GROUP_RANK"], env["GROUP_WORLD_SIZE"]) == (
+        "3",
+        "6",
+        "1",
+        "3",
+    )
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.5", "39000")
+
+
+def test_a_given_node_rank_goes_to_the_controller_with_a_range() -> None:
+    config = build(Fakes(), nnodes="1:3", node_rank=2, scope="job")
+    assert config.opts.rendezvous.node_rank == 2 and config.launch.from_controller
+    assert config.opts.rendezvous.addr == config.opts.host
+    static = build(Fakes(), nnodes="2", node_rank=1)
+    assert static.opts.rendezvous is None and not static.launch.from_controller
+
+
 def test_rdzv_id_names_the_replica_and_the_endpoint_the_master() -> None:
     fakes = Fakes()
     config = build(fakes, rdzv_id="run7", rdzv_endpoint="h1:4000")
@@ -138,8 +168,10 @@ def test_nproc_gpu_is_one_rank_per_device() -> None:
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
-        ({"nnodes": "2"}, "--nnodes 2 needs --node-rank"),
-        ({"nnodes": "1:2"}, "--nnodes 1:2: elastic"),
+        ({"nnodes": "2"}, "--nnodes 2 without --node-rank: the controller assigns"),
+        ({"nnodes": "1:2", "scope": "replica"}, "needs --scope job"),
+        ({"nnodes": "1:2", "scope": "job", "standalone": True}, "--standalone cannot"),
+        ({"nnodes": "3:2"}, "--nnodes 3:2: MIN:MAX with 1 <= MIN <= MAX"),
         ({"nproc_per_node": "0"}, "--nproc-per-node '0'"),
         ({"nproc_per_node": "x"}, "--nproc-per-node 'x'"),
         ({"step_regex": "("}, "--step-regex '('"),

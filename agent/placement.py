@@ -1,0 +1,83 @@
+"""Where this node sits at an epoch when the controller assigns the node ranks (``marduk agent
+run --nnodes MIN:MAX`` without ``--node-rank``; marduk/membership.py decides).
+
+The agent holds its trainers until the membership naming this worker has come with a command at
+the epoch it starts at, or a later one (the published command, or the command of a registration
+reply: it registers again each second while it waits, so a lost command costs a second). Then
+each rank gets torchrun's variables from it (``LaunchSpec.placed``). When this node is the
+coordinator of an epoch, its agent picks fresh free ports for the next one and registers them,
+so the controller never names the port of the coordinator that is stopping now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import msgspec
+
+from agent.nats_client import AsyncClient
+from agent.options import Options
+from agent.ports import coordinator_ports
+from marduk.protocol import Member, Membership
+
+log = logging.getLogger("agent.supervisor")
+
+ASK_EVERY_S = 1.0  # while waiting: register again this often (level-triggered)
+
+
+async def membership_for(
+    client: Callable[[], AsyncClient | None], opts: Options, epoch: int
+) -> tuple[int, Membership, Member]:
+    """The newest membership naming this worker, carried by a command at ``epoch`` or later:
+    (that command's epoch, the membership, this worker's entry). Waits as long as it takes
+    (the caller races it against signals)."""
+    said = ""
+    while True:
+        c = client()
+        if c is not None:
+            c.membership_changed.clear()
+            got = c.membership
+            if got is not None and got[0] >= epoch:
+                me = got[1].member(opts.replica, opts.worker)
+                if me is not None:
+                    return got[0], got[1], me
+                why = (
+                    f"not a member of the job at epoch {got[0]} "
+                    f"({len(got[1].members)} node(s)): holding the trainers"
+                )
+            else:
+                why = f"waiting for the controller to assign this node's ranks (epoch {epoch})"
+        else:
+            why = "waiting for the controller"
+        if why != said:
+            log.warning("%s", why)
+            said = why
+        if c is None:
+            await asyncio.sleep(ASK_EVERY_S)
+            continue
+        try:
+            await asyncio.wait_for(c.membership_changed.wait(), ASK_EVERY_S)
+        except TimeoutError:
+            await c.reregister()
+
+
+def refresh_ports(opts: Options, membership: Membership, me: Member) -> bool:
+    """This node coordinates ``membership`` on one of the ports it reported: report fresh ones
+    for the next epoch (True: register again)."""
+    r = opts.rendezvous
+    if r is None or me.node_rank != 0 or membership.coordinator_port not in r.ports:
+        return False
+    fresh = coordinator_ports(len(r.ports), frozenset({membership.coordinator_port}))
+    opts.rendezvous = msgspec.structs.replace(r, ports=fresh)
+    return True
+
+
+def describe(epoch: int, membership: Membership, me: Member) -> str:
+    last = me.first_rank + me.nproc - 1
+    return (
+        f"epoch {epoch}: node rank {me.node_rank} of {len(membership.members)}, ranks "
+        f"{me.first_rank}-{last} of {membership.world_size}, coordinator "
+        f"{membership.coordinator_addr}:{membership.coordinator_port}"
+    )

@@ -1,0 +1,226 @@
+"""Membership per epoch: who takes part in a job whose ranks the controller assigns. Pure: no
+I/O, no clock (``now`` is an argument).
+
+A job of scope ``job`` started with ``marduk agent run --nnodes MIN:MAX`` has its node ranks
+from the controller, which is the job's rendezvous (torchrun's elastic form, without its c10d
+store). Each worker registers with a ``Rendezvous``: its shape (local ranks per node), MIN:MAX,
+the node rank it was given if any (``--node-rank``), and where its local rank 0 would serve as
+the job's coordinator, with a few free ports its agent picked.
+
+* **Admission** (``check``): every worker of the job has the same shape and MIN:MAX; a node rank
+  is held by one live worker at a time. A second claim is refused with a reason, not queued.
+* **Forming** (``ready``, ``form``): at the first epoch, once MAX workers have registered, or
+  MIN and the join timeout has passed since MIN was reached. Given node ranks are kept; the
+  others get the free ones in order of registration. A worker beyond MAX is not a member: its
+  agent holds its trainers.
+* **Each restart** (``renew``): the same members at the same ranks, and a new coordinator port:
+  the first port rank 0's agent reported that is not the previous epoch's (its agent reports
+  fresh ones after each start), so a restarted rank never reaches the previous incarnation's
+  coordinator and the new one never binds a port left in TIME_WAIT. A member no longer
+  registered keeps its rank unless a live worker claims that rank (``--node-rank``): a
+  replacement pod with another identity takes its place.
+
+The membership is written ahead with its epoch record (``EpochRecord.membership``) and carried
+in every command of the job (``Command.membership``); docs/decisions.md #14.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from marduk.drmap import WorkerKey
+from marduk.protocol import Member, Membership, Rendezvous
+
+# The coordinator port when rank 0's agent reported none (an older agent): torchrun's default,
+# moved by the epoch over a span of ports as agents without a controller do.
+FALLBACK_PORT = 29500
+FALLBACK_SPAN = 16
+
+
+class MembershipError(ValueError):
+    """A worker that cannot join the job's membership; ``code`` is stable (the wire's error
+    code), the message one line that says why."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A registered worker of the job, as the rendezvous sees it."""
+
+    key: WorkerKey
+    rendezvous: Rendezvous
+    registered_at: float = 0.0
+
+
+def check(new: Candidate, others: Iterable[Candidate], current: Membership | None) -> None:
+    """Refuse (MembershipError) a worker that cannot take part next to the job's other live
+    workers ``others``: a wrong range, another shape, or a node rank someone else holds."""
+    r = new.rendezvous
+    if r.min_nodes > r.max_nodes:
+        raise MembershipError("invalid", f"--nnodes {r.min_nodes}:{r.max_nodes}: MIN above MAX")
+    if r.node_rank is not None and r.node_rank >= r.max_nodes:
+        raise MembershipError(
+            "invalid", f"node rank {r.node_rank} is not below the job's {r.max_nodes} nodes"
+        )
+    live = {}
+    for other in others:
+        if other.key == new.key:
+            continue
+        live[other.key] = other
+        q = other.rendezvous
+        if q.nproc != r.nproc:
+            raise MembershipError(
+                "shape_mismatch",
+                f"job {new.key.job!r} runs {q.nproc} local rank(s) per node (worker "
+                f"{_name(other.key)}); worker {_name(new.key)} has {r.nproc}",
+            )
+        if (q.min_nodes, q.max_nodes) != (r.min_nodes, r.max_nodes):
+            raise MembershipError(
+                "shape_mismatch",
+                f"job {new.key.job!r} has --nnodes {q.min_nodes}:{q.max_nodes} (worker "
+                f"{_name(other.key)}); worker {_name(new.key)} asked for "
+                f"{r.min_nodes}:{r.max_nodes}",
+            )
+        if r.node_rank is not None and q.node_rank == r.node_rank:
+            raise MembershipError(
+                "rank_conflict",
+                f"node rank {r.node_rank} of job {new.key.job!r} is claimed by live worker "
+                f"{_name(other.key)}; worker {_name(new.key)} may not claim it too",
+            )
+    if current is not None and r.node_rank is not None:
+        for m in current.members:
+            key = WorkerKey(new.key.job, m.replica, m.worker)
+            if m.node_rank == r.node_rank and key != new.key and key in live:
+                raise MembershipError(
+                    "rank_conflict",
+                    f"node rank {r.node_rank} of job {new.key.job!r} is held by live worker "
+                    f"{_name(key)} since epoch {current.epoch}; worker {_name(new.key)} may "
+                    "not claim it too",
+                )
+
+
+def ready(
+    candidates: Sequence[Candidate], since: float | None, now: float, join_timeout: float
+) -> bool:
+    """May the first membership form now? MAX workers are here, or MIN have been for the join
+    timeout (``since``: when MIN were first here; None: not yet)."""
+    if not candidates:
+        return False
+    r = candidates[0].rendezvous
+    if len(candidates) >= r.max_nodes:
+        return True
+    return len(candidates) >= r.min_nodes and since is not None and now - since >= join_timeout
+
+
+def form(epoch: int, candidates: Sequence[Candidate]) -> Membership | None:
+    """The first membership, at ``epoch``, of the live ``candidates`` (checked); None when the
+    given node ranks do not fit the workers there are (a rank 3 among two workers: wait)."""
+    if not candidates:
+        return None
+    ordered = sorted(candidates, key=lambda c: (c.registered_at, c.key))
+    n = min(len(ordered), ordered[0].rendezvous.max_nodes)
+    given = [c for c in ordered if c.rendezvous.node_rank is not None]
+    if any(c.rendezvous.node_rank is not None and c.rendezvous.node_rank >= n for c in given):
+        return None
+    unranked = [c for c in ordered if c.rendezvous.node_rank is None][: n - len(given)]
+    taken = {c.rendezvous.node_rank for c in given}
+    free = [rank for rank in range(n) if rank not in taken]
+    placed = [(c.rendezvous.node_rank, c) for c in given]
+    placed += list(zip(free, unranked, strict=True))
+    return _membership(epoch, {rank: c for rank, c in placed if rank is not None}, None)
+
+
+def renew(
+    previous: Membership, epoch: int, job: str, candidates: Sequence[Candidate]
+) -> Membership:
+    """The membership of a restart of ``job`` at ``epoch``: the previous members at their ranks
+    (a member gone is replaced by a live worker claiming its rank), a coordinator port not the
+    previous one."""
+    live = {c.key: c for c in candidates}
+    members = {WorkerKey(job, m.replica, m.worker) for m in previous.members}
+    by_rank: dict[int, Candidate | Member] = {}
+    for m in previous.members:
+        c = live.get(WorkerKey(job, m.replica, m.worker))
+        if c is None:
+            claimant = next(
+                (
+                    c
+                    for c in candidates
+                    if c.rendezvous.node_rank == m.node_rank and c.key not in members
+                ),
+                None,
+            )
+            by_rank[m.node_rank] = claimant or m
+        else:
+            by_rank[m.node_rank] = c
+    return _membership(epoch, by_rank, previous)
+
+
+def coordinator_port(
+    ports: Sequence[int], addr: str, previous: Membership | None, epoch: int
+) -> int:
+    """The first of rank 0's reported ``ports`` that is not the previous coordinator's (on the
+    same address); with none, one of a fixed span moved by the epoch."""
+    used = (
+        previous.coordinator_port
+        if previous is not None and previous.coordinator_addr == addr
+        else None
+    )
+    for port in ports:
+        if port != used:
+            return port
+    port = FALLBACK_PORT + epoch % FALLBACK_SPAN
+    return port if port != used else FALLBACK_PORT + (epoch + 1) % FALLBACK_SPAN
+
+
+def _membership(
+    epoch: int, by_rank: dict[int, Candidate | Member], previous: Membership | None
+) -> Membership:
+    members = []
+    for rank in sorted(by_rank):
+        held = by_rank[rank]
+        if isinstance(held, Member):
+            members.append(held)
+            continue
+        r = held.rendezvous
+        members.append(
+            Member(
+                replica=held.key.replica,
+                worker=held.key.worker,
+                node_rank=rank,
+                first_rank=0,
+                nproc=r.nproc,
+                addr=r.addr,
+            )
+        )
+    first = 0
+    placed = []
+    for m in members:  # ranks follow node-rank order: node k's are after node k-1's
+        placed.append(
+            Member(
+                replica=m.replica,
+                worker=m.worker,
+                node_rank=m.node_rank,
+                first_rank=first,
+                nproc=m.nproc,
+                addr=m.addr,
+            )
+        )
+        first += m.nproc
+    zero = by_rank[placed[0].node_rank]
+    ports = zero.rendezvous.ports if isinstance(zero, Candidate) else []
+    return Membership(
+        epoch=epoch,
+        world_size=first,
+        coordinator_addr=placed[0].addr,
+        coordinator_port=coordinator_port(ports, placed[0].addr, previous, epoch),
+        members=placed,
+    )
+
+
+def _name(key: WorkerKey) -> str:
+    return f"{key.replica}/{key.worker}"

@@ -1,0 +1,167 @@
+"""The controller as the job's rendezvous, against a real nats-server: it assigns node ranks,
+refuses a second claim of a rank and a worker of another shape, writes the membership ahead
+and keeps it across a controller restart (the store)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import nats
+import pytest
+
+from marduk import protocol as wire
+from marduk.controller import Controller
+from marduk.protocol import decode, encode
+from marduk.store import StateStore
+from marduk.subjects import Subjects
+from tests.conftest import NatsServer, controller_settings, start_serving
+
+S = Subjects()
+
+
+def registration(replica: str, pid: int, *, rank: int | None = None, nproc: int = 2) -> bytes:
+    return encode(
+        wire.Registration(
+            job="mesh",
+            replica=replica,
+            host=f"host-{replica}",
+            devices=[f"{replica}-d0"],
+            scope="job",
+            pid=pid,
+            role="supervisor",
+            rendezvous=wire.Rendezvous(
+                nproc=nproc,
+                min_nodes=2,
+                max_nodes=2,
+                node_rank=rank,
+                addr="127.0.0.1",
+                ports=[30000 + pid, 31000 + pid],
+            ),
+        )
+    )
+
+
+async def register(nc, replica: str, pid: int, **kw) -> wire.RegisterReply | wire.ErrorReply:  # type: ignore[no-untyped-def]
+    msg = await nc.request(S.register("mesh"), registration(replica, pid, **kw), timeout=5)
+    if b'"type":"error"' in msg.data:
+        return decode(msg.data, wire.ErrorReply)
+    return decode(msg.data, wire.RegisterReply)
+
+
+async def commands(nc) -> asyncio.Queue[wire.Command]:  # type: ignore[no-untyped-def]
+    queue: asyncio.Queue[wire.Command] = asyncio.Queue()
+
+    async def on(msg) -> None:  # type: ignore[no-untyped-def]
+        queue.put_nowait(wire.decode(msg.data, wire.Command))
+
+    await nc.subscribe(S.job_commands("mesh"), cb=on)
+    return queue
+
+
+async def test_the_controller_assigns_ranks_and_refuses_duplicates_and_other_shapes(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    try:
+        sent = await commands(nc)
+        first = await register(nc, "a", 1)
+        assert isinstance(first, wire.RegisterReply) and first.command is None  # 1 of 2
+        second = await register(nc, "b", 2)
+        assert isinstance(second, wire.RegisterReply) and second.command is not None
+        cmd = await asyncio.wait_for(sent.get(), 5)
+        assert cmd == second.command and cmd.kind == "restart" and cmd.replica is None
+        m = cmd.membership
+        assert m is not None and m.epoch == cmd.epoch and m.world_size == 4
+        assert [(x.replica, x.node_rank, x.first_rank) for x in m.members] == [
+            ("a", 0, 0),
+            ("b", 1, 2),
+        ]
+        assert (m.coordinator_addr, m.coordinator_port) == ("127.0.0.1", 30001)
+
+        dup = await register(nc, "c", 3, rank=1)
+        assert isinstance(dup, wire.ErrorReply) and dup.code == "rank_conflict"
+        assert "held by live worker b/0" in dup.message
+        shape = await register(nc, "d", 4, nproc=1)
+        assert isinstance(shape, wire.ErrorReply) and shape.code == "shape_mismatch"
+        assert "runs 2 local rank(s) per node" in shape.message
+        # The first worker converges by its next registration too (level-triggered).
+        again = await register(nc, "a", 1)
+        assert isinstance(again, wire.RegisterReply) and again.command == cmd
+    finally:
+        await nc.close()
+
+
+async def test_the_membership_is_durable_before_its_command_and_survives_a_restart(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    c1 = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    nc = await nats.connect(nats_server.url)
+    try:
+        sent = await commands(nc)
+        await register(nc, "a", 1)
+        await register(nc, "b", 2)
+        formed = await asyncio.wait_for(sent.get(), 5)
+        assert formed.membership is not None
+        # In the store by the time the command is out (written ahead with the epoch).
+        store = await StateStore.open(nc, "marduk")
+        loaded = await store.load()
+        [record] = [e for e in loaded.epochs if e.job == "mesh"]
+        assert record.membership == formed.membership
+        await c1.stop()  # gone; the store holds the membership
+
+        c2 = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+        try:
+            reply = await register(nc, "b", 2)
+            assert isinstance(reply, wire.RegisterReply) and reply.command is not None
+            assert reply.command.membership == formed.membership
+            report = wire.Report(
+                job="mesh", replica="b", status="crashed", epoch=formed.epoch, exit_code=1
+            )
+            msg = await nc.request(S.report("mesh"), encode(report), timeout=5)
+            assert decode(msg.data, wire.ReportReply).actions
+            restart = await asyncio.wait_for(sent.get(), 5)
+            m = restart.membership
+            assert m is not None and restart.epoch > formed.epoch and m.epoch == restart.epoch
+            assert [x.replica for x in m.members] == ["a", "b"]
+            assert m.coordinator_port == 31001 != formed.membership.coordinator_port
+        finally:
+            await c2.stop()
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("join_timeout", [0.3])
+async def test_min_workers_form_after_the_join_timeout(
+    nats_server: NatsServer, tmp_path: Path, join_timeout: float
+) -> None:
+    c = await start_serving(
+        Controller(controller_settings(nats_server, tmp_path, join_timeout_s=join_timeout))
+    )
+    nc = await nats.connect(nats_server.url)
+    try:
+        sent = await commands(nc)
+        reg = wire.decode(registration("a", 1), wire.Registration)
+        assert reg.rendezvous is not None
+        lone = wire.Registration(
+            **{
+                **{f: getattr(reg, f) for f in reg.__struct_fields__},
+                "job": "solo",
+                "rendezvous": wire.Rendezvous(
+                    nproc=1, min_nodes=1, max_nodes=3, addr="127.0.0.1", ports=[30500]
+                ),
+            }
+        )
+        solo: asyncio.Queue[wire.Command] = asyncio.Queue()
+
+        async def on(msg) -> None:  # type: ignore[no-untyped-def]
+            solo.put_nowait(wire.decode(msg.data, wire.Command))
+
+        await nc.subscribe(S.job_commands("solo"), cb=on)
+        await nc.request(S.register("solo"), encode(lone), timeout=5)
+        cmd = await asyncio.wait_for(solo.get(), 5)
+        assert cmd.membership is not None and cmd.membership.world_size == 1
+        assert sent.empty()
+    finally:
+        await nc.close()
+        await c.stop()
