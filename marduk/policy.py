@@ -69,6 +69,15 @@ from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.scopes import Scopes
 
 
+def _takes_part(state: EpochRecord | None, key: WorkerKey) -> bool:
+    """Whether ``key`` runs trainers at the scope's epoch: every worker, unless the job has a
+    membership and ``key`` is not in it (a worker beyond MAX starts nothing, so it never
+    confirms a restart and must not hold one in flight)."""
+    if state is None or state.membership is None:
+        return True
+    return state.membership.member(key.replica, key.worker) is not None
+
+
 def _awaited(state: EpochRecord) -> bool:
     """Does the scope's current command wait for its workers to confirm it (a restart or a
     fail does; a checkpoint request does not: nobody restarts for it)?"""
@@ -167,7 +176,12 @@ class Policy(DevicePolicy, MembershipPolicy):
             policy.drmap.set_worker(key, rec.registration.devices)
             ekey = policy._epoch_key(key)
             state = policy.epochs.get(ekey)
-            if state is not None and rec.applied_epoch < state.epoch and _awaited(state):
+            if (
+                state is not None
+                and rec.applied_epoch < state.epoch
+                and _awaited(state)
+                and _takes_part(state, key)
+            ):
                 policy.scopes.inherit(ekey, key)
         return policy
 
@@ -233,7 +247,7 @@ class Policy(DevicePolicy, MembershipPolicy):
         self.scopes.occupied(ekey)
         dropped = self.drmap.set_worker(key, reg.devices)
         self._forget_unused(dropped, out)
-        if applied >= current or not _awaited(state):
+        if applied >= current or not _awaited(state) or not _takes_part(state, key):
             self.scopes.confirm(ekey, key)
         else:
             self.scopes.wait_for(ekey, key)
@@ -609,7 +623,9 @@ class Policy(DevicePolicy, MembershipPolicy):
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
         self.scopes.put(ekey, state)
-        live = [w for w in self._scope_workers(ekey) if w not in self.stale]
+        live = [
+            w for w in self._scope_workers(ekey) if w not in self.stale and _takes_part(state, w)
+        ]
         self.scopes.issued(ekey, live if pending else None, now)
         out.commands.append(command)
         if state not in out.write_ahead:

@@ -208,6 +208,30 @@ def test_every_restart_carries_the_same_ranks_and_a_new_port() -> None:
     assert p.epochs[JOB] in r.outcome.write_ahead
 
 
+def test_a_worker_beyond_max_never_holds_a_restart_in_flight() -> None:
+    """It starts no trainer, so it never confirms: the members' confirmations end the restart
+    (else every restart of the job would wait out the pending timeout, coalescing failures)."""
+    p = Policy()
+    p.register(reg("a", pid=1), now=0)
+    first = p.register(reg("b", pid=2), now=0).command
+    assert first is not None and first.membership is not None
+    extra = p.register(reg("c", pid=3), now=0)
+    assert extra.outcome.commands == [] and WorkerKey("j", "c", 0) not in p.awaiting(JOB)
+    for w in ("a", "b"):
+        p.on_report(Report(job="j", replica=w, status="running", epoch=first.epoch), now=1)
+    assert not p.awaiting(JOB)
+    [cmd] = p.on_report(
+        Report(job="j", replica="a", status="crashed", epoch=first.epoch), now=2
+    ).outcome.commands
+    assert p.awaiting(JOB) == {WorkerKey("j", "a", 0), WorkerKey("j", "b", 0)}
+    for w in ("a", "b"):
+        p.on_report(Report(job="j", replica=w, status="running", epoch=cmd.epoch), now=3)
+    assert not p.awaiting(JOB)  # a new failure is a new restart, not coalesced into this one
+    stored = msgspec.json.decode(msgspec.json.encode(p.epochs[JOB]), type=EpochRecord)
+    q = Policy.restore(PolicyConfig(), list(p.workers.values()), [stored], [], now=5)
+    assert WorkerKey("j", "c", 0) not in q.awaiting(JOB)
+
+
 def test_a_duplicate_rank_and_a_wrong_shape_are_refused_with_a_reason() -> None:
     p = Policy()
     p.register(reg("a", pid=1, rank=0), now=0)
