@@ -247,7 +247,12 @@ def resumed(job: MeshJob, name: str, t_fault: float, epoch_before: int) -> list[
     """Wait for the mesh to step again after a fault; check it resumed right; print timings."""
     old = [job.trainer_pid(r) for r in range(job.n)]  # (may be the ones the fault replaced)
     now = job.wait_stepping(t_fault, epoch_before)
-    before = next(i for i in job.incarnations(0) if i.epoch == epoch_before)
+    # Every incarnation since the fault's: with two faults apart, the one between them may
+    # have trained on and saved the checkpoint the mesh resumes from.
+    prior = [i for i in job.incarnations(0) if epoch_before <= i.epoch < now[0].epoch]
+    before = Incarnation(epoch_before, prior[0].start, prior[0].resumed_at, {})
+    for inc in prior:
+        before.steps.update(inc.steps)  # a replayed step's values are the same in each
     starts = {inc.start for inc in now}
     assert len(starts) == 1, f"ranks restored different checkpoints: {starts}"
     start = starts.pop()
