@@ -46,7 +46,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
 from marduk import __version__, auth, bus
-from marduk.aio import Backoff, RateLimitedLog, TaskSet
+from marduk.aio import Backoff, Pulse, RateLimitedLog, TaskSet, wait_any
 from marduk.commit import CommitPipeline, NotServing, Steps
 from marduk.credentials import Credentials, redact
 from marduk.drmap import WorkerKey
@@ -84,6 +84,7 @@ from marduk.protocol import (
     encode,
 )
 from marduk.records import EpochRecord
+from marduk.role import Event, Role, RoleMachine
 from marduk.store import Fenced, Loaded, StateMirror, StateStore
 from marduk.subjects import REPLY_HEADER, Subjects
 
@@ -237,12 +238,28 @@ class Controller:
         self._metrics: MetricsServer | None = None
         self._service: MicroService | None = None
         self._snapshots = SnapshotCache()
-        self.serving = asyncio.Event()  # set while leading and subscribed
-        self._accepting = False  # handlers may decide (set just before subscribing)
-        self._background = TaskSet(self._background_failed)  # per request, per event, ...
-        self.fatal = asyncio.Event()
+        # The one role (marduk.role); the two events below follow it for waiters.
+        self._roles = RoleMachine(self._role_changed)
+        self._role_pulse = Pulse()
+        self.serving = asyncio.Event()  # SERVING and subscribed (cleared on leaving SERVING)
+        self.fatal = asyncio.Event()  # FAILED
         self.fatal_reason = ""
-        self._stopping = False
+        self._background = TaskSet(self._background_failed)  # per request, per event, ...
+
+    @property
+    def role(self) -> Role:
+        return self._roles.role
+
+    def _role_changed(self, before: Role, after: Role, event: Event, why: str) -> None:
+        if before is Role.SERVING:
+            self.serving.clear()
+        if after is Role.FAILED:
+            self.fatal_reason = why
+            self.fatal.set()
+        self._role_pulse.notify()
+
+    def _stopping(self) -> bool:
+        return self._roles.is_(Role.STOPPING, Role.STOPPED)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -299,6 +316,7 @@ class Controller:
             self._metrics = MetricsServer(st.metrics_addr, Probes(self.registry, self._ready))
             await self._metrics.start()
         assert self.leadership is not None  # _open_state made it
+        self._roles.handle(Event.STARTED, "campaigning")
         self._spawn(self.leadership.run(), "leadership")
         self._spawn(self.leadership.watch_holder(), "leadership-watch")
         self._spawn(self._tick_loop(), "tick")
@@ -306,7 +324,7 @@ class Controller:
         self._spawn(self._gc_loop(), "gc")
         self._spawn(self._prepare_loop(), "prepare-takeover")
         if self.server is not None:
-            self._spawn(self.keeper.watch(lambda: self._stopping), "embedded-server-watch")
+            self._spawn(self.keeper.watch(self._stopping), "embedded-server-watch")
         log.info(
             "controller %s started on prefix %r at %s (%s; commands %s); "
             "campaigning for the lease (TTL %gs)",
@@ -354,7 +372,9 @@ class Controller:
 
     async def stop(self) -> None:
         """Stop serving, hand the lease over, close NATS, stop the embedded server."""
-        self._stopping = True
+        if self._stopping():
+            return
+        self._roles.handle(Event.STOP, "fatal" if self.fatal.is_set() else "asked to stop")
         await self._stop_serving()
         if self.leadership is not None:
             await self.leadership.resign()
@@ -372,6 +392,7 @@ class Controller:
             self.nc = None
         await self.keeper.stop()
         self.server = None
+        self._roles.handle(Event.STOPPED)
         interesting = {k: v for k, v in sorted(self.stats.items()) if v}
         log.info("controller stopped; counters: %s", interesting or "none")
 
@@ -387,18 +408,16 @@ class Controller:
         self._die(f"task {task.get_name()} exited unexpectedly")
 
     def _die(self, reason: str) -> None:
-        if not self.fatal.is_set():
-            self.fatal_reason = reason
-            self.fatal.set()
+        self._roles.handle(Event.FATAL, reason)  # ignored once failed or stopping
 
     async def _on_closed(self) -> None:
         # nats-py gives up on a connection only after a protocol error: nothing will bring it
         # back, so end (exit 1); the process's supervisor restarts it, a standby leads meanwhile.
-        if not self._stopping:
+        if not self._stopping():
             self._die(bus.refusal(self.nc) or "the NATS connection was closed (a protocol error?)")
 
     async def _on_disconnected(self) -> None:
-        if self._stopping:  # our own close, not a lost connection
+        if self._stopping():  # our own close, not a lost connection
             return
         self.stats["nats.disconnects"] += 1
         log.warning("disconnected from NATS; reconnecting")
@@ -408,13 +427,15 @@ class Controller:
             "reconnected to NATS at %s",
             redact(self.nc.connected_url.geturl()) if self.nc and self.nc.connected_url else "?",
         )
-        if self.nc is not None and self.serving.is_set():
+        if self.nc is not None and self._roles.is_(Role.SERVING):
             await self._publish_hello()
 
     # --- leadership ------------------------------------------------------------------------------
 
     async def _on_elected(self, term: int) -> None:
         # Not awaited by the lease loop: renewals go on while the state is brought in.
+        if self._roles.handle(Event.ELECTED, f"term {term}") is not Role.TAKING_OVER:
+            return  # failed or stopping: the lease lapses unserved
         if self._term_task is not None:
             self._term_task.cancel()
         self._term_task = asyncio.create_task(self._lead(term), name=f"lead-term-{term}")
@@ -476,7 +497,7 @@ class Controller:
         # Handlers act from here on: a stored event the consumer delivers the moment it is
         # subscribed must be handled, not left for redelivery after ack_wait.
         self._pipeline.reopen()
-        self._accepting = True
+        self._roles.handle(Event.TOOK_OVER, f"term {term}, state from {source}")
         s = self.subjects
         # A NATS micro service: `nats micro ls|info|stats` and $SRV.PING find the leader, its
         # endpoints and version (standbys serve nothing, so they are not listed).
@@ -510,7 +531,8 @@ class Controller:
         gone = self.leadership is not None and self.leadership.holder_gone
         await self._health.start(self._on_health_msg, previous_gone=gone)
         await self.nc.flush()
-        self.serving.set()
+        if self._roles.is_(Role.SERVING):
+            self.serving.set()
         # Agents re-register when they hear this: a level-triggered resync after a takeover.
         await self._publish_hello()
         self.stats["leader.terms"] += 1
@@ -537,11 +559,14 @@ class Controller:
         Tied to ``term``: a step-down decided in one term never stops or resigns a later one
         (we may have been deposed and re-elected while it waited, or while it drained)."""
         lead = self.leadership
-        if lead is None or lead.term != term:
+        if lead is None or lead.term != term or not self._roles.is_(Role.TAKING_OVER, Role.SERVING):
             log.info("not stepping down (%s): term %d is over", why, term)
             return
         log.error("stepping down (term %d): %s", term, why)
+        self._roles.handle(Event.STEP_DOWN, why)
         await self._stop_serving()
+        if self._roles.is_(Role.STEPPING_DOWN):  # not deposed (and maybe re-elected) meanwhile
+            self._roles.handle(Event.STEPPED_DOWN, f"term {term}")
         await lead.resign(term)
 
     def _spawn_step_down(self, why: str) -> None:
@@ -564,6 +589,9 @@ class Controller:
         )
 
     async def _on_deposed(self, why: str) -> None:
+        before = self.role
+        if self._roles.handle(Event.DEPOSED, why) is before:
+            return  # stepped down already, or failed or stopping: stop() stops serving
         if self._term_task is not None:
             self._term_task.cancel()
             self._term_task = None
@@ -572,8 +600,7 @@ class Controller:
         log.warning("standby now (%s)", why)
 
     async def _stop_serving(self) -> None:
-        self._accepting = False
-        self.serving.clear()
+        """Unsubscribe and drain the commits in flight (the role has left SERVING already)."""
         service, self._service = self._service, None
         if service is not None:
             with contextlib.suppress(Exception):
@@ -622,7 +649,7 @@ class Controller:
         # Connected too: what nats-py buffers while reconnecting would go out after a new
         # leader may have taken over.
         return (
-            self._accepting
+            self._roles.is_(Role.SERVING)
             and self.leadership is not None
             and self.leadership.serving()
             and self.nc is not None
@@ -691,31 +718,44 @@ class Controller:
         """A standby builds the policy it would lead with once the leader looks gone (the
         lease unrenewed for half a TTL) and the mirror has been quiet a moment: the build
         (~0.2-0.4 s at 100k devices) is then done while the lease runs out, and a takeover only
-        checks that the mirror has not changed since."""
-        built_at = 0.0
+        checks that the mirror has not changed since. Woken by what it waits for (the role, a
+        lease sighting, a mirror change) or at the deadline it computed, never polling."""
+        built_at = -_PREPARE_EVERY_S
         while True:
-            await asyncio.sleep(0.05)
-            mirror, lead, now = self.mirror, self.leadership, time.monotonic()
-            if lead is None or lead.is_leader or self._accepting:
-                if self.serving.is_set():
-                    self._prepared = None  # leading with the live policy (taken or not)
+            lead, mirror = self.leadership, self.mirror
+            if lead is None or mirror is None:
+                await wait_any([self._role_pulse], None)
                 continue
-            if lead.silent_for() < lead.ttl / 2:
-                self._prepared = None  # the leader renews after all: no takeover coming
+            wait, pulses = self._prepare_wait(time.monotonic(), built_at)
+            if wait is not None and wait <= 0:
+                version = mirror.version
+                policy = self._build_policy(mirror.snapshot())  # no await: the mirror holds still
+                self._prepared = (version, policy)
+                built_at = time.monotonic()
+                self.stats["state.prepared"] += 1
                 continue
-            if (
-                mirror is None
-                or not mirror.healthy
-                or (self._prepared is not None and self._prepared[0] == mirror.version)
-                or now - mirror.changed_at < _PREPARE_QUIET_S
-                or now - built_at < _PREPARE_EVERY_S
-            ):
-                continue
-            version = mirror.version
-            policy = self._build_policy(mirror.snapshot())  # no await: the mirror holds still
-            self._prepared = (version, policy)
-            built_at = time.monotonic()
-            self.stats["state.prepared"] += 1
+            await wait_any(pulses, wait)
+
+    def _prepare_wait(self, now: float, built_at: float) -> tuple[float | None, list[Pulse]]:
+        """How long until a build is due (<= 0: now; None: not until something changes), and
+        the changes that may make it due sooner."""
+        lead, mirror = self.leadership, self.mirror
+        assert lead is not None and mirror is not None
+        roles, lease, records = self._role_pulse, lead.observed, mirror.changed
+        if not self._roles.is_(Role.STANDBY):
+            if self._roles.is_(Role.SERVING):
+                self._prepared = None  # leading with the live policy
+            return None, [roles]
+        silent = lead.silent_for()
+        if silent < lead.ttl / 2:
+            self._prepared = None  # the leader renews after all: no takeover coming
+            return lead.ttl / 2 - silent, [roles, lease]
+        if not mirror.healthy or (
+            self._prepared is not None and self._prepared[0] == mirror.version
+        ):
+            return None, [roles, lease, records]
+        due = max(mirror.changed_at + _PREPARE_QUIET_S, built_at + _PREPARE_EVERY_S)
+        return due - now, [roles, lease]
 
     async def _gc_loop(self) -> None:
         """Keep Python's full garbage collections short at 100k devices.
