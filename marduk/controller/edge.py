@@ -75,12 +75,26 @@ class Edge:
         self,
         type_: type[T],
         handler: Callable[[T, str], Awaitable[msgspec.Struct | None]],
+        *,
+        concurrent: bool,
     ) -> Callable[[MicroRequest], Awaitable[None]]:
-        """A micro endpoint handler: decode strictly, decide, answer; never raise."""
+        """A micro endpoint handler: decode strictly, decide, answer; never raise.
+
+        nats-py's micro endpoint takes its requests one at a time (its subscription awaits the
+        handler before the next message), and only then are `nats micro stats` true: each
+        request's processing time, the whole of its work. That is the way for the operators'
+        endpoints (``concurrent=False``). The agents' endpoints are ``concurrent``: a request
+        is handed to a task of its own and the handler returns, so a registration storm is
+        decided while earlier registrations' records are written and their commits go out
+        together (awaited one by one, each would wait for its own store round trip); their
+        micro stats count requests, not the time they take."""
         kind = type_.__name__.lower()
         limit = self.ctl.settings.max_message_bytes
 
         async def on_request(request: MicroRequest) -> None:
+            if not concurrent:
+                await handle(request)
+                return
             # One task per request (bounded): this endpoint's next request is decided while
             # this one's records are written, so their commits go out together. Tasks start
             # in the order they are created, so decisions keep the order requests arrived in.
@@ -108,22 +122,34 @@ class Edge:
             except Exception as e:  # the controller never crashes on input
                 self.log_internal(f"{kind} on {request.subject}")
                 reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
+            # micro's Request does not show its reply subject; it is checked before answering.
             reply_to = request._msg.reply
             if reply is not None and reply_to:
-                await self.answer(reply_to, reply)
+                await self.answer(reply_to, reply, request.respond)
 
         return on_request
 
-    async def answer(self, subject: str, reply: msgspec.Struct) -> None:
-        if self.ctl.nc is None:
+    async def answer(
+        self,
+        subject: str,
+        reply: msgspec.Struct,
+        respond: Callable[[bytes], Awaitable[None]] | None = None,
+    ) -> None:
+        """Answer on ``subject``, an inbox; through ``respond`` (a micro request's) if given."""
+        nc = self.ctl.nc
+        if nc is None:
             return
+
+        async def send(data: bytes) -> None:
+            await (respond(data) if respond is not None else nc.publish(subject, data))
+
         if not subject.startswith("_INBOX."):
             # Never a confused deputy: a caller naming $KV..., $JS... or marduk.ctl.hello as
             # its reply subject would have us write there with the controller's rights.
             self.reject("reply", "reply_subject", f"not an inbox: {subject[:100]}", subject)
             return
         try:
-            await self.ctl.nc.publish(subject, encode(reply))
+            await send(encode(reply))
         except nats.errors.MaxPayloadError as e:
             # Say so, rather than leave the client to conclude nobody answered.
             self.ctl.stats["errors.reply_too_large"] += 1
@@ -131,10 +157,10 @@ class Edge:
             too_large = ErrorReply(
                 code="reply_too_large",
                 message=f"the answer ({len(encode(reply))} bytes) exceeds the server's max "
-                f"payload ({self.ctl.nc.max_payload} bytes)",
+                f"payload ({nc.max_payload} bytes)",
             )
             with contextlib.suppress(Exception):
-                await self.ctl.nc.publish(subject, encode(too_large))
+                await send(encode(too_large))
         except Exception as e:
             self.ctl.stats["errors.reply"] += 1
             self.log_limited("reply", f"could not answer on {subject}: {e}")

@@ -54,17 +54,18 @@ class Handlers:
             "From a health event's delivery to its commands being published.",
         )
 
-    def endpoints(self) -> list[tuple[str, str, type[msgspec.Struct], Handler]]:
-        """The micro endpoints: name, subject, request type, handler."""
+    def endpoints(self) -> list[tuple[str, str, type[msgspec.Struct], Handler, bool]]:
+        """The micro endpoints: name, subject, request type, handler, and whether its requests
+        are handled concurrently (the agents', which come in storms: ``Edge.endpoint``)."""
         s, h = self.ctl.subjects, self
         return [
-            ("register", s.any_job("register"), Registration, h.register),
-            ("deregister", s.any_job("deregister"), Deregistration, h.deregister),
-            ("ack", s.any_job("ack"), Ack, h.ack),
-            ("report", s.any_job("report"), Report, h.report),
-            ("query", s.query, Query, h.query),
-            ("forget", s.forget, Forget, h.forget),
-            ("drain", s.drain, Drain, h.drain),
+            ("register", s.any_job("register"), Registration, h.register, True),
+            ("deregister", s.any_job("deregister"), Deregistration, h.deregister, True),
+            ("ack", s.any_job("ack"), Ack, h.ack, True),
+            ("report", s.any_job("report"), Report, h.report, True),
+            ("query", s.query, Query, h.query, False),
+            ("forget", s.forget, Forget, h.forget, False),
+            ("drain", s.drain, Drain, h.drain, False),
         ]
 
     async def register(self, reg: Registration, subject: str) -> RegisterReply:

@@ -180,11 +180,11 @@ class Takeover:
             # controller sees every request and only the one that leads answers.
             queue_group=f"marduk-{self.ctl.controller_id}",
         )
-        for name, subject, type_, handler in self.ctl.handlers.endpoints():
+        for name, subject, type_, handler, concurrent in self.ctl.handlers.endpoints():
             await self._service.add_endpoint(
                 name=name,
                 subject=subject,
-                handler=self.ctl.edge.endpoint(type_, handler),
+                handler=self.ctl.edge.endpoint(type_, handler, concurrent=concurrent),
             )
         self._subs = [await self.ctl.nc.subscribe(s.standby, cb=self.on_standby)]
         gone = self.ctl.leadership is not None and self.ctl.leadership.holder_gone
