@@ -51,6 +51,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from marduk.aio import Pulse
 from marduk.lease import Lease, Sighting, campaign, serving, term_to_claim
 
 log = logging.getLogger("marduk.leadership")
@@ -116,6 +117,8 @@ class Leadership:
         """A term the store has seen claimed: ours are above it (the lease bucket may have been
         recreated, restarting its terms at 1, while the state bucket kept its term key)."""
         self._alive_sub: Any = None
+        self.observed = Pulse()
+        """Beats when the lease is seen to change hands or be renewed, or we win or lose it."""
 
     async def open(self) -> None:
         self._alive_sub = await self.nc.subscribe(
@@ -269,7 +272,10 @@ class Leadership:
             ttl=self.ttl,
             now=now,
         )
+        before = (self._revision, self._observed_at)
         self._revision, self._observed_at, self.lease = seen.revision, seen.since, seen.lease
+        if (self._revision, self._observed_at) != before:
+            self.observed.notify()
         if take is not None:
             await self._take(take.last, take.term, now)
 
@@ -288,6 +294,7 @@ class Leadership:
         self.is_leader, self.term = True, term
         self.holder_gone = holder_gone
         self.lease = _decode(self._value(term))
+        self.observed.notify()
         log.info("elected leader (term %d, lease TTL %gs)", term, self.ttl)
         await self._on_elected(term)
 
@@ -297,6 +304,7 @@ class Leadership:
         self.is_leader = False
         # Observe afresh: a standby waits a whole TTL from now before taking it back.
         self._observed_at = time.monotonic()
+        self.observed.notify()
         log.warning("stepping down (term %d): %s", self.term, why)
         await self._on_deposed(why)
 

@@ -61,6 +61,7 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 
+from marduk.aio import Pulse
 from marduk.drmap import WorkerKey
 from marduk.errors import MardukError
 from marduk.policy import Outcome
@@ -488,6 +489,7 @@ class StateMirror:
         self.revision: dict[str, int] = {}  # bucket -> last revision seen
         self.version = 0  # bumped on every change to the records
         self.changed_at = time.monotonic()
+        self.changed = Pulse()  # beats on every change to the records
         self.healthy = False
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -517,6 +519,7 @@ class StateMirror:
     def _drop(self, key: str) -> None:
         self.version += 1
         self.changed_at = time.monotonic()
+        self.changed.notify()
         for records in (self._workers, self._epochs, self._devices):
             records.pop(key, None)
         self._unreadable.discard(key)

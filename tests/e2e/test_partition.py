@@ -269,10 +269,10 @@ async def test_a_partitioned_leader_loses_no_event_and_lands_no_write(
         assert not not_acted_on(), not_acted_on()[:10]
         for a in agents:
             assert not reused_epochs(a.received), (a.replica, reused_epochs(a.received)[:5])
-        await eventually(lambda: sum(c._leading() for c in (leader, standby)) == 1)
+        await eventually(lambda: sum(c.leading() for c in (leader, standby)) == 1)
         await asyncio.sleep(1.0)
-        assert sum(c._leading() for c in (leader, standby)) == 1
-        assert standby._leading() or leader.leadership.term > 1  # type: ignore[union-attr]
+        assert sum(c.leading() for c in (leader, standby)) == 1
+        assert standby.leading() or leader.leadership.term > 1  # type: ignore[union-attr]
         await nc.flush()
         await asyncio.sleep(0.3)  # the ordered consumer has what was stored
         assert stored.writes

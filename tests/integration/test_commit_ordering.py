@@ -329,7 +329,7 @@ async def test_commits_from_different_subscriptions_publish_in_decision_order(
     [1, 3, 2] instead of [1, 2, 3]. (The write-ahead bugs above trip its durability check too.)
     """
     async with running(nats_server, tmp_path, tick_interval_s=3600.0) as c:
-        pipeline = c._pipeline  # the only other commit now: the report's (no ticks)
+        pipeline = c.pipeline  # the only other commit now: the report's (no ticks)
         tools = instrument(c)
         nc = await nats.connect(nats_server.url)
         try:
@@ -368,7 +368,7 @@ async def test_the_store_ends_as_the_last_decision_left_it(
     the forget; a restored controller has the worker.
     """
     async with running(nats_server, tmp_path, tick_interval_s=3600.0) as c:
-        pipeline = c._pipeline
+        pipeline = c.pipeline
         tools = instrument(c)
         wkey = worker_kv_key(WorkerKey(JOB, "r9", 0))
         nc = await nats.connect(nats_server.url)
@@ -411,7 +411,7 @@ async def test_a_ceiling_is_not_overwritten_by_an_earlier_decisions_record(
     out.
     """
     async with running(nats_server, tmp_path, tick_interval_s=3600.0) as c:
-        pipeline = c._pipeline
+        pipeline = c.pipeline
         tools = instrument(c)
         nc = await nats.connect(nats_server.url)
         try:
@@ -485,10 +485,10 @@ async def test_a_leader_whose_lease_lapsed_during_its_write_ahead_publishes_noth
                     # The new leader's own epoch 2: a crash report (both controllers hear it;
                     # only a leader answers).
                     assert isinstance(await report_crash(nc, "r1", epoch=1), wire.ReportReply)
-                    assert c2.policy.epoch_of(SCOPE) == 2 and not c1._leading()
+                    assert c2.policy.epoch_of(SCOPE) == 2 and not c1.leading()
                     tools.kv.gate.set()
                     await eventually(lambda: ("put", SCOPE_KEY) in [d[:2] for d in tools.kv.done])
-                    await eventually(lambda: not c1._pipeline.busy())
+                    await eventually(lambda: not c1.pipeline.busy())
                     late = [f"{s.command.epoch} {s.command.devices}" for s in tools.sent[1:]]
                     assert not late, f"the deposed leader published epoch {late}"
                     await nc.flush()
@@ -517,7 +517,7 @@ async def test_a_command_whose_ceiling_could_not_be_written_is_not_reissued(
             await store_health(nc, encode(event))
             # Handled once every attempt to write the ceiling has failed (answered or not).
             await eventually(lambda: c1.stats["store.errors"] >= 3)
-            await eventually(lambda: not c1._pipeline.busy())
+            await eventually(lambda: not c1.pipeline.busy())
         async with running(nats_server, tmp_path):
             await health_event(nc, "d3", event_id="three")
             await eventually(lambda: any(c.event_id == "three" for c in seen))
@@ -538,7 +538,7 @@ async def test_a_leader_whose_lease_lapsed_does_not_answer_requests(
         c1.leadership.kv = lease  # type: ignore[assignment]
         try:
             async with running(nats_server, tmp_path, lease_ttl=1.0) as c2:
-                assert not c1._leading()
+                assert not c1.leading()
                 inbox = nc.new_inbox()
                 sub = await nc.subscribe(inbox)
                 before = c1.stats["received.query"]
@@ -578,7 +578,7 @@ async def test_a_re_elected_leader_leads_from_the_store_not_from_its_dropped_dec
     await register(nc, "r1", ["d1", "d2", "d3", "d4", "d5"])
     for i in range(3):
         await health_event(nc, f"d{i + 1}", event_id=f"e{i}")  # epochs 1..3, ceiling 3
-    await eventually(lambda: not c0._pipeline.busy())
+    await eventually(lambda: not c0.pipeline.busy())
     await c0.stop()
     c = await start_serving(Controller(settings()))  # leads from its state mirror
     try:
@@ -595,7 +595,7 @@ async def test_a_re_elected_leader_leads_from_the_store_not_from_its_dropped_dec
         tools.kv.refuse = lambda op, key, value: False
         await asyncio.wait_for(c.serving.wait(), 15)  # re-elected
         await eventually(lambda: len(tools.sent) >= 1, timeout=10)  # e3 redelivered, decided once
-        await eventually(lambda: not c._pipeline.busy())
+        await eventually(lambda: not c.pipeline.busy())
         stored = await c.store.load()
         store_d4 = next(d for d in stored.devices if d.device == "d4")
         assert len(store_d4.failures) == d4_failures + 1
@@ -626,14 +626,14 @@ async def test_a_failed_publish_fails_only_its_own_commit(
 
     c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
     try:
-        real = c._publish_command
+        real = c.outbox.publish_command
 
         async def flaky(command: wire.Command) -> None:
             if command.replica == "bad":
                 raise RuntimeError("nats: maximum payload exceeded")
             await real(command)
 
-        c._publish_command = flaky  # type: ignore[method-assign]
+        c.outbox.publish_command = flaky  # type: ignore[method-assign]
 
         def worker(replica: str) -> WorkerRecord:
             reg = wire.Registration(
@@ -641,20 +641,18 @@ async def test_a_failed_publish_fails_only_its_own_commit(
             )
             return WorkerRecord(registration=reg, registered_at=1.0, updated_at=1.0)
 
-        good = c._pipeline.submit(
-            Outcome(commands=[_command("good")], put_workers=[worker("good")])
-        )
-        bad = c._pipeline.submit(Outcome(commands=[_command("bad")], put_workers=[worker("bad")]))
+        good = c.pipeline.submit(Outcome(commands=[_command("good")], put_workers=[worker("good")]))
+        bad = c.pipeline.submit(Outcome(commands=[_command("bad")], put_workers=[worker("bad")]))
         results = await asyncio.gather(good.durable, bad.durable, return_exceptions=True)
         assert results[0] is None
         assert isinstance(results[1], RuntimeError)
-        await c._pipeline.drain()
+        await c.pipeline.drain()
         assert c.store is not None
         stored = sorted(w.registration.replica or "" for w in (await c.store.load()).workers)
         assert stored == ["bad", "good"]
         assert c.stats["errors.publish"] == 1
-        assert c._leading() and not c._pipeline._closed
-        await c._pipeline.submit(Outcome()).durable  # later commits go through
+        assert c.leading() and not c.pipeline._closed
+        await c.pipeline.submit(Outcome()).durable  # later commits go through
     finally:
         await c.stop()
 
@@ -671,7 +669,7 @@ async def test_an_error_in_a_spawned_task_is_counted(
         async def boom() -> None:
             raise RuntimeError("a bug")
 
-        task = c._spawn_background(boom(), "probe")
+        task = c.spawn_background(boom(), "probe")
         await asyncio.wait([task])
         await eventually(lambda: c.stats["errors.internal"] == before + 1)
     finally:
@@ -688,18 +686,18 @@ async def test_a_lease_that_lapses_while_a_batch_is_publishing_stops_the_rest(
 
     c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
     try:
-        real, published, lapsed = c._publish_command, [], []
+        real, published, lapsed = c.outbox.publish_command, [], []
 
         async def lapsing(command: wire.Command) -> None:
             await real(command)
             published.append(command.replica)
             lapsed.append(True)  # the lease lapses while this publish yields
 
-        c._publish_command = lapsing  # type: ignore[method-assign]
-        c._pipeline.steps.leading = lambda: not lapsed
+        c.outbox.publish_command = lapsing  # type: ignore[method-assign]
+        c.pipeline.steps.leading = lambda: not lapsed
 
-        first = c._pipeline.submit(Outcome(commands=[_command("first")]))
-        second = c._pipeline.submit(Outcome(commands=[_command("second")]))
+        first = c.pipeline.submit(Outcome(commands=[_command("first")]))
+        second = c.pipeline.submit(Outcome(commands=[_command("second")]))
         results = await asyncio.gather(first.durable, second.durable, return_exceptions=True)
         assert published == ["first"]
         assert isinstance(results[1], NotServing)
@@ -724,7 +722,7 @@ async def test_a_write_ahead_that_is_never_acknowledged_is_given_up(
         # The first restart is within the ceiling reserved at registration; the next needs a
         # write-ahead of its ceiling.
         await health_event(nc, "d1", event_id="x0")
-        await eventually(lambda: len(tools.sent) == 1 and not c._pipeline.busy())
+        await eventually(lambda: len(tools.sent) == 1 and not c.pipeline.busy())
         tools.kv.hold = lambda op, key, value: key == SCOPE_KEY  # parked, never answered
         await store_health(
             nc, encode(wire.DeviceHealth(device="d1", state="failed", event_id="x1"))

@@ -307,8 +307,8 @@ async def test_startup_failure_still_stops_the_embedded_server(
     """Whatever ends the controller, its embedded nats-server does not outlive it."""
     import asyncio
 
-    from marduk import controller as controller_module
     from marduk.controller import ControllerSettings, run_controller
+    from marduk.controller import shell as controller_module
     from tests.conftest import free_port
 
     started: list[object] = []

@@ -187,7 +187,7 @@ def _emitted_kinds() -> set[str]:
         else:
             raise AssertionError(f"an event kind the test cannot read: {ast.dump(node)}")
 
-    for path in sorted((ROOT / "marduk").glob("*.py")):
+    for path in sorted((ROOT / "marduk").rglob("*.py")):
         tree = ast.parse(path.read_text())
         for func in [
             n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
@@ -339,7 +339,7 @@ def _registered_metric_names() -> set[str]:
     from marduk.metrics import FAMILIES
 
     names = {name for name, _label, _doc in FAMILIES.values()}
-    for path in [*(ROOT / "marduk").glob("*.py"), *(ROOT / "agent").glob("*.py")]:
+    for path in [*(ROOT / "marduk").rglob("*.py"), *(ROOT / "agent").glob("*.py")]:
         for call in ast.walk(ast.parse(path.read_text())):
             if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
                 continue
@@ -420,7 +420,7 @@ def test_the_prometheus_rules_are_a_whole_rules_file() -> None:
 def test_the_error_code_table_lists_every_code_the_code_answers() -> None:
     """Every ProtocolError/PolicyError/MembershipError reason and ErrorReply code in the code is in the table."""
     codes: set[str] = set()
-    for path in [*(ROOT / "marduk").glob("*.py")]:
+    for path in [*(ROOT / "marduk").rglob("*.py")]:
         for call in ast.walk(ast.parse(path.read_text())):
             if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
                 continue

@@ -276,10 +276,10 @@ async def test_a_step_down_decided_in_one_term_does_not_end_a_later_one(
         old = lead.term
         await lead._depose("test: as if a renewal had failed")
         await eventually(lambda: lead.term == old + 1 and c.serving.is_set())
-        await c._step_down("decided in the earlier term", old)
+        await c.takeover.step_down("decided in the earlier term", old)
         assert c.serving.is_set() and lead.is_leader
         assert (await lead.kv.get(KEY)).revision == lead._revision  # not resigned
-        await c._step_down("decided in this term", lead.term)
+        await c.takeover.step_down("decided in this term", lead.term)
         assert not c.serving.is_set() and not lead.is_leader
     finally:
         await c.stop()
@@ -350,7 +350,7 @@ async def test_events_a_dead_leader_never_acked_are_delivered_at_once_to_its_suc
         await eventually(lambda: standby.serving.is_set(), timeout=5.0)
         reply = msgspec.json.decode(await asyncio.wait_for(answer, 10.0))
         assert reply["actions"] and reply["actions"][0]["replica"] == "r1"
-        assert standby._health is not None and standby._health.replayed_from == 1
+        assert standby.health is not None and standby.health.replayed_from == 1
     finally:
         await proxy.stop()
         await standby.stop()

@@ -33,7 +33,7 @@ async def test_the_other_replicas_that_asked_get_one_signed_notice(
         )
     )
     c.credentials = Credentials()  # the server here has no auth; the controller still signs
-    c._signing_seed = auth.read_seed(d / "controller.nk")
+    c.signing_seed = auth.read_seed(d / "controller.nk")
     await start_serving(c)
     key = str(d / auth.CONTROLLER_PUB)
 

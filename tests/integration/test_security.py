@@ -225,7 +225,7 @@ async def test_forged_commands_hellos_and_registrations_change_nothing(
     # The controller signs with its nkey; the server here has no auth, so it connects anyway.
     c = Controller(settings)
     c.credentials = Credentials()
-    c._signing_seed = auth.read_seed(d / "controller.nk")
+    c.signing_seed = auth.read_seed(d / "controller.nk")
     await start_serving(c)
     signed = await agent.connect_async(
         "r1",
@@ -416,7 +416,7 @@ async def test_no_caller_makes_the_controller_write_where_it_should_not(
         # The micro library answers $SRV requests on any reply subject: admin may not ask.
         assert await denied(admin_nc, "$SRV.INFO.marduk")
         # The lease and the state are untouched: still the same leader, same term.
-        assert c._leading() and c.leadership.term == term
+        assert c.leading() and c.leadership.term == term
         assert c.stats["leader.depositions"] == 0
         assert c.store is not None
         entry = await c.store.kv.get("w.big.rx.0")

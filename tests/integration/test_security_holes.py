@@ -153,7 +153,7 @@ async def test_no_role_writes_a_marduk_bucket_through_a_jetstream_acknowledgemen
         with contextlib.suppress(nats.js.errors.NotFoundError):
             msg = await js.get_msg(info.config.name, seq)
             assert b'"holder"' in (msg.data or b""), msg.data
-    assert c._leading() and c.leadership.term == term
+    assert c.leading() and c.leadership.term == term
     assert c.stats["leader.depositions"] == 0
     for key in ("e.jobB.b1",):
         with pytest.raises(nats.js.errors.KeyNotFoundError):
@@ -218,7 +218,7 @@ async def test_a_signed_command_moved_to_another_destination_is_dropped_and_coun
     )
     c = Controller(settings)
     seed = auth.read_seed(auth_dir / "controller.nk")
-    c._signing_seed = seed
+    c.signing_seed = seed
     await start_serving(c)
     key = str(auth_dir / auth.CONTROLLER_PUB)
 

@@ -8,7 +8,15 @@ from typing import Any
 
 import pytest
 
-from marduk.aio import Backoff, RateLimitedLog, TaskSet, parse_host_port, restart_forever
+from marduk.aio import (
+    Backoff,
+    Pulse,
+    RateLimitedLog,
+    TaskSet,
+    parse_host_port,
+    restart_forever,
+    wait_any,
+)
 from marduk.errors import MardukError
 from tests.conftest import eventually
 
@@ -257,3 +265,28 @@ async def test_restart_forever_starts_the_backoff_over_after_a_long_healthy_run(
     await eventually(lambda: len(pauses) >= 2, interval=0.001)
     task.cancel()
     assert pauses[:2] == [0.001, 0.001]
+
+
+async def test_wait_any_returns_at_the_first_beat_after_the_call() -> None:
+    a, b = Pulse(), Pulse()
+    a.notify()  # before the call: not waited for
+    waiter = asyncio.create_task(wait_any([a, b], None))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    b.notify()
+    await asyncio.wait_for(waiter, 1.0)
+
+
+async def test_wait_any_ends_at_its_timeout_without_a_beat() -> None:
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await wait_any([Pulse()], 0.05)
+    assert 0.04 <= loop.time() - t0 < 1.0
+
+
+async def test_a_pulse_wakes_every_waiter() -> None:
+    p = Pulse()
+    waiters = [asyncio.create_task(p.wait(p.count)) for _ in range(3)]
+    await asyncio.sleep(0)
+    p.notify()
+    await asyncio.wait_for(asyncio.gather(*waiters), 1.0)

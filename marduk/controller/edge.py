@@ -1,0 +1,247 @@
+"""The controller's edge: decode, reject, answer; a bad message is never raised.
+
+See docs/architecture.md, *The controller*.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import msgspec
+import nats.errors
+from nats.aio.msg import Msg
+from nats.micro.request import Request as MicroRequest
+
+from marduk.aio import RateLimitedLog
+from marduk.commit import NotServing
+from marduk.errors import ProtocolError
+from marduk.policy import PolicyError
+from marduk.protocol import (
+    DeviceHealth,
+    ErrorReply,
+    decode,
+    encode,
+)
+from marduk.subjects import REPLY_HEADER
+
+if TYPE_CHECKING:
+    from marduk.controller.shell import Controller
+
+log = logging.getLogger("marduk.controller")
+
+T = TypeVar("T", bound=msgspec.Struct)
+# What a reply subject may be: tokens without wildcards or whitespace, well under the server's
+# control-line limit (4 KiB).
+_REPLY_SUBJECT = re.compile(r"[^\s.*>]+(\.[^\s.*>]+)*")
+_REPLY_SUBJECT_MAX = 512
+_REQUESTS_IN_FLIGHT = 1024  # x 256 KiB at most each: a flood stays well under 500 MiB
+
+
+class _EventIdOnly(msgspec.Struct):
+    event_id: str = ""
+
+
+def _event_id_of(data: bytes) -> str:
+    """The event_id of a health event that failed validation, if it can be read at all: the
+    monitor matches the ErrorReply to its event by it."""
+    try:
+        event_id = msgspec.json.decode(data, type=_EventIdOnly).event_id
+    except (msgspec.DecodeError, ValueError, RecursionError):
+        return ""
+    return event_id if len(event_id) <= 256 else ""
+
+
+class Edge:
+    """Where messages come in and answers go out: decode strictly, reject (counted, logged a few
+    times a minute), answer; never raise on input."""
+
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+        # Requests in flight at once: each endpoint's handler spawns one task per request, so
+        # a registration waiting for its records does not hold up the next one's decision.
+        self._in_flight = asyncio.Semaphore(_REQUESTS_IN_FLIGHT)
+        # A flood of junk must not flood the log: a few lines per kind a minute; an internal
+        # error's traceback once a minute per kind.
+        self._limited = RateLimitedLog(log, clock=time.time)
+        self.internal = RateLimitedLog(log, burst=1, more=None, clock=time.time)
+
+    def endpoint(
+        self,
+        type_: type[T],
+        handler: Callable[[T, str], Awaitable[msgspec.Struct | None]],
+        *,
+        concurrent: bool,
+    ) -> Callable[[MicroRequest], Awaitable[None]]:
+        """A micro endpoint handler: decode strictly, decide, answer; never raise.
+
+        nats-py's micro endpoint takes its requests one at a time (its subscription awaits the
+        handler before the next message), and only then are `nats micro stats` true: each
+        request's processing time, the whole of its work. That is the way for the operators'
+        endpoints (``concurrent=False``). The agents' endpoints are ``concurrent``: a request
+        is handed to a task of its own and the handler returns, so a registration storm is
+        decided while earlier registrations' records are written and their commits go out
+        together (awaited one by one, each would wait for its own store round trip); their
+        micro stats count requests, not the time they take."""
+        kind = type_.__name__.lower()
+        limit = self.ctl.settings.max_message_bytes
+
+        async def on_request(request: MicroRequest) -> None:
+            if not concurrent:
+                await handle(request)
+                return
+            # One task per request (bounded): this endpoint's next request is decided while
+            # this one's records are written, so their commits go out together. Tasks start
+            # in the order they are created, so decisions keep the order requests arrived in.
+            await self._in_flight.acquire()
+            task = self.ctl.spawn_background(handle(request), f"request-{kind}")
+            task.add_done_callback(lambda _t: self._in_flight.release())
+
+        async def handle(request: MicroRequest) -> None:
+            self.ctl.stats[f"received.{kind}"] += 1
+            if not self.ctl.leading():
+                # Our lease lapsed (a paused process) and we have not noticed yet: the new
+                # leader answers; one reply per request.
+                self.ctl.stats["fenced"] += 1
+                return
+            reply: msgspec.Struct | None
+            try:
+                req = decode(request.data, type_, max_bytes=limit)
+                reply = await handler(req, request.subject)
+            except NotServing:
+                return  # no answer: the client retries and reaches the new leader
+            except ProtocolError as e:
+                reply = self.reject(kind, e.reason, str(e), request.subject)
+            except PolicyError as e:
+                reply = self.reject(kind, e.code, str(e), request.subject)
+            except Exception as e:  # the controller never crashes on input
+                self.log_internal(f"{kind} on {request.subject}")
+                reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
+            # micro's Request does not show its reply subject; it is checked before answering.
+            reply_to = request._msg.reply
+            if reply is not None and reply_to:
+                await self.answer(reply_to, reply, request.respond)
+
+        return on_request
+
+    async def answer(
+        self,
+        subject: str,
+        reply: msgspec.Struct,
+        respond: Callable[[bytes], Awaitable[None]] | None = None,
+    ) -> None:
+        """Answer on ``subject``, an inbox; through ``respond`` (a micro request's) if given."""
+        nc = self.ctl.nc
+        if nc is None:
+            return
+
+        async def send(data: bytes) -> None:
+            await (respond(data) if respond is not None else nc.publish(subject, data))
+
+        if not subject.startswith("_INBOX."):
+            # Never a confused deputy: a caller naming $KV..., $JS... or marduk.ctl.hello as
+            # its reply subject would have us write there with the controller's rights.
+            self.reject("reply", "reply_subject", f"not an inbox: {subject[:100]}", subject)
+            return
+        try:
+            await send(encode(reply))
+        except nats.errors.MaxPayloadError as e:
+            # Say so, rather than leave the client to conclude nobody answered.
+            self.ctl.stats["errors.reply_too_large"] += 1
+            self.log_limited("reply", f"reply on {subject} too large: {e}")
+            too_large = ErrorReply(
+                code="reply_too_large",
+                message=f"the answer ({len(encode(reply))} bytes) exceeds the server's max "
+                f"payload ({nc.max_payload} bytes)",
+            )
+            with contextlib.suppress(Exception):
+                await send(encode(too_large))
+        except Exception as e:
+            self.ctl.stats["errors.reply"] += 1
+            self.log_limited("reply", f"could not answer on {subject}: {e}")
+
+    def reject(self, kind: str, reason: str, message: str, subject: str) -> ErrorReply:
+        self.ctl.stats[f"rejected.{reason}"] += 1
+        self.ctl.stats["rejected"] += 1
+        self.log_limited(f"{kind}.{reason}", f"rejected {kind} on {subject}: {message}")
+        return ErrorReply(code=reason, message=message[:4000])
+
+    def log_limited(self, key: str, line: str, level: int = logging.WARNING) -> None:
+        """The first few of each kind per minute: a flood of junk must not flood the log."""
+        self._limited.log(key, level, "%s", line)
+
+    def log_internal(self, what: str) -> None:
+        """An internal error: counted; the traceback once a minute per kind, not per message."""
+        self.ctl.stats["errors.internal"] += 1
+        self.internal.log(
+            f"handling.{what.split(' ')[0]}",
+            logging.ERROR,
+            "internal error handling %s (repeats this minute are counted)",
+            what,
+            exc_info=True,
+        )
+
+    def check_subject_job(self, job: str, subject: str) -> None:
+        if self.ctl.subjects.job_of(subject) != job:
+            raise ProtocolError("subject_mismatch", f"message for job {job!r} sent on {subject}")
+
+    async def on_health_msg(self, msg: Msg) -> None:
+        # One task per event, started in delivery order (so decided in it): the next event is
+        # decided and its command published while this one's records are written. The
+        # consumer's max_ack_pending bounds how many are in flight.
+        self.ctl.spawn_background(self.handle_health_msg(msg), "health-event")
+
+    async def handle_health_msg(self, msg: Msg) -> None:
+        """One event from the durable consumer: decide, commit, answer, then acknowledge."""
+        self.ctl.stats["received.devicehealth"] += 1
+        if not self.ctl.leading():
+            return  # not acked: redelivered to whoever leads after ack_wait
+        reply_to = (msg.headers or {}).get(REPLY_HEADER, "")
+        if reply_to and (
+            len(reply_to) > _REPLY_SUBJECT_MAX or not _REPLY_SUBJECT.fullmatch(reply_to)
+        ):
+            # A subject the server would refuse (too long, spaces, wildcards) would make our
+            # publish fail and nats-py drop the connection: decide, but answer nobody.
+            self.reject("devicehealth", "reply_header", f"bad {REPLY_HEADER} header", msg.subject)
+            reply_to = ""
+        reply: msgspec.Struct
+        try:
+            event = decode(msg.data, DeviceHealth, max_bytes=self.ctl.settings.max_message_bytes)
+            if not event.event_id:
+                # Stable across redeliveries: the stream sequence names the event.
+                event.event_id = f"{self.ctl.subjects.prefix}.health#{msg.metadata.sequence.stream}"
+            reply = await self.ctl.handlers.health(event)
+        except NotServing:
+            return
+        except ProtocolError as e:
+            reply = self.reject("devicehealth", e.reason, str(e), msg.subject)
+            # Named as a valid event would be: its own id, or its stream sequence.
+            reply.event_id = (
+                _event_id_of(msg.data)
+                or f"{self.ctl.subjects.prefix}.health#{msg.metadata.sequence.stream}"
+            )
+        except Exception:
+            # Not the event's fault (a publish failed mid-commit, a bug): it is not terminated
+            # but left for redelivery (bounded by the consumer's max_deliver), and since our
+            # state may now be ahead of the store we step down; whoever leads rebuilds.
+            self.log_internal("devicehealth")
+            self.ctl.takeover.spawn_step_down("internal error while handling a health event")
+            return
+        if not isinstance(reply, ErrorReply) and not self.ctl.leading():
+            # Its records are stored under our term (the store fenced them), so an ack landing
+            # late would be harmless; still, a lapsed leader neither answers nor acks: the
+            # event is redelivered to whoever leads, which finds it handled (or decides it).
+            return
+        if reply_to:
+            await self.answer(reply_to, reply)
+        try:
+            # A bad message is terminated (never redelivered); a handled one acknowledged.
+            await (msg.term() if isinstance(reply, ErrorReply) else msg.ack())
+        except Exception as e:
+            self.ctl.stats["errors.ack"] += 1
+            self.log_limited("ack", f"could not acknowledge a health event: {e}")

@@ -1,0 +1,205 @@
+"""The controller's handlers: each decoded request asks the policy, commits, and replies.
+
+See docs/architecture.md, *The controller*.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from marduk.drmap import WorkerKey
+from marduk.metrics import histogram
+from marduk.paging import ENVELOPE_BYTES, SnapshotCache
+from marduk.policy import PolicyError
+from marduk.protocol import (
+    Ack,
+    AckReply,
+    ControllerEvent,
+    DeregisterReply,
+    Deregistration,
+    DeviceHealth,
+    Drain,
+    DrainReply,
+    Forget,
+    ForgetReply,
+    Query,
+    QueryReply,
+    RegisterReply,
+    Registration,
+    Report,
+    ReportReply,
+)
+
+if TYPE_CHECKING:
+    from marduk.controller.shell import Controller
+
+log = logging.getLogger("marduk.controller")
+Handler = Callable[[Any, str], Awaitable[msgspec.Struct | None]]
+
+
+class Handlers:
+    """One method per request kind (and health events): ask the policy, commit, reply."""
+
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+        self._snapshots = SnapshotCache()
+        self._notice_latency = histogram(
+            ctl.registry,
+            "marduk_event_to_command_seconds",
+            "From a health event's delivery to its commands being published.",
+        )
+
+    def endpoints(self) -> list[tuple[str, str, type[msgspec.Struct], Handler, bool]]:
+        """The micro endpoints: name, subject, request type, handler, and whether its requests
+        are handled concurrently (the agents', which come in storms: ``Edge.endpoint``)."""
+        s, h = self.ctl.subjects, self
+        return [
+            ("register", s.any_job("register"), Registration, h.register, True),
+            ("deregister", s.any_job("deregister"), Deregistration, h.deregister, True),
+            ("ack", s.any_job("ack"), Ack, h.ack, True),
+            ("report", s.any_job("report"), Report, h.report, True),
+            ("query", s.query, Query, h.query, False),
+            ("forget", s.forget, Forget, h.forget, False),
+            ("drain", s.drain, Drain, h.drain, False),
+        ]
+
+    async def register(self, reg: Registration, subject: str) -> RegisterReply:
+        self.ctl.edge.check_subject_job(reg.job, subject)
+        try:
+            result = self.ctl.policy.register(reg, time.time())
+        except PolicyError as e:
+            if e.code == "duplicate_worker":
+                # Who was refused: the worker's identity, for watchers and alerts.
+                await self.ctl.outbox.announce(
+                    ControllerEvent(
+                        kind="duplicate_worker",
+                        ts=time.time(),
+                        job=reg.job,
+                        replica=reg.replica,
+                        worker=reg.worker,
+                        detail=str(e),
+                    )
+                )
+            raise
+        await self.ctl.outbox.commit(result.outcome)
+        return RegisterReply(
+            job=reg.job,
+            replica=reg.replica,
+            worker=reg.worker,
+            outcome=result.result,  # type: ignore[arg-type]
+            epoch=result.epoch,
+            command=result.command,
+            renew_interval=result.renew_interval,
+            unusable_devices=result.unusable,
+        )
+
+    async def deregister(self, req: Deregistration, subject: str) -> DeregisterReply:
+        self.ctl.edge.check_subject_job(req.job, subject)
+        key = WorkerKey(req.job, req.replica, req.worker)
+        outcome, known = self.ctl.policy.deregister(key, req.reason, time.time())
+        await self.ctl.outbox.commit(outcome)
+        return DeregisterReply(known=known)
+
+    async def ack(self, ack: Ack, subject: str) -> AckReply:
+        self.ctl.edge.check_subject_job(ack.job, subject)
+        key = WorkerKey(ack.job, ack.replica, ack.worker)
+        outcome = self.ctl.policy.ack(key, ack.epoch, time.time(), devices=ack.devices)
+        await self.ctl.outbox.commit(outcome)
+        return AckReply(epoch=self.ctl.policy.epoch_of_worker(key))
+
+    async def report(self, report: Report, subject: str) -> ReportReply:
+        self.ctl.edge.check_subject_job(report.job, subject)
+        result = self.ctl.policy.on_report(report, time.time())
+        self.ctl.stats[f"reports.{report.status}"] += 1
+        if any(not a.coalesced for a in result.actions):
+            what = report.failure_class or "unclassified"
+            self.count_bounded("restarts", f"{report.status}/{what}")
+        await self.ctl.outbox.commit(result.outcome)
+        return ReportReply(actions=result.actions)
+
+    async def forget(self, req: Forget, subject: str) -> ForgetReply:
+        outcome = self.ctl.policy.forget(req.job, req.replica, req.worker, time.time())
+        await self.ctl.outbox.commit(outcome)
+        return ForgetReply(removed=[str(k) for k in outcome.deleted_workers])
+
+    async def drain(self, req: Drain, subject: str) -> DrainReply:
+        result = self.ctl.policy.drain(req.devices, req.host, req.undrain, req.reason, time.time())
+        await self.ctl.outbox.commit(result.outcome)
+        for conflict in result.conflicts:
+            log.warning("drain --host %s: conflicting claim: %s", req.host, conflict)
+        return DrainReply(
+            devices=result.devices, actions=result.actions, conflicts=result.conflicts
+        )
+
+    async def health(self, event: DeviceHealth) -> msgspec.Struct:
+        now = time.time()
+        if not event.timestamp:
+            event.timestamp = now
+        t0 = time.perf_counter()
+        result = self.ctl.policy.on_health(event, now)
+        reply = result.reply
+        if reply.duplicate:
+            self.ctl.stats["health.duplicates"] += 1
+        elif not reply.known:
+            self.ctl.stats["health.unknown_device"] += 1
+        else:
+            self.ctl.stats[f"events.{event.state}"] += 1
+            self.count_source(event.source)
+            for action in reply.actions:
+                if action.coalesced:
+                    self.ctl.stats["health.coalesced"] += 1
+                else:
+                    self.ctl.stats[f"restarts.device/{action.kind}"] += 1
+        commit = self.ctl.pipeline.submit(result.outcome)
+        await commit.published
+        if result.outcome.commands:
+            self._notice_latency.observe(time.perf_counter() - t0)
+        await commit.durable
+        return reply
+
+    def count_source(self, source: str) -> None:
+        self.count_bounded("sources", source or "unknown")
+
+    def count_bounded(self, family: str, label: str, limit: int = 100) -> None:
+        """Count under a label chosen by a peer: at most ``limit`` labels, then "other"."""
+        key = f"{family}.{label[:100]}"
+        if (
+            key not in self.ctl.stats
+            and sum(k.startswith(family + ".") for k in self.ctl.stats) >= limit
+        ):
+            key = f"{family}.other"
+        self.ctl.stats[key] += 1
+
+    async def query(self, query: Query, subject: str) -> QueryReply:
+        """Answer a query, one page at a time: every reply fits the server's max payload."""
+        now = time.monotonic()
+        standbys = self.ctl.takeover.live_standbys()
+        job = query.job
+        snap = self._snapshots.get(
+            query.snapshot,
+            now,
+            lambda: (
+                self.ctl.policy.worker_infos(job) if query.what == "map" else [],
+                self.ctl.policy.device_infos(job) if query.what in ("map", "devices") else [],
+            ),
+        )
+        budget = (self.ctl.nc.max_payload if self.ctl.nc is not None else 1 << 20) - ENVELOPE_BYTES
+        page, next_offset = snap.page(query.offset, budget)
+        self.ctl.stats["queries.pages"] += 1
+        return QueryReply(
+            controller=self.ctl.info(),
+            standbys=standbys,
+            stats=dict(self.ctl.stats) if page.offset == 0 else {},
+            workers=page.workers,
+            devices=page.devices,
+            snapshot=snap.id,
+            offset=page.offset,
+            next_offset=next_offset,
+            total_workers=len(snap.workers),
+            total_devices=len(snap.devices),
+        )

@@ -1,0 +1,163 @@
+"""What a commit does: write ahead, publish the commands, persist, announce the events.
+
+See docs/architecture.md, *The commit path*.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+from marduk import auth
+from marduk.aio import Backoff
+from marduk.commit import NotServing
+from marduk.controller.telemetry import log_event
+from marduk.policy import Outcome
+from marduk.protocol import (
+    Command,
+    ControllerEvent,
+    encode,
+)
+from marduk.records import EpochRecord
+from marduk.store import Fenced
+
+if TYPE_CHECKING:
+    from marduk.controller.shell import Controller
+
+log = logging.getLogger("marduk.controller")
+
+# A write-ahead gives up (and the leader steps down) after this long in all; records written
+# after publishing after the second; each attempt waits at most the third for its
+# acknowledgements (BatchWriter's own 5 s would hold every later commit up to 30 s).
+_WRITE_AHEAD_BUDGET_S = 1.5
+_PERSIST_BUDGET_S = 3.0
+_WRITE_ATTEMPT_S = 0.5
+
+
+def _has_writes(o: Outcome) -> bool:
+    return bool(
+        o.put_workers
+        or o.deleted_workers
+        or o.put_epochs
+        or o.deleted_epochs
+        or o.put_devices
+        or o.deleted_devices
+        or o.handled
+    )
+
+
+class Outbox:
+    """The steps of the commit pipeline (``marduk.commit``): write ahead, publish, persist,
+    announce, each write retried while we lead and within its budget."""
+
+    def __init__(self, ctl: Controller) -> None:
+        self.ctl = ctl
+
+    async def commit(self, outcome: Outcome) -> None:
+        """Commit a decision (``marduk.commit``): back once its records are written; raises
+        ``NotServing`` if it was fenced, and then nothing of it went out."""
+        await self.ctl.pipeline.commit(outcome)
+
+    def publish_failed(self, error: Exception) -> None:
+        self.ctl.stats["errors.publish"] += 1
+        self.ctl.edge.log_limited("publish", f"a command could not be published: {error}")
+
+    def stop_committing(self, counter: str, why: str) -> None:
+        self.ctl.stats[counter] += 1
+        self.ctl.takeover.spawn_step_down(why)
+
+    async def publish_outcome(self, outcome: Outcome) -> None:
+        for command in outcome.commands:
+            await self.publish_command(command)
+            self.ctl.stats[f"commands.{command.kind}"] += 1
+        for command in outcome.resent:
+            await self.publish_command(command)
+            self.ctl.stats["commands.resent"] += 1
+        for notice in outcome.notices:
+            # After the commands: the failed replicas hear first. Signed like them.
+            await self.publish_command(notice)
+            self.ctl.stats["commands.peer_failed"] += 1
+
+    async def announce_all(self, outcome: Outcome) -> None:
+        for event in outcome.events:
+            await self.announce(event)
+
+    async def announce(self, event: ControllerEvent) -> None:
+        log_event(event, self.ctl.edge.log_limited)
+        if self.ctl.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.ctl.nc.publish(self.ctl.subjects.events(event.job), encode(event))
+
+    async def write_ahead(self, ceilings: list[EpochRecord]) -> bool:
+        """Make the epoch ceilings durable; False if they could not be while we lead."""
+        if self.ctl.store is None:
+            return True
+        store = self.ctl.store
+        if await self.retry(lambda: store.write_ahead(ceilings), budget_s=_WRITE_AHEAD_BUDGET_S):
+            return True
+        log.error("epoch ceilings not persisted; the commands do not go out")
+        return False
+
+    async def persist(self, outcomes: list[Outcome]) -> None:
+        """Write the outcomes' other records (after their commands went out)."""
+        if self.ctl.store is None or not any(_has_writes(o) for o in outcomes):
+            return
+        store = self.ctl.store
+        if not await self.retry(lambda: store.apply(outcomes), budget_s=_PERSIST_BUDGET_S):
+            # The commands went out already (their ceilings are durable), but our state is
+            # ahead of the store, and a lapsed leader must not answer or acknowledge: nothing
+            # waiting on these records is answered or acked (the events are redelivered), and
+            # we step down; whoever leads next rebuilds from the store and the agents.
+            log.error("state not persisted after publishing; stepping down")
+            self.stop_committing("store.persist_failed", "records could not be written")
+            raise NotServing("records not persisted")
+
+    async def retry(self, write: Callable[[], Awaitable[None]], *, budget_s: float) -> bool:
+        """Try a write while we lead, for at most ``budget_s`` in all (each attempt at most
+        ``_WRITE_ATTEMPT_S``); False if it never succeeded.
+
+        Bounded, since later commits wait for this one: a write-ahead gives up after
+        ``_WRITE_AHEAD_BUDGET_S`` (then we step down and the event is redelivered to whoever
+        leads, which rebuilds from the store: a JetStream election is ridden out that way);
+        records written after publishing get ``_PERSIST_BUDGET_S``. Every write is idempotent,
+        and one acknowledged after we gave up only makes the store more current.
+        """
+        deadline = time.monotonic() + budget_s
+        backoff, attempt = Backoff(initial=0.05, cap=0.5), 0
+        while True:
+            attempt += 1
+            remaining = deadline - time.monotonic()
+            try:
+                await asyncio.wait_for(write(), min(_WRITE_ATTEMPT_S, max(remaining, 0.01)))
+                return True
+            except Fenced as e:
+                # Refused by the store: another leader's term began. Retrying cannot help.
+                self.ctl.stats["store.fenced"] += 1
+                self.ctl.edge.log_limited("store", f"state write refused: {e}")
+                return False
+            except Exception as e:  # TimeoutError (not acknowledged in time) included
+                self.ctl.stats["store.errors"] += 1
+                why = str(e) or type(e).__name__
+                self.ctl.edge.log_limited("store", f"state write failed (attempt {attempt}): {why}")
+            if not self.ctl.leading() or deadline - time.monotonic() <= backoff.delay:
+                break
+            await asyncio.sleep(backoff.next())
+        self.ctl.stats["store.given_up"] += 1
+        return False
+
+    async def publish_command(self, command: Command) -> None:
+        assert self.ctl.nc is not None
+        payload = encode(command)
+        headers = None
+        if self.ctl.signing_seed is not None:
+            headers = {auth.SIG_HEADER: auth.sign(self.ctl.signing_seed, payload)}
+        await self.ctl.nc.publish(self.command_subject(command), payload, headers=headers)
+
+    def command_subject(self, command: Command) -> str:
+        if command.replica is None:
+            return self.ctl.subjects.job_commands(command.job)
+        return self.ctl.subjects.replica_commands(command.job, command.replica)

@@ -1,0 +1,80 @@
+"""What the controller shows of itself: gauges for /metrics and the log line of each event."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import Metric
+
+from marduk.metrics import gauge
+from marduk.protocol import (
+    ControllerEvent,
+)
+
+if TYPE_CHECKING:
+    from marduk.controller.shell import Controller
+
+log = logging.getLogger("marduk.controller")
+
+_WARN_EVENTS = frozenset(
+    {
+        "unknown_device",
+        "fail_issued",
+        "worker_crashed",
+        "worker_hung",
+        "worker_gave_up",
+        "worker_stale",
+        "worker_expired",
+        "duplicate_worker",
+    }
+)
+
+
+def gauges(ctl: Controller) -> Iterator[Metric]:
+    leading = ctl.leading()
+    yield gauge("marduk_leader", "1 if this controller leads.", {"leader": float(leading)}, "role")
+    if not leading:
+        return
+    p = ctl.policy
+    workers = {"live": float(len(p.workers) - len(p.stale)), "stale": float(len(p.stale))}
+    yield gauge("marduk_workers", "Registered workers, by state.", workers, "state")
+    devices: Counter[str] = Counter({"healthy": 0, "degraded": 0, "failed": 0})
+    for name in p.drmap.devices():
+        rec = p.devices.get(name)
+        devices[rec.state if rec else "healthy"] += 1
+    yield gauge(
+        "marduk_devices",
+        "Devices in use, by health state.",
+        {k: float(v) for k, v in devices.items()},
+        "state",
+    )
+    standbys = float(len(ctl.takeover.live_standbys()))
+    yield gauge("marduk_standbys", "Hot standbys heard from.", {"all": standbys}, "scope")
+
+
+def log_event(event: ControllerEvent, limited: Callable[[str, str, int], None]) -> None:
+    where = "/".join(str(p) for p in (event.job, event.replica, event.worker) if p is not None)
+    parts = [event.kind, where, event.device and f"device {event.device}"]
+    if event.epoch is not None and event.kind.endswith("_issued"):
+        parts.append(f"epoch {event.epoch}")
+    line = " ".join(p for p in parts if p)
+    if event.detail:
+        line += f" - {event.detail}"
+    level = logging.WARNING if event.kind in _WARN_EVENTS else logging.INFO
+    if event.kind == "unknown_device":
+        limited("unknown_device", line, level)
+    else:
+        # As fields too, for JSON logs: job, replica, worker, epoch, device, event.
+        fields = {
+            "event": event.kind,
+            "job": event.job,
+            "replica": event.replica,
+            "worker": event.worker,
+            "epoch": event.epoch,
+            "device": event.device,
+            "event_id": event.event_id or None,
+        }
+        log.log(level, "%s", line, extra={k: v for k, v in fields.items() if v is not None})
