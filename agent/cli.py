@@ -19,8 +19,8 @@ from agent.run_config import LAUNCH, Config, ConfigError, RunArgs, build_config
 from agent.run_config import node_name as node_name
 from agent.run_config import trainer_command as trainer_command
 from agent.supervisor_config import CONNECT_TIMEOUT_S
-from marduk import options
-from marduk.subjects import DEFAULT_PREFIX
+from marduk.shell import options
+from marduk.wire.subjects import DEFAULT_PREFIX
 
 # Every default below is a settings object's (each defined once): the supervisor's
 # (SupervisorConfig's class attributes), the launch contract's, the library's. What the options
@@ -394,8 +394,8 @@ def run(
     # First, before any other name is bound: every option's value, by name (RunArgs's fields).
     args = RunArgs(**locals())
     from agent.supervisor import CANCEL_WAIT_S, Supervisor
-    from marduk.logs import setup_logging
-    from marduk.runtime import run_to_exit
+    from marduk.shell.logs import setup_logging
+    from marduk.shell.runtime import run_to_exit
 
     setup_logging(json_logs=json_logs, level=log_level)
     try:

@@ -38,7 +38,7 @@ from agent.options import (
 )
 from agent.sync_client import Client
 from agent.transport import AgentClient, open_client
-from marduk.credentials import Credentials
+from marduk.transport.credentials import Credentials
 
 __all__ = [
     "AgentClient",

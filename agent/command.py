@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from marduk import protocol as wire
+from marduk.wire import protocol as wire
 
 
 @dataclass(frozen=True, slots=True)

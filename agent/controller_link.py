@@ -17,10 +17,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from agent.client import AsyncClient, Command, Options
-from marduk import protocol as wire
-from marduk.credentials import redact
 from marduk.errors import MardukError
-from marduk.metrics import StatsCollector
+from marduk.shell.metrics import StatsCollector
+from marduk.transport.credentials import redact
+from marduk.wire import protocol as wire
 
 # The supervisor's log: what operators read and filter on for the agent.
 log = logging.getLogger("agent.supervisor")

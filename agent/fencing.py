@@ -45,7 +45,7 @@ class Verdict(enum.Enum):
 
 
 class Sighting(Protocol):
-    """What the rule reads of a command (``marduk.protocol.Command`` has it)."""
+    """What the rule reads of a command (``marduk.wire.protocol.Command`` has it)."""
 
     @property
     def epoch(self) -> int: ...

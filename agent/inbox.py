@@ -14,8 +14,8 @@ import msgspec
 from agent.command import Command, OnCommand
 from agent.fencing import Fence, Verdict
 from agent.options import Options
-from marduk import protocol as wire
 from marduk.aio import TaskSet
+from marduk.wire import protocol as wire
 
 log = logging.getLogger("agent")
 

@@ -12,7 +12,7 @@ Each local rank gets torchrun's variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZ
 ``TORCHELASTIC_MAX_RESTARTS``, ``TORCHELASTIC_RUN_ID``). Either every agent knows its node
 rank (``--node-rank``), as with torchrun's ``static`` backend (``--rdzv-endpoint host:port``
 names the master), or, with ``--nnodes MIN:MAX`` and no ``--node-rank``, the controller is the
-rendezvous: each epoch's membership (marduk/membership.py) gives the node rank, world size and
+rendezvous: each epoch's membership (marduk/core/membership.py) gives the node rank, world size and
 coordinator (``LaunchSpec.placed``). Pure: the look-ups of the
 machine's ports are agent/ports.py's.
 """

@@ -38,8 +38,8 @@ from agent.command import Command, OnCommand
 from agent.errors import AgentError
 from agent.inbox import CommandInbox
 from agent.options import Options
-from marduk import protocol as wire
 from marduk.aio import RateLimitedLog
+from marduk.wire import protocol as wire
 
 log = logging.getLogger("agent.local")
 

@@ -27,12 +27,12 @@ from agent.errors import AgentError
 from agent.fencing import Verdict
 from agent.inbox import CommandInbox
 from agent.options import Options
-from marduk import bus
-from marduk import protocol as wire
-from marduk.auth import SIG_HEADER, verify
-from marduk.credentials import redact
 from marduk.errors import MardukError, RequestRejected
-from marduk.subjects import Subjects
+from marduk.transport import bus
+from marduk.transport.auth import SIG_HEADER, verify
+from marduk.transport.credentials import redact
+from marduk.wire import protocol as wire
+from marduk.wire.subjects import Subjects
 
 log = logging.getLogger("agent")
 

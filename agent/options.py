@@ -12,11 +12,11 @@ from typing import Final, Literal
 from agent import handoff
 from agent.errors import AgentError
 from agent.handoff import Handoff, HandoffError
-from marduk import bus
-from marduk.credentials import Credentials
 from marduk.errors import MardukError
-from marduk.protocol import Rendezvous
-from marduk.subjects import DEFAULT_PREFIX, check_job, check_replica
+from marduk.transport import bus
+from marduk.transport.credentials import Credentials
+from marduk.wire.protocol import Rendezvous
+from marduk.wire.subjects import DEFAULT_PREFIX, check_job, check_replica
 
 DEFAULT_JOB: Final = "default"
 DEFAULT_SCOPE: Final = "replica"
@@ -59,7 +59,7 @@ def resolve_controller_keys(
 ) -> list[str] | None:
     """Keys to verify command signatures with: the argument, MARDUK_CONTROLLER_KEY, or the
     ``controller.pub`` that ``marduk auth init`` wrote beside the nkey seed file."""
-    from marduk.auth import CONTROLLER_PUB, load_public_keys
+    from marduk.transport.auth import CONTROLLER_PUB, load_public_keys
 
     env = dict(os.environ) if env is None else env
     value = given or env.get("MARDUK_CONTROLLER_KEY")

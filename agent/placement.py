@@ -1,5 +1,5 @@
 """Where this node sits at an epoch when the controller assigns the node ranks (``marduk agent
-run --nnodes MIN:MAX`` without ``--node-rank``; marduk/membership.py decides).
+run --nnodes MIN:MAX`` without ``--node-rank``; marduk/core/membership.py decides).
 
 The agent holds its trainers until the membership naming this worker has come with a command at
 the epoch it starts at, or a later one (the published command, or the command of a registration
@@ -20,7 +20,7 @@ import msgspec
 from agent.nats_client import AsyncClient
 from agent.options import Options
 from agent.ports import coordinator_ports
-from marduk.protocol import Member, Membership
+from marduk.wire.protocol import Member, Membership
 
 log = logging.getLogger("agent.supervisor")
 

@@ -30,9 +30,9 @@ from agent.launch import (
     parse_std,
 )
 from agent.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
-from marduk import options
-from marduk.protocol import Rendezvous
-from marduk.subjects import DEFAULT_PREFIX
+from marduk.shell import options
+from marduk.wire.protocol import Rendezvous
+from marduk.wire.subjects import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
     from agent.options import Options
@@ -108,7 +108,7 @@ class RunArgs:
     @property
     def ranks_from_controller(self) -> bool:
         """``--nnodes MIN:MAX`` (MIN below MAX), or across nodes without ``--node-rank``: the
-        controller assigns the node ranks (marduk/membership.py)."""
+        controller assigns the node ranks (marduk/core/membership.py)."""
         lo, _, hi = (self.nnodes or "1").partition(":")
         hi = hi or lo
         return lo != hi or (self.node_rank is None and hi not in ("", "1"))

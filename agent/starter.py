@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from agent import handoff
 from agent.start_mode import StartFacts, StartMode, choose, needs_import_check
 from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
-from marduk.children import die_with_parent
+from marduk.transport.children import die_with_parent
 
 log = logging.getLogger("agent.supervisor")
 

@@ -1,4 +1,4 @@
-"""The agent's supervision core: what happened in, what to do out. Pure, like marduk/policy.py.
+"""The agent's supervision core: what happened in, what to do out. Pure, like marduk/core/policy.py.
 
 ``marduk agent run`` (agent/supervisor.py) runs processes and talks to the controller; every
 decision about them is made here, from facts the shell observes, with ``now`` as an argument

@@ -87,11 +87,11 @@ from agent.supervision import (
 )
 from agent.supervisor_config import SupervisorConfig, default_preload
 from agent.zygote import TrainerProcess
-from marduk import protocol as wire
 from marduk.aio import TaskSet
-from marduk.credentials import redact
 from marduk.errors import MardukError
-from marduk.metrics import MetricsServer, Probes, StatsCollector, gauge, histogram
+from marduk.shell.metrics import MetricsServer, Probes, StatsCollector, gauge, histogram
+from marduk.transport.credentials import redact
+from marduk.wire import protocol as wire
 
 __all__ = ["ExitCode", "Supervisor", "SupervisorConfig", "default_preload", "standby_command"]
 

@@ -47,7 +47,7 @@ import traceback
 from typing import Any, Protocol
 
 from agent.client import AgentError
-from marduk.children import die_with_parent
+from marduk.transport.children import die_with_parent
 
 MAX_ORDER = 1 << 20  # bytes: the environment travels in the order
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37

@@ -52,12 +52,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench_notify import machine, pct, source_version, start_nats_server
 
-from marduk import bus
-from marduk import protocol as wire
-from marduk.embedded import find_binary
 from marduk.errors import MardukError
-from marduk.health_stream import CONSUMER
-from marduk.subjects import Subjects
+from marduk.store.health_stream import CONSUMER
+from marduk.transport import bus
+from marduk.transport.embedded import find_binary
+from marduk.wire import protocol as wire
+from marduk.wire.subjects import Subjects
 from monitor_cli.client import publish_durably, store, watch_stored
 
 PREFIX = "marduk"

@@ -42,8 +42,8 @@ import nats
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from marduk import protocol as wire
-from marduk.embedded import find_binary, listening
+from marduk.transport.embedded import find_binary, listening
+from marduk.wire import protocol as wire
 
 
 def start_nats_server(tmp: Path, timeout: float = 10.0) -> tuple[subprocess.Popen[bytes], str]:

@@ -314,7 +314,7 @@ def inject(url: str, device: str) -> float:
 
     import nats
 
-    from marduk import protocol as wire
+    from marduk.wire import protocol as wire
 
     async def go() -> float:
         nc = await nats.connect(url)

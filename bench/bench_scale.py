@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_notify import machine, source_version, start_nats_server, summary
 
-from marduk import protocol as wire
+from marduk.wire import protocol as wire
 
 JOB = "bench"
 

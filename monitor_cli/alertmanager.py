@@ -40,11 +40,11 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from marduk import bus
 from marduk.aio import HttpServer, parse_host_port, respond
 from marduk.errors import MardukError, ProtocolError, RequestRejected
-from marduk.metrics import StatsCollector
-from marduk.protocol import DeviceHealth, HealthState, decode, encode
+from marduk.shell.metrics import StatsCollector
+from marduk.transport import bus
+from marduk.wire.protocol import DeviceHealth, HealthState, decode, encode
 from monitor_cli.publisher import DurablePublisher, UnavailableError
 
 log = logging.getLogger("marduk.monitor.alertmanager")

@@ -11,8 +11,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from marduk import options
 from marduk.errors import MardukError
+from marduk.shell import options
 
 app = typer.Typer(add_completion=False)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -87,8 +87,8 @@ def alertmanager(
     for the controller; a repeated notification is recognised and changes nothing. Serves
     POST / for Alertmanager, and GET /healthz, /readyz, /metrics. Stops on SIGINT/SIGTERM.
     """
-    from marduk.logs import setup_logging
-    from marduk.runtime import run
+    from marduk.shell.logs import setup_logging
+    from marduk.shell.runtime import run
     from monitor_cli.alertmanager import (
         AlertMapping,
         ReceiverSettings,

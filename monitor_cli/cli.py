@@ -22,11 +22,12 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.markup import escape
 
-from marduk import bus, options
 from marduk.errors import MardukError, PermissionDeniedError
-from marduk.protocol import ControllerEvent, HealthReply, QueryReply, decode
-from marduk.runtime import run
-from marduk.subjects import Subjects
+from marduk.shell import options
+from marduk.shell.runtime import run
+from marduk.transport import bus
+from marduk.wire.protocol import ControllerEvent, HealthReply, QueryReply, decode
+from marduk.wire.subjects import Subjects
 from monitor_cli import client, status_view
 from monitor_cli.status_view import plural
 

@@ -20,15 +20,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from marduk import bus
-from marduk.credentials import redact
 from marduk.errors import (
     MardukError,
     NoControllerError,
     PermissionDeniedError,
     RequestRejected,
 )
-from marduk.protocol import (
+from marduk.transport import bus
+from marduk.transport.credentials import redact
+from marduk.wire.protocol import (
     ControllerEvent,
     DeviceHealth,
     Drain,
@@ -45,7 +45,7 @@ from marduk.protocol import (
     decode,
     encode,
 )
-from marduk.subjects import REPLY_HEADER, Subjects
+from marduk.wire.subjects import REPLY_HEADER, Subjects
 
 log = logging.getLogger("monitor_cli.client")
 
@@ -307,7 +307,7 @@ async def store(
     return the event's stream sequence.
 
     The stream sends no acknowledgement (it would go to any reply subject, with the server's
-    rights: see marduk/health_stream.py); it republishes the headers of what it stored on
+    rights: see marduk/store/health_stream.py); it republishes the headers of what it stored on
     ``stored``'s subject, where ours carries our ``inbox``. Nothing comes while the stream has
     no leader (a NATS node was lost, an election: seconds): then we publish again.
     """
@@ -340,7 +340,7 @@ async def store(
 
 
 async def _unstored(nc: NATS, subjects: Subjects, addr: str, timeout: float) -> MardukError:
-    from marduk.health_stream import stream_name
+    from marduk.store.health_stream import stream_name
 
     try:
         info = await nc.jetstream(timeout=1.0).stream_info(stream_name(subjects.prefix))

@@ -55,12 +55,12 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from marduk import bus
 from marduk.aio import Backoff, restart_forever
-from marduk.credentials import redact
 from marduk.errors import MardukError, RequestRejected
-from marduk.protocol import DeviceHealth, HealthReply, HealthState
-from marduk.subjects import Subjects
+from marduk.transport import bus
+from marduk.transport.credentials import redact
+from marduk.wire.protocol import DeviceHealth, HealthReply, HealthState
+from marduk.wire.subjects import Subjects
 from monitor_cli.probes.base import Condition, EventProbe, Probe
 from monitor_cli.publisher import DurablePublisher, one_line
 

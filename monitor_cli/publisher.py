@@ -22,12 +22,12 @@ from collections.abc import Callable
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from marduk import bus
 from marduk.aio import Backoff
-from marduk.credentials import redact
 from marduk.errors import ConnectError, MardukError, RequestRejected
-from marduk.protocol import DeviceHealth, HealthReply
-from marduk.subjects import Subjects
+from marduk.transport import bus
+from marduk.transport.credentials import redact
+from marduk.wire.protocol import DeviceHealth, HealthReply
+from marduk.wire.subjects import Subjects
 from monitor_cli.client import UndecidedError, publish_durably
 
 log = logging.getLogger("monitor_cli.publisher")

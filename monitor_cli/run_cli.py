@@ -14,10 +14,10 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from marduk import options
 from marduk.errors import MardukError
-from marduk.logs import setup_logging
-from marduk.runtime import run as run_loop
+from marduk.shell import options
+from marduk.shell.logs import setup_logging
+from marduk.shell.runtime import run as run_loop
 from monitor_cli.daemon import DaemonSettings, MonitorDaemon, default_host
 
 app = typer.Typer(add_completion=False)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from marduk.protocol import ControllerEvent, ControllerInfo, DeviceInfo, QueryReply, WorkerInfo
+from marduk.wire.protocol import ControllerEvent, ControllerInfo, DeviceInfo, QueryReply, WorkerInfo
 
 ELLIPSIS = "…"
 WORKER_STATES = ("live", "stale")

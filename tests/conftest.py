@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from marduk.controller import Controller, ControllerSettings
-from marduk.embedded import find_binary, listening
+from marduk.transport.embedded import find_binary, listening
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E = Path(__file__).resolve().parent / "e2e"
@@ -101,7 +101,7 @@ def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
 
 
 def controller_settings(server: NatsServer, tmp_path: Path, **policy: object) -> ControllerSettings:
-    from marduk.policy import PolicyConfig
+    from marduk.core.policy import PolicyConfig
 
     return ControllerSettings(
         addr=server.url,
@@ -129,8 +129,8 @@ async def health_event(  # type: ignore[no-untyped-def]
     nc, device: str, state: str = "failed", event_id: str = "", timeout: float = 5.0
 ):
     """Publish a health event durably (as monitors do) and return the controller's HealthReply."""
-    from marduk.protocol import DeviceHealth
-    from marduk.subjects import Subjects
+    from marduk.wire.protocol import DeviceHealth
+    from marduk.wire.subjects import Subjects
     from monitor_cli.client import publish_durably
 
     event = DeviceHealth(device=device, state=state, event_id=event_id)  # type: ignore[arg-type]
@@ -140,7 +140,7 @@ async def health_event(  # type: ignore[no-untyped-def]
 async def store_health(nc, payload: bytes, inbox: str = "") -> int:  # type: ignore[no-untyped-def]
     """Publish to the health stream and wait until it stored the event (it sends no ack);
     the controller's answer, if any, goes to ``inbox``. Returns the stream sequence."""
-    from marduk.subjects import Subjects
+    from marduk.wire.subjects import Subjects
     from monitor_cli.client import store, watch_stored
 
     stored = await watch_stored(nc, Subjects())

@@ -30,8 +30,8 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from marduk.children import die_with_parent
-from marduk.embedded import find_binary, listening
+from marduk.transport.children import die_with_parent
+from marduk.transport.embedded import find_binary, listening
 from tests.conftest import free_port
 
 CLUSTER_NAME = "marduk-test"

@@ -19,16 +19,16 @@ from nats.aio.msg import Msg
 from nats.micro.request import Request as MicroRequest
 
 from marduk.aio import RateLimitedLog
-from marduk.commit import NotServing
+from marduk.controller.commit import NotServing
+from marduk.core.policy import PolicyError
 from marduk.errors import ProtocolError
-from marduk.policy import PolicyError
-from marduk.protocol import (
+from marduk.wire.protocol import (
     DeviceHealth,
     ErrorReply,
     decode,
     encode,
 )
-from marduk.subjects import REPLY_HEADER
+from marduk.wire.subjects import REPLY_HEADER
 
 if TYPE_CHECKING:
     from marduk.controller.shell import Controller

@@ -12,11 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from marduk.drmap import WorkerKey
-from marduk.metrics import histogram
-from marduk.paging import ENVELOPE_BYTES, SnapshotCache
-from marduk.policy import PolicyError
-from marduk.protocol import (
+from marduk.core.drmap import WorkerKey
+from marduk.core.paging import ENVELOPE_BYTES, SnapshotCache
+from marduk.core.policy import PolicyError
+from marduk.shell.metrics import histogram
+from marduk.wire.protocol import (
     Ack,
     AckReply,
     ControllerEvent,

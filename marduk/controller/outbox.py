@@ -12,18 +12,18 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from marduk import auth
 from marduk.aio import Backoff
-from marduk.commit import NotServing
+from marduk.controller.commit import NotServing
 from marduk.controller.telemetry import log_event
-from marduk.policy import Outcome
-from marduk.protocol import (
+from marduk.core.policy import Outcome
+from marduk.core.records import EpochRecord
+from marduk.store.state import Fenced
+from marduk.transport import auth
+from marduk.wire.protocol import (
     Command,
     ControllerEvent,
     encode,
 )
-from marduk.records import EpochRecord
-from marduk.store import Fenced
 
 if TYPE_CHECKING:
     from marduk.controller.shell import Controller
@@ -51,14 +51,14 @@ def _has_writes(o: Outcome) -> bool:
 
 
 class Outbox:
-    """The steps of the commit pipeline (``marduk.commit``): write ahead, publish, persist,
-    announce, each write retried while we lead and within its budget."""
+    """The steps of the commit pipeline (``commit``): write ahead, publish, persist, announce,
+    each write retried while we lead and within its budget."""
 
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl
 
     async def commit(self, outcome: Outcome) -> None:
-        """Commit a decision (``marduk.commit``): back once its records are written; raises
+        """Commit a decision (``commit``): back once its records are written; raises
         ``NotServing`` if it was fenced, and then nothing of it went out."""
         await self.ctl.pipeline.commit(outcome)
 

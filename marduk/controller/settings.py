@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from marduk import bus
-from marduk.credentials import Credentials
-from marduk.embedded import default_state_dir
+from marduk.core.policy import PolicyConfig
 from marduk.errors import MardukError
-from marduk.policy import PolicyConfig
-from marduk.protocol import (
+from marduk.transport import bus
+from marduk.transport.credentials import Credentials
+from marduk.transport.embedded import default_state_dir
+from marduk.wire.protocol import (
     MAX_MESSAGE_BYTES,
 )
 

@@ -22,28 +22,29 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import ServiceUnavailableError
 from prometheus_client import CollectorRegistry
 
-from marduk import __version__, auth, bus
+from marduk import __version__
 from marduk.aio import Pulse, TaskSet
-from marduk.commit import CommitPipeline, NotServing, Steps
+from marduk.controller.commit import CommitPipeline, NotServing, Steps
 from marduk.controller.edge import Edge
 from marduk.controller.handlers import Handlers
+from marduk.controller.leadership import Leadership
 from marduk.controller.outbox import Outbox
 from marduk.controller.settings import ControllerSettings, StartupError
 from marduk.controller.takeover import Takeover
 from marduk.controller.telemetry import gauges
-from marduk.credentials import redact
-from marduk.embedded import EmbeddedServer, ServerKeeper
+from marduk.core.policy import Policy
+from marduk.core.role import Event, Role, RoleMachine
 from marduk.errors import ConnectError, MardukError
-from marduk.health_stream import HealthConsumer, ensure_stream
-from marduk.leadership import Leadership
-from marduk.metrics import MetricsServer, Probes, StatsCollector
-from marduk.policy import Policy
-from marduk.protocol import (
+from marduk.shell.metrics import MetricsServer, Probes, StatsCollector
+from marduk.store.health_stream import HealthConsumer, ensure_stream
+from marduk.store.state import StateMirror, StateStore
+from marduk.transport import auth, bus
+from marduk.transport.credentials import redact
+from marduk.transport.embedded import EmbeddedServer, ServerKeeper
+from marduk.wire.protocol import (
     ControllerInfo,
 )
-from marduk.role import Event, Role, RoleMachine
-from marduk.store import StateMirror, StateStore
-from marduk.subjects import Subjects
+from marduk.wire.subjects import Subjects
 
 log = logging.getLogger("marduk.controller")
 T = TypeVar("T", bound=msgspec.Struct)
@@ -122,7 +123,7 @@ class Controller:
         # Commands are signed with the controller's nkey, so agents can tell them from forgeries.
         self.signing_seed: bytes | None = None
         self._metrics: MetricsServer | None = None
-        # The one role (marduk.role); the two events below follow it for waiters.
+        # The one role (marduk.core.role); the two events below follow it for waiters.
         self.roles = RoleMachine(self._role_changed)
         self.role_pulse = Pulse()
         self.serving = asyncio.Event()  # SERVING and subscribed (cleared on leaving SERVING)

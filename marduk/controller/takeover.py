@@ -20,18 +20,18 @@ from nats.micro.service import Service as MicroService
 
 from marduk import __version__
 from marduk.aio import Pulse, wait_any
-from marduk.credentials import redact
+from marduk.core.policy import Policy
+from marduk.core.role import Event, Role
 from marduk.errors import MardukError, ProtocolError
-from marduk.policy import Policy
-from marduk.protocol import (
+from marduk.store.state import Fenced, Loaded
+from marduk.transport.credentials import redact
+from marduk.wire.protocol import (
     ControllerInfo,
     Hello,
     Standby,
     decode,
     encode,
 )
-from marduk.role import Event, Role
-from marduk.store import Fenced, Loaded
 
 if TYPE_CHECKING:
     from marduk.controller.shell import Controller

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
-from marduk.metrics import gauge
-from marduk.protocol import (
+from marduk.shell.metrics import gauge
+from marduk.wire.protocol import (
     ControllerEvent,
 )
 

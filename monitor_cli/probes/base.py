@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from marduk.protocol import HealthState
+from marduk.wire.protocol import HealthState
 
 
 @dataclass(frozen=True, slots=True)

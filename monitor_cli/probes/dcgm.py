@@ -31,7 +31,7 @@ from typing import Final
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from marduk.protocol import HealthState
+from marduk.wire.protocol import HealthState
 from monitor_cli.probes.base import Condition
 from monitor_cli.probes.httpget import HttpError, http_get, shown
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from marduk.errors import MardukError
-from marduk.protocol import HealthState
+from marduk.wire.protocol import HealthState
 from monitor_cli.probes.base import Condition
 
 log = logging.getLogger("monitor_cli.probes.node")

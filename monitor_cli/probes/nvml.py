@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from marduk.errors import MardukError
-from marduk.protocol import HealthState
+from marduk.wire.protocol import HealthState
 from monitor_cli.probes.base import Condition, Emit
 
 log = logging.getLogger("monitor_cli.probes.nvml")

@@ -41,11 +41,11 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from agent.client import AsyncClient, Command, connect_async
-from marduk import bus
-from marduk import protocol as wire
-from marduk.protocol import decode, encode
-from marduk.store import events_bucket_name, handled_kv_key
-from marduk.subjects import Subjects
+from marduk.store.state import events_bucket_name, handled_kv_key
+from marduk.transport import bus
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import decode, encode
+from marduk.wire.subjects import Subjects
 from tests.conftest import NatsServer, store_health
 from tests.processes import Proc
 

@@ -39,12 +39,12 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.protocol import decode, encode
-from marduk.records import EpochRecord
-from marduk.store import TERM_KEY, bucket_name, handled_kv_key
-from marduk.subjects import Subjects
+from marduk.core.records import EpochRecord
+from marduk.store.state import TERM_KEY, bucket_name, handled_kv_key
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import decode, encode
+from marduk.wire.subjects import Subjects
 from tests.conftest import (
     NatsServer,
     controller_settings,

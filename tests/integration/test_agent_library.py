@@ -162,7 +162,7 @@ def test_library_imports_without_jax_controller_or_cli() -> None:
     code = (
         "import sys, agent; "
         "bad = [m for m in ('jax', 'typer', 'rich', 'marduk.controller', 'marduk.cli', "
-        "'marduk.store', 'uvloop') if m in sys.modules]; print(bad)"
+        "'marduk.store.state', 'uvloop') if m in sys.modules]; print(bad)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True

@@ -240,8 +240,8 @@ async def test_an_event_no_controller_decided_is_counted_undecided(
     every event stored; it counts only those stored and not decided in time."""
     import nats
 
-    from marduk.health_stream import ensure_stream
-    from marduk.subjects import Subjects
+    from marduk.store.health_stream import ensure_stream
+    from marduk.wire.subjects import Subjects
 
     nc = await nats.connect(nats_server.url)
     await ensure_stream(nc, "marduk", Subjects().health)  # stored, but no controller runs

@@ -14,7 +14,7 @@ import pytest
 
 from agent.signatures import diagnose
 from marduk import __version__
-from marduk.embedded import find_binary, listening
+from marduk.transport.embedded import find_binary, listening
 from tests.conftest import NatsServer, eventually_sync, free_port, marduk_cli
 from tests.processes import Proc, trainer
 
@@ -154,7 +154,11 @@ def test_help_shows_flags_plainly_with_defaults_and_choices(tmp_path: Path) -> N
         check=True,
     )
     real = subprocess.run(
-        [sys.executable, "-c", "from marduk.embedded import default_state_dir as d; print(d())"],
+        [
+            sys.executable,
+            "-c",
+            "from marduk.transport.embedded import default_state_dir as d; print(d())",
+        ],
         capture_output=True,
         text=True,
         env=env,

@@ -5,7 +5,7 @@ went away:
 
 * write-ahead: an epoch's ceiling is durable in the state bucket *before* a command carrying that
   epoch is published, so a controller restored from the bucket never issues it again;
-* decision order (``marduk.commit.CommitPipeline``): commits from different subscriptions
+* decision order (``marduk.controller.commit.CommitPipeline``): commits from different subscriptions
   (health stream, reports, registrations, forget, the tick) go out in the order they were
   decided, even though many are in flight at once, and the store ends as the last decision
   left it.
@@ -31,13 +31,13 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.drmap import WorkerKey
-from marduk.protocol import decode, encode
-from marduk.records import EpochKey, EpochRecord
-from marduk.store import epoch_kv_key, handled_kv_key, worker_kv_key
-from marduk.subjects import Subjects
+from marduk.core.drmap import WorkerKey
+from marduk.core.records import EpochKey, EpochRecord
+from marduk.store.state import epoch_kv_key, handled_kv_key, worker_kv_key
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import decode, encode
+from marduk.wire.subjects import Subjects
 from monitor_cli.client import UndecidedError
 from tests.conftest import (
     NatsServer,
@@ -621,8 +621,8 @@ async def test_a_failed_publish_fails_only_its_own_commit(
     first is published and durable, both records are written, the error is counted and the
     controller still leads. Broken on purpose by letting the publish error fail the whole batch
     (the code before the fix): the first commit failed too and nothing was written."""
-    from marduk.decisions import Outcome
-    from marduk.records import WorkerRecord
+    from marduk.core.decisions import Outcome
+    from marduk.core.records import WorkerRecord
 
     c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
     try:
@@ -681,8 +681,8 @@ async def test_a_lease_that_lapses_while_a_batch_is_publishing_stops_the_rest(
 ) -> None:
     """A publish can yield; if the lease lapses meanwhile, the rest of the batch must not go
     out. Broken on purpose by checking the fence once per batch (the code before the fix)."""
-    from marduk.commit import NotServing
-    from marduk.decisions import Outcome
+    from marduk.controller.commit import NotServing
+    from marduk.core.decisions import Outcome
 
     c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
     try:
@@ -743,7 +743,7 @@ async def test_a_health_event_is_acknowledged_only_once_its_dedup_record_is_dura
     """The stream message of a health event is acknowledged after its handled-event record is
     written: acknowledged before, a failover in between would handle it a second time. Broken
     on purpose by acknowledging once the command is published (not awaiting ``durable``)."""
-    from marduk.health_stream import CONSUMER, stream_name
+    from marduk.store.health_stream import CONSUMER, stream_name
 
     s = controller_settings(nats_server, tmp_path, pending_timeout_s=0.0)
     c = await start_serving(Controller(s))

@@ -10,10 +10,10 @@ import nats
 import pytest
 
 from agent.client import AsyncClient, connect_async
-from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.protocol import decode, encode
-from marduk.subjects import Subjects
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import decode, encode
+from marduk.wire.subjects import Subjects
 from tests.conftest import (
     NatsServer,
     controller_settings,

@@ -12,13 +12,13 @@ import pytest
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
 from agent.client import AsyncClient, connect_async
-from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.health_stream import HealthConsumer
-from marduk.policy import PolicyConfig
-from marduk.protocol import decode, encode
-from marduk.records import EpochKey
-from marduk.subjects import Subjects
+from marduk.core.policy import PolicyConfig
+from marduk.core.records import EpochKey
+from marduk.store.health_stream import HealthConsumer
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import decode, encode
+from marduk.wire.subjects import Subjects
 from monitor_cli import client as monitor
 from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving
 

@@ -15,9 +15,9 @@ import nats
 import pytest
 import yaml
 
-from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.subjects import Subjects
+from marduk.wire import protocol as wire
+from marduk.wire.subjects import Subjects
 from tests.conftest import NatsServer, store_health
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +50,7 @@ PROTOCOL_MD = ROOT / "docs" / "protocol.md"
 
 
 def _messages() -> set[str]:
-    """Every wire message class: the tagged Structs of marduk/protocol.py."""
+    """Every wire message class: the tagged Structs of marduk/wire/protocol.py."""
     return {
         name
         for name, obj in vars(wire).items()
@@ -336,7 +336,7 @@ def _metrics_table() -> dict[str, list[str]]:
 def _registered_metric_names() -> set[str]:
     """What the controller's and the agent's registries can serve besides plain counters: the
     stats families, and every gauge and histogram their code builds (by name)."""
-    from marduk.metrics import FAMILIES
+    from marduk.shell.metrics import FAMILIES
 
     names = {name for name, _label, _doc in FAMILIES.values()}
     for path in [*(ROOT / "marduk").rglob("*.py"), *(ROOT / "agent").glob("*.py")]:

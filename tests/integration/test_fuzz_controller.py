@@ -32,11 +32,11 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from agent.client import AsyncClient, connect_async
-from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.health_stream import CONSUMER, stream_name
-from marduk.protocol import decode, encode
-from marduk.subjects import REPLY_HEADER, Subjects
+from marduk.store.health_stream import CONSUMER, stream_name
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import decode, encode
+from marduk.wire.subjects import REPLY_HEADER, Subjects
 from tests.conftest import NatsServer, eventually, health_event, store_health
 
 S = Subjects()

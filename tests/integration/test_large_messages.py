@@ -11,8 +11,8 @@ import uuid
 import pytest
 
 from agent.client import AsyncClient, connect_async
-from marduk import protocol as wire
 from marduk.controller import Controller
+from marduk.wire import protocol as wire
 from monitor_cli.client import publish_health, query
 from tests.conftest import NatsServer
 

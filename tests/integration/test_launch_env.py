@@ -136,7 +136,7 @@ def test_scripts_run_as_torchrun_runs_them() -> None:
 
 
 def test_node_name_is_a_valid_replica_id() -> None:
-    from marduk.subjects import check_replica
+    from marduk.wire.subjects import check_replica
 
     check_replica(node_name())
 

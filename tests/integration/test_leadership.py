@@ -1,6 +1,6 @@
 """Leadership and takeover, pinned down (issue 15: seven hand-made mutants survived the suite).
 
-A fake clock (``time.monotonic`` as ``marduk.leadership`` sees it) and a real lease bucket: two
+A fake clock (``time.monotonic`` as ``marduk.controller.leadership`` sees it) and a real lease bucket: two
 candidates racing for an expired lease, the key overwritten under a leader, a renewal whose
 reply is slow, a standby whose mirror is behind at election, an event stored before the first
 consumer exists, a batch decided before the lease lapsed and committed after. Each test names
@@ -19,17 +19,17 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from marduk import leadership as leadership_module
-from marduk.commit import CommitPipeline, NotServing, Steps
 from marduk.controller import Controller
-from marduk.decisions import Outcome
-from marduk.health_stream import HealthConsumer, ensure_stream
-from marduk.leadership import KEY, Leadership
-from marduk.lease import FENCE
-from marduk.protocol import Command
-from marduk.records import EpochRecord
-from marduk.store import StateMirror, StateStore
-from marduk.subjects import Subjects
+from marduk.controller import leadership as leadership_module
+from marduk.controller.commit import CommitPipeline, NotServing, Steps
+from marduk.controller.leadership import KEY, Leadership
+from marduk.core.decisions import Outcome
+from marduk.core.lease import FENCE
+from marduk.core.records import EpochRecord
+from marduk.store.health_stream import HealthConsumer, ensure_stream
+from marduk.store.state import StateMirror, StateStore
+from marduk.wire.protocol import Command
+from marduk.wire.subjects import Subjects
 from tests.conftest import NatsServer, controller_settings, eventually, start_serving, store_health
 from tests.integration.test_commit_ordering import health_reply_task, register
 from tests.tcp_proxy import TcpProxy

@@ -10,11 +10,11 @@ from pathlib import Path
 import nats
 import pytest
 
-from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.protocol import decode, encode
-from marduk.store import StateStore
-from marduk.subjects import Subjects
+from marduk.store.state import StateStore
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import decode, encode
+from marduk.wire.subjects import Subjects
 from tests.conftest import NatsServer, controller_settings, start_serving
 
 S = Subjects()

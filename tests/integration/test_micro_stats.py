@@ -8,7 +8,7 @@ from typing import Any
 import nats
 
 from marduk.controller import Controller
-from marduk.protocol import ErrorReply, Forget, ForgetReply, Query, QueryReply, decode, encode
+from marduk.wire.protocol import ErrorReply, Forget, ForgetReply, Query, QueryReply, decode, encode
 from tests.conftest import NatsServer
 
 

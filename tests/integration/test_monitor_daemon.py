@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 import agent
 from marduk.controller import Controller
-from marduk.protocol import DeviceHealth, decode, encode
+from marduk.wire.protocol import DeviceHealth, decode, encode
 from monitor_cli import client, run_cli
 from monitor_cli.daemon import SEVERITY, ConditionTracker, DaemonSettings, MonitorDaemon
 from monitor_cli.probes.base import Condition, Emit

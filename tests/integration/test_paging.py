@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from marduk import protocol as wire
 from marduk.controller import Controller
-from marduk.paging import page_end
-from marduk.protocol import encode
-from marduk.subjects import Subjects
+from marduk.core.paging import page_end
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import encode
+from marduk.wire.subjects import Subjects
 from tests.conftest import NatsServer, marduk_cli
 
 

@@ -10,10 +10,10 @@ import nats
 from nats.aio.msg import Msg
 
 import agent
-from marduk import auth
 from marduk.controller import Controller, ControllerSettings
-from marduk.credentials import Credentials
-from marduk.subjects import Subjects
+from marduk.transport import auth
+from marduk.transport.credentials import Credentials
+from marduk.wire.subjects import Subjects
 from tests.conftest import NatsServer, eventually, health_event, start_serving
 
 S = Subjects()

@@ -17,13 +17,13 @@ import pytest
 
 import agent
 from agent.client import AgentError, AsyncClient
-from marduk import auth, bus
-from marduk import protocol as wire
 from marduk.controller import Controller, ControllerSettings
-from marduk.credentials import Credentials
 from marduk.errors import ConnectError, PermissionDeniedError
-from marduk.protocol import encode
-from marduk.subjects import Subjects
+from marduk.transport import auth, bus
+from marduk.transport.credentials import Credentials
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import encode
+from marduk.wire.subjects import Subjects
 from monitor_cli import client as monitor
 from tests.conftest import NatsServer, eventually, marduk_cli, start_serving
 
@@ -88,7 +88,7 @@ async def lib(
 def test_auth_init_writes_private_seeds_and_a_valid_server_config(auth_dir: Path) -> None:
     import subprocess
 
-    from marduk.embedded import find_binary
+    from marduk.transport.embedded import find_binary
 
     assert stat.S_IMODE(auth_dir.stat().st_mode) == 0o700
     for name in ("controller", "agent", "monitor", "admin", "agent-big"):
@@ -396,7 +396,7 @@ async def test_no_caller_makes_the_controller_write_where_it_should_not(
 ) -> None:
     """The confused deputy: a reply subject naming the lease, a state key or hello would have
     the controller write there with its own rights. And no identity reads another's replies."""
-    from marduk.subjects import REPLY_HEADER
+    from marduk.wire.subjects import REPLY_HEADER
 
     server, c = secure
     assert c.leadership is not None

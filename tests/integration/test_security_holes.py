@@ -19,15 +19,15 @@ import pytest
 
 import agent
 from agent.client import AsyncClient
-from marduk import auth, bus
-from marduk import protocol as wire
 from marduk.controller import Controller, ControllerSettings
-from marduk.credentials import Credentials
-from marduk.embedded import ServerKeeper
+from marduk.controller.leadership import lease_bucket_name
 from marduk.errors import RequestRejected
-from marduk.leadership import lease_bucket_name
-from marduk.protocol import encode
-from marduk.subjects import Subjects
+from marduk.transport import auth, bus
+from marduk.transport.credentials import Credentials
+from marduk.transport.embedded import ServerKeeper
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import encode
+from marduk.wire.subjects import Subjects
 from monitor_cli import client as monitor
 from tests.conftest import NatsServer, eventually, free_port, start_serving
 
@@ -312,7 +312,7 @@ async def test_a_health_stream_made_by_an_older_controller_stops_acknowledging(
 ) -> None:
     from nats.js.api import StreamConfig
 
-    from marduk.health_stream import stream_name
+    from marduk.store.health_stream import stream_name
 
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
@@ -480,7 +480,7 @@ async def test_publishes_in_flight_on_one_connection_share_one_stored_subscripti
 ) -> None:
     """Review of issue 16: each publish in flight subscribed to every stored notice, so 32 in
     flight received each one 32 times."""
-    from marduk.health_stream import ensure_stream
+    from marduk.store.health_stream import ensure_stream
 
     rx = await bus.connect(nats_server.url, name="rx")
     tx = await bus.connect(nats_server.url, name="tx")
@@ -510,7 +510,7 @@ async def test_a_credential_that_cannot_see_health_stored_publishes_nothing(
 ) -> None:
     """Review of issue 16: a monitor credential of an older config (health only) stored its
     event, then was told it may not subscribe to health.stored."""
-    from marduk.health_stream import ensure_stream, stream_name
+    from marduk.store.health_stream import ensure_stream, stream_name
 
     conf = tmp_path / "old.conf"
     conf.write_text(
@@ -568,7 +568,7 @@ async def test_without_auth_device_claims_are_not_exclusive_across_jobs(
 def test_exclusive_devices_defaults_to_on_with_auth_and_an_operator_may_turn_it_off(
     tmp_path: Path, auth_dir: Path
 ) -> None:
-    from marduk.policy import PolicyConfig
+    from marduk.core.policy import PolicyConfig
 
     def exclusive(**kw: object) -> bool | None:
         settings = ControllerSettings(addr="nats://127.0.0.1:1", state_dir=tmp_path, **kw)  # type: ignore[arg-type]
@@ -586,7 +586,7 @@ async def test_a_new_monitor_against_an_older_stream_says_the_event_may_be_store
 ) -> None:
     """Review of issue 16: with an older controller's stream (acks, no republish) a new
     monitor said the stream "did not store the event", though it had."""
-    from marduk.health_stream import ensure_stream, stream_name
+    from marduk.store.health_stream import ensure_stream, stream_name
 
     nc = await bus.connect(nats_server.url, name="upgrade")
     try:

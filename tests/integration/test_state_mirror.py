@@ -14,12 +14,12 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import InvalidKeyError, KeyNotFoundError
 
 from marduk.controller import Controller
-from marduk.decisions import Outcome
-from marduk.drmap import WorkerKey
-from marduk.policy import Policy
-from marduk.protocol import HealthReply, Registration
-from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
-from marduk.store import BatchWriter, StateMirror, StateStore, WriteError, device_kv_key
+from marduk.core.decisions import Outcome
+from marduk.core.drmap import WorkerKey
+from marduk.core.policy import Policy
+from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.store.state import BatchWriter, StateMirror, StateStore, WriteError, device_kv_key
+from marduk.wire.protocol import HealthReply, Registration
 from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving
 from tests.integration.test_commit_ordering import StalledLease, register
 

@@ -16,10 +16,9 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from marduk.controller import Controller
-from marduk.decisions import Outcome
-from marduk.protocol import HealthReply
-from marduk.records import DeviceRecord, EpochRecord
-from marduk.store import (
+from marduk.core.decisions import Outcome
+from marduk.core.records import DeviceRecord, EpochRecord
+from marduk.store.state import (
     TERM_KEY,
     BatchWriter,
     Fenced,
@@ -28,6 +27,7 @@ from marduk.store import (
     device_kv_key,
     handled_kv_key,
 )
+from marduk.wire.protocol import HealthReply
 from tests.conftest import NatsServer, controller_settings, eventually, start_serving
 from tests.integration.test_commit_ordering import health_reply_task, register
 from tests.tcp_proxy import TcpProxy

@@ -32,7 +32,7 @@ from agent.local import (
     decode_to_trainer,
     encode,
 )
-from marduk import protocol as wire
+from marduk.wire import protocol as wire
 from tests.conftest import eventually
 
 pytestmark = pytest.mark.timeout(30)

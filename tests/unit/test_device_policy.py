@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from marduk.drmap import WorkerKey
-from marduk.policy import Policy, PolicyConfig
+from marduk.core.drmap import WorkerKey
+from marduk.core.policy import Policy, PolicyConfig
 from tests.unit.test_policy import failed, reg
 
 
@@ -111,7 +111,7 @@ def test_preempting_asks_each_scope_on_the_host_to_checkpoint_once_and_holds_not
 def test_a_device_another_job_holds_on_another_host_cannot_be_claimed_until_it_is_free() -> None:
     import pytest
 
-    from marduk.decisions import PolicyError
+    from marduk.core.decisions import PolicyError
 
     p = Policy(PolicyConfig(worker_ttl_s=15, exclusive_devices=True))
     p.register(reg("b1", ["dB"], job="B"), now=0)  # host "h"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marduk.drmap import DRMap, ReplicaKey, WorkerKey
+from marduk.core.drmap import DRMap, ReplicaKey, WorkerKey
 
 W = WorkerKey
 

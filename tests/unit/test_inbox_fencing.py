@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from agent.client import Command, CommandInbox, Options
-from marduk import protocol as wire
+from marduk.wire import protocol as wire
 
 
 def inbox(epoch: int = 0) -> tuple[CommandInbox, list[Command]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from agent.client import CommandInbox, Options
-from marduk import protocol as wire
+from marduk.wire import protocol as wire
 from tests.conftest import eventually
 
 

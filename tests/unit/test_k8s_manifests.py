@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from agent.supervisor import ExitCode
-from marduk import auth
+from marduk.transport import auth
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy" / "k8s"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from marduk.lease import FENCE, Lease, Sighting, Take, campaign, serving, term_to_claim
+from marduk.core.lease import FENCE, Lease, Sighting, Take, campaign, serving, term_to_claim
 
 TTL = 2.0
 

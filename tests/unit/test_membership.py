@@ -1,4 +1,4 @@
-"""Membership per epoch, pure: the rule (marduk/membership.py) and the policy that applies it
+"""Membership per epoch, pure: the rule (marduk/core/membership.py) and the policy that applies it
 (first epoch, restarts, refusals, the join timeout, restore from the records)."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from marduk import membership as rdzv
-from marduk.drmap import WorkerKey
-from marduk.policy import Policy, PolicyConfig, PolicyError
-from marduk.protocol import Command, Membership, Registration, Rendezvous, Report
-from marduk.records import EpochKey, EpochRecord
+from marduk.core import membership as rdzv
+from marduk.core.drmap import WorkerKey
+from marduk.core.policy import Policy, PolicyConfig, PolicyError
+from marduk.core.records import EpochKey, EpochRecord
+from marduk.wire.protocol import Command, Membership, Registration, Rendezvous, Report
 
 JOB = EpochKey("j", None)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import msgspec
 
 from agent.client import Command, CommandInbox, Options
-from marduk import protocol as wire
-from marduk.policy import Policy, PolicyConfig
-from marduk.protocol import DeviceHealth, Registration, Report
+from marduk.core.policy import Policy, PolicyConfig
+from marduk.wire import protocol as wire
+from marduk.wire.protocol import DeviceHealth, Registration, Report
 
 
 def reg(replica: str, device: str, *, notices: bool = True, job: str = "j", pid: int = 1):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from marduk.drmap import WorkerKey
-from marduk.policy import Policy, PolicyConfig, PolicyError
-from marduk.protocol import DeviceHealth, Registration
-from marduk.records import EpochKey
+from marduk.core.drmap import WorkerKey
+from marduk.core.policy import Policy, PolicyConfig, PolicyError
+from marduk.core.records import EpochKey
+from marduk.wire.protocol import DeviceHealth, Registration
 
 
 def reg(
@@ -191,7 +191,7 @@ def test_restore_rebuilds_map_epochs_and_awaiting() -> None:
     p.ack(WorkerKey("j", "r1", 0), 1, now=2)
     # Round-trip through JSON as the store does.
     enc = msgspec.json.encode
-    from marduk.records import DeviceRecord, EpochRecord, WorkerRecord
+    from marduk.core.records import DeviceRecord, EpochRecord, WorkerRecord
 
     w = [msgspec.json.decode(enc(x), type=WorkerRecord) for x in p.workers.values()]
     e = [msgspec.json.decode(enc(x), type=EpochRecord) for x in p.epochs.values()]
@@ -241,7 +241,7 @@ def test_epoch_ceiling_is_written_ahead_only_when_a_block_runs_out() -> None:
 
 
 def report(replica: str, status: str, *, worker: int = 0, epoch: int = 0, **kw: object):  # type: ignore[no-untyped-def]
-    from marduk.protocol import Report
+    from marduk.wire.protocol import Report
 
     return Report(job="j", replica=replica, worker=worker, status=status, epoch=epoch, **kw)  # type: ignore[arg-type]
 
@@ -294,7 +294,7 @@ def test_trainer_started_is_announced_once_per_incarnation() -> None:
 
 def restored(p: Policy) -> Policy:
     """A new leader's policy: ``p``'s records round-tripped through JSON, as the store does."""
-    from marduk.records import DeviceRecord, EpochRecord, WorkerRecord
+    from marduk.core.records import DeviceRecord, EpochRecord, WorkerRecord
 
     enc = msgspec.json.encode
     w = [msgspec.json.decode(enc(x), type=WorkerRecord) for x in p.workers.values()]
@@ -321,7 +321,7 @@ def test_a_restart_in_flight_read_from_the_store_does_not_swallow_a_failure() ->
     again = q.on_health(failed("d1", "e3"), now=4)
     assert not again.outcome.commands and again.reply.actions[0].coalesced
     # A crash report meets an inherited restart the same way.
-    from marduk.protocol import Report
+    from marduk.wire.protocol import Report
 
     crash = Report(job="j", replica="r1", worker=0, status="crashed", epoch=1)
     res = q2.on_report(crash, now=3)
@@ -331,7 +331,7 @@ def test_a_restart_in_flight_read_from_the_store_does_not_swallow_a_failure() ->
 def test_a_command_lists_a_bounded_number_of_merged_devices() -> None:
     """Issue 15 item 7: failures merged into a restart in flight stop growing its command past
     MAX_MERGED_DEVICES; the next one takes a new epoch."""
-    from marduk.device_policy import MAX_MERGED_DEVICES
+    from marduk.core.device_policy import MAX_MERGED_DEVICES
 
     p = Policy(PolicyConfig(device_max_failures=10_000))
     devices = [f"d{i}" for i in range(MAX_MERGED_DEVICES + 1)]

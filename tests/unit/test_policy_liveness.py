@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from marduk.drmap import WorkerKey
-from marduk.policy import Policy, PolicyConfig, PolicyError
-from marduk.records import EpochKey
+from marduk.core.drmap import WorkerKey
+from marduk.core.policy import Policy, PolicyConfig, PolicyError
+from marduk.core.records import EpochKey
 from tests.unit.test_policy import acceptance_map, failed, reg
 
 R1, R2 = WorkerKey("j", "r1", 0), WorkerKey("j", "r2", 0)

@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from marduk.role import IGNORED, TRANSITIONS, Event, IllegalTransition, Role, RoleMachine
+from marduk.core.role import IGNORED, TRANSITIONS, Event, IllegalTransition, Role, RoleMachine
 
 
 def machine_in(role: Role) -> RoleMachine:

@@ -1,4 +1,4 @@
-"""The process edge (marduk/runtime.py): a command's exit code once its work is done; a task it
+"""The process edge (marduk/shell/runtime.py): a command's exit code once its work is done; a task it
 left behind that will not end does not hold the exit up."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from marduk.runtime import run_to_exit
+from marduk.shell.runtime import run_to_exit
 
 
 class Exited(Exception):

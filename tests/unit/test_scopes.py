@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from marduk.drmap import WorkerKey
-from marduk.records import EpochKey, EpochRecord
-from marduk.scopes import Scopes
+from marduk.core.drmap import WorkerKey
+from marduk.core.records import EpochKey, EpochRecord
+from marduk.core.scopes import Scopes
 
 R1 = EpochKey("j", "r1")
 W0, W1 = WorkerKey("j", "r1", 0), WorkerKey("j", "r1", 1)

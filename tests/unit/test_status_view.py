@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from marduk.protocol import ControllerInfo, DeviceInfo, QueryReply, WorkerInfo
+from marduk.wire.protocol import ControllerInfo, DeviceInfo, QueryReply, WorkerInfo
 from monitor_cli import status_view as sv
 
 NOW = 1_800_000_000.0

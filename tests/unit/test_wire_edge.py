@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from marduk import protocol as wire
 from marduk.errors import ProtocolError
-from marduk.subjects import RESERVED_JOBS, Subjects, check_job, check_replica, valid_token
+from marduk.wire import protocol as wire
+from marduk.wire.subjects import RESERVED_JOBS, Subjects, check_job, check_replica, valid_token
 
 # A valid message of each type, as JSON-ready dicts; the tests below spoil one field at a time.
 BASE: dict[type[Any], dict[str, Any]] = {

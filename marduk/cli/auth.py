@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from marduk import options
+from marduk.shell import options
 
 app = typer.Typer(
     help="Identities and permissions on NATS: one nkey per role, a server config that enforces "
@@ -38,7 +38,7 @@ def init(
     ] = False,
 ) -> None:
     """Create controller, agent, monitor and admin identities and nats-server.conf."""
-    from marduk import auth
+    from marduk.transport import auth
 
     try:
         created = auth.init(directory, prefix, force=force)
@@ -59,7 +59,7 @@ def add_agent(
     job: Annotated[str, typer.Option("--job", help="The only job this credential may serve.")],
 ) -> None:
     """An agent credential valid for one job's subjects only (agent-JOB.nk)."""
-    from marduk import auth
+    from marduk.transport import auth
 
     try:
         i = auth.add_agent(directory, job)
@@ -83,7 +83,7 @@ def rotate(
 
     Holders keep the seed they connected with: restart each with the new seed file, then
     finish. A controller rotation also lists both keys in controller.pub meanwhile."""
-    from marduk import auth
+    from marduk.transport import auth
 
     try:
         i = auth.finish_rotation(directory, name) if finish else auth.rotate(directory, name)
@@ -112,7 +112,7 @@ def revoke(
     directory: Dir, name: Annotated[str, typer.Argument(help="Identity to remove.")]
 ) -> None:
     """Remove an identity: its key is refused once the server reloads."""
-    from marduk import auth
+    from marduk.transport import auth
 
     try:
         i = auth.revoke(directory, name)
@@ -126,7 +126,7 @@ def revoke(
 @app.command("update-config")
 def update_config(directory: Dir) -> None:
     """Write nats-server.conf again from DIR's identities (same keys), e.g. after an upgrade."""
-    from marduk import auth
+    from marduk.transport import auth
 
     try:
         auth.update_config(directory)
@@ -140,7 +140,7 @@ def update_config(directory: Dir) -> None:
 @app.command("list")
 def list_(directory: Dir) -> None:
     """Show the identities in DIR: name, role, job and public key (never a seed)."""
-    from marduk import auth
+    from marduk.transport import auth
 
     try:
         prefix, found = auth.identities(directory)

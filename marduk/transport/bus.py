@@ -8,12 +8,11 @@ attempt, and with ``max_reconnect_attempts=0`` an initial connect never gives up
   the initial connect is bounded by ``timeout`` and raises ``ConnectError`` when it runs out.
 
 Errors nats-py reports while (re)connecting are logged at debug level, never printed raw.
-Credentials (``marduk.credentials``) are the ones given, else the CLI's process default, else
-the MARDUK_* variables. A permission violation the server reports is one warning line (the
-first few per subject), counted in ``STATS``, and turns the request that caused it into a
-``PermissionDeniedError`` instead of a timeout. Addresses in messages are redacted.
-An address is checked once, here (``parse_servers``), before anything connects.
-"""
+Credentials (``marduk.transport.credentials``) are the ones given, else the CLI's process
+default, else the MARDUK_* variables. A permission violation the server reports is one warning
+line (the first few per subject), counted in ``STATS``, and turns the request that caused it
+into a ``PermissionDeniedError`` instead of a timeout. Addresses in messages are redacted. An
+address is checked once, here (``parse_servers``), before anything connects."""
 
 from __future__ import annotations
 
@@ -33,7 +32,6 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from marduk.credentials import Credentials, redact
 from marduk.errors import (
     ConnectError,
     MardukError,
@@ -41,7 +39,8 @@ from marduk.errors import (
     PermissionDeniedError,
     RequestRejected,
 )
-from marduk.protocol import ErrorReply, decode, encode
+from marduk.transport.credentials import Credentials, redact
+from marduk.wire.protocol import ErrorReply, decode, encode
 
 DEFAULT_ADDR = "nats://localhost:4222"
 NATS_SCHEMES = ("nats", "tls", "ws", "wss")

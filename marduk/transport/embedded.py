@@ -39,9 +39,9 @@ from urllib.parse import urlsplit
 import psutil
 
 from marduk.aio import Backoff
-from marduk.children import die_with_parent
-from marduk.credentials import redact
 from marduk.errors import MardukError
+from marduk.transport.children import die_with_parent
+from marduk.transport.credentials import redact
 
 log = logging.getLogger("marduk.embedded")
 
@@ -60,7 +60,7 @@ def default_state_dir() -> Path:
 
 def parse_addr(addr: str) -> tuple[str, int]:
     """Host and port of the first URL in ``addr`` (``nats://host:port``, port default 4222)."""
-    from marduk.bus import parse_servers
+    from marduk.transport.bus import parse_servers
 
     first = parse_servers(addr)[0]  # InvalidAddressError: "not a NATS URL: ..."
     parts = urlsplit(first if "://" in first else "nats://" + first)
@@ -385,7 +385,7 @@ class ServerKeeper:
             )
         config = None
         if self.auth_dir is not None:
-            from marduk.auth import CONFIG_FILE
+            from marduk.transport.auth import CONFIG_FILE
 
             config = self.auth_dir / CONFIG_FILE
             if not config.is_file():

@@ -27,7 +27,7 @@ it observed), without waiting out the TTL. A holder that is only slow or partiti
 connection up still has its subscription (the request times out), so it keeps its lease until
 the TTL. A takeover that is early by mistake (the holder lost its connection and would have
 reconnected) is still safe: the store refuses the old term's writes once the new term is
-claimed (``marduk.store``), and the old leader's next renewal finds another revision.
+claimed (``marduk.store.state``), and the old leader's next renewal finds another revision.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from marduk.aio import Pulse
-from marduk.lease import Lease, Sighting, campaign, serving, term_to_claim
+from marduk.core.lease import Lease, Sighting, campaign, serving, term_to_claim
 
 log = logging.getLogger("marduk.leadership")
 

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 import typer
 
-from marduk import options
+from marduk.shell import options
 
 HELP_OPTIONS = ["-h", "--help"]
 app = typer.Typer(
@@ -213,11 +213,11 @@ def controller(
     Several controllers may run against one NATS: one leads (holds the lease), the others are
     hot standbys that take over when it dies. Stops cleanly on SIGINT/SIGTERM.
     """
-    from marduk import bus
     from marduk.controller import ControllerSettings, run_controller
-    from marduk.logs import setup_logging
-    from marduk.policy import PolicyConfig
-    from marduk.runtime import run
+    from marduk.core.policy import PolicyConfig
+    from marduk.shell.logs import setup_logging
+    from marduk.shell.runtime import run
+    from marduk.transport import bus
 
     setup_logging(json_logs=json_logs, level=log_level)
     settings = ControllerSettings(
@@ -259,7 +259,7 @@ def controller(
 
 def _mount() -> None:
     from agent.cli import app as agent_app
-    from marduk.auth_cli import app as auth_app
+    from marduk.cli.auth import app as auth_app
     from monitor_cli.cli import app as monitor_app
 
     app.add_typer(monitor_app, name="monitor")

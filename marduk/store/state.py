@@ -62,11 +62,11 @@ from nats.js.errors import (
 from nats.js.kv import KeyValue
 
 from marduk.aio import Pulse
-from marduk.drmap import WorkerKey
+from marduk.core.drmap import WorkerKey
+from marduk.core.policy import Outcome
+from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.errors import MardukError
-from marduk.policy import Outcome
-from marduk.protocol import HealthReply
-from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.wire.protocol import HealthReply
 
 log = logging.getLogger("marduk.store")
 

@@ -1,7 +1,7 @@
 """Peer notices: when replicas of a job restart or fail, the job's other replicas that asked
 (``Registration.peer_notices``) are told at once, in a ``peer_failed`` command.
 
-Pure (no I/O, ``now`` is an argument); ``marduk.policy`` calls it as it issues commands and
+Pure (no I/O, ``now`` is an argument); ``marduk.core.policy`` calls it as it issues commands and
 puts the notices in the ``Outcome``; the controller publishes them with the commands.
 
 A notice is not a restart: it carries no epoch of the recipient's (``epoch`` 0) and names each
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Final
 
-from marduk.protocol import MAX_PEERS_PER_NOTICE, Command, PeerFailure
+from marduk.wire.protocol import MAX_PEERS_PER_NOTICE, Command, PeerFailure
 
 NOTICE_KIND: Final = "peer_failed"
 

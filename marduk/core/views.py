@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from marduk.drmap import WorkerKey
-from marduk.protocol import DeviceInfo, WorkerInfo
+from marduk.core.drmap import WorkerKey
+from marduk.wire.protocol import DeviceInfo, WorkerInfo
 
 if TYPE_CHECKING:
-    from marduk.policy import Policy
+    from marduk.core.policy import Policy
 
 
 # --- views for queries -----------------------------------------------------------------------

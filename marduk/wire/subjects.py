@@ -36,7 +36,7 @@ REPLY_HEADER = "Marduk-Reply-To"
 
 # Tokens that appear in subjects: no dots, no wildcards, no whitespace. Always matched whole
 # (``fullmatch``): with ``match`` and ``$``, "a\n" would pass, since ``$`` matches before a final
-# newline. ``marduk.protocol`` builds its wire patterns from TOKEN_PATTERN.
+# newline. ``marduk.wire.protocol`` builds its wire patterns from TOKEN_PATTERN.
 TOKEN_PATTERN = r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}"
 TOKEN_RE = re.compile(TOKEN_PATTERN)
 PREFIX_RE = re.compile(r"[A-Za-z0-9_-]+(\.[A-Za-z0-9_-]+)*")

@@ -33,7 +33,7 @@ from pathlib import Path
 import nkeys
 
 from marduk.errors import MardukError
-from marduk.subjects import DEFAULT_PREFIX, check_job
+from marduk.wire.subjects import DEFAULT_PREFIX, check_job
 
 SIG_HEADER = "Marduk-Sig"
 ROLES = ("controller", "agent", "monitor", "admin")

@@ -1,16 +1,16 @@
 """The policy's vocabulary: its settings, its refusals and the outcomes the shell carries out.
 
-Pure data (no I/O). ``marduk.policy`` decides about membership and epochs,
-``marduk.device_policy`` about device health; both return these.
+Pure data (no I/O). ``marduk.core.policy`` decides about membership and epochs,
+``marduk.core.device_policy`` about device health; both return these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from marduk.drmap import WorkerKey
-from marduk.protocol import Action, Command, ControllerEvent, HealthReply, Registration, Scope
-from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.core.drmap import WorkerKey
+from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.wire.protocol import Action, Command, ControllerEvent, HealthReply, Registration, Scope
 
 
 class PolicyError(Exception):
@@ -85,7 +85,7 @@ class Outcome:
     # Commands sent again (same epoch): a merged device, or a worker that has not confirmed.
     resent: list[Command] = field(default_factory=list)
     # ``peer_failed`` notices to the other replicas of jobs whose replicas the commands restart
-    # or fail (marduk.notices): published after the commands, never resent.
+    # or fail (marduk.core.notices): published after the commands, never resent.
     notices: list[Command] = field(default_factory=list)
 
 

@@ -1,4 +1,4 @@
-"""The records the controller persists (JetStream KV, ``marduk.store``) and restores from.
+"""The records the controller persists (JetStream KV, ``marduk.store.state``) and restores from.
 
 Plain data: the policy decides, these hold what it decided. JSON on disk (msgspec), so a record
 written by one controller version is read by the next (fields are only ever added, with
@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from marduk.protocol import Command, HealthState, Membership, Registration
+from marduk.wire.protocol import Command, HealthState, Membership, Registration
 
 
 class EpochKey(NamedTuple):

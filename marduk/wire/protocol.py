@@ -16,7 +16,7 @@ from typing import Annotated, Any, Final, Literal, TypeVar, get_args
 import msgspec
 
 from marduk.errors import ProtocolError
-from marduk.subjects import RESERVED_JOBS, TOKEN_PATTERN
+from marduk.wire.subjects import RESERVED_JOBS, TOKEN_PATTERN
 
 PROTOCOL_VERSION: Final = 1
 # Well under NATS's default max_payload (1 MiB). A registration of 4,096 devices fits.

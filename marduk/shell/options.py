@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, NoReturn
 
 import typer
 
-from marduk.bus import DEFAULT_ADDR
+from marduk.transport.bus import DEFAULT_ADDR
 
 EXIT_ERROR = 1
 
@@ -31,7 +31,7 @@ def fail(message: str, code: int = EXIT_ERROR) -> NoReturn:
 
 def _check_addr(value: str) -> str:
     # Every command's --addr / MARDUK_ADDR passes here, before anything connects.
-    from marduk.bus import InvalidAddressError, parse_servers
+    from marduk.transport.bus import InvalidAddressError, parse_servers
 
     try:
         parse_servers(value)
@@ -41,8 +41,8 @@ def _check_addr(value: str) -> str:
 
 
 def _state_dir_default() -> str:
-    # marduk.embedded.default_state_dir() without MARDUK_STATE_DIR (help shows the variable
-    # apart), and without importing it (psutil) for every command; a test keeps them equal.
+    # marduk.transport.embedded.default_state_dir() without MARDUK_STATE_DIR (help shows the
+    # variable apart), and without importing it (psutil) for every command; a test keeps them equal.
     xdg = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return str(Path(xdg) / "marduk")
 
@@ -175,8 +175,8 @@ def connection_options(fn: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from marduk import bus
-        from marduk.credentials import Credentials
+        from marduk.transport import bus
+        from marduk.transport.credentials import Credentials
 
         given = {name: kwargs.pop(name, None) for name in _CONNECTION_OPTIONS}
         bus.set_default_credentials(Credentials.from_env(**given))

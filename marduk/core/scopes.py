@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from marduk.drmap import WorkerKey
-from marduk.records import EpochKey, EpochRecord
+from marduk.core.drmap import WorkerKey
+from marduk.core.records import EpochKey, EpochRecord
 
 
 class Scopes:

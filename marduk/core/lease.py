@@ -1,8 +1,9 @@
 """The lease rule, pure: who may take the lease, at which term, and whether a leader may serve.
 
-``marduk.leadership`` reads the lease key and its revision, asks ``campaign`` what to do with
-them, and makes the compare-and-set write it returns; this module reads no clock (``now`` is an
-argument, monotonic seconds) and does no I/O, so every rule is tested with a fake clock.
+``marduk.controller.leadership`` reads the lease key and its revision, asks ``campaign`` what to
+do with them, and makes the compare-and-set write it returns; this module reads no clock
+(``now`` is an argument, monotonic seconds) and does no I/O, so every rule is tested with a fake
+clock.
 
 * A standby notes, on its own clock, when it first saw the lease's current revision
   (``Sighting``). When the lease's TTL passes without a new revision, the holder has missed

@@ -1,6 +1,6 @@
 """Device health decisions: failures, merged notices, flap damping, quarantine and drain.
 
-Part of the pure policy (no I/O, ``now`` passed in); ``marduk.policy.Policy`` mixes it in and
+Part of the pure policy (no I/O, ``now`` passed in); ``marduk.core.policy.Policy`` mixes it in and
 holds the state it works on.
 
 * A ``failed`` device restarts every scope using it (coalesced into a restart in flight, its
@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import msgspec
 
-from marduk.decisions import (
+from marduk.core.decisions import (
     DrainResult,
     HealthResult,
     Outcome,
@@ -28,8 +28,10 @@ from marduk.decisions import (
     PolicyError,
     scope_order,
 )
-from marduk.drmap import DRMap, WorkerKey
-from marduk.protocol import (
+from marduk.core.drmap import DRMap, WorkerKey
+from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.core.scopes import Scopes
+from marduk.wire.protocol import (
     Action,
     Command,
     CommandKind,
@@ -38,8 +40,6 @@ from marduk.protocol import (
     HealthReply,
     Registration,
 )
-from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
-from marduk.scopes import Scopes
 
 MAX_MERGED_DEVICES = 64
 """Devices one command lists at most: a failure past it takes a new epoch instead of merging."""
@@ -176,7 +176,7 @@ class DevicePolicy:
         # of the failure only as an update of an epoch it applied, and keep running on it.
         # A restart in flight inherited from an earlier term (read from the store) is no
         # reason either: its workers' acks were not persisted, so they may have applied it
-        # (issue 15: failures coalesced into it after a takeover were never acted on).
+        # (failures coalesced into it after a takeover would never be acted on).
         # But a scope whose last command was issued for this very event has acted on it,
         # applied or not: the event is a redelivery (its dedup record was never written, the
         # leader died first), and joins that command rather than restarting the scope again.
@@ -381,7 +381,7 @@ class DevicePolicy:
         host. Device ids are physical, so one of the two claims is false; the first stands
         until its holder deregisters or goes silent. A job-scoped agent identity may register
         only for its own job (the server enforces that), so it cannot claim another job's
-        devices, and so cannot get them drained or failed (issue 16). Only with
+        devices, and so cannot get them drained or failed. Only with
         ``exclusive_devices`` (the default with auth: PolicyConfig)."""
         if not self.config.exclusive_devices:
             return

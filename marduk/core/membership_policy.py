@@ -1,7 +1,7 @@
 """Membership decisions: the controller as the rendezvous of jobs whose node ranks it assigns
 (``marduk agent run --nnodes MIN:MAX``). Part of the pure policy (no I/O, ``now`` passed in);
-``marduk.policy.Policy`` mixes it in and holds the state it works on. The rule itself (who,
-which ranks, which coordinator port) is ``marduk.membership``'s.
+``marduk.core.policy.Policy`` mixes it in and holds the state it works on. The rule itself (who,
+which ranks, which coordinator port) is ``marduk.core.membership``'s.
 
 * **Admission.** A registration with a ``rendezvous`` is checked before anything changes: scope
   ``job``, the job's shape, no node rank claimed twice (``rank_conflict``,
@@ -14,12 +14,12 @@ which ranks, which coordinator port) is ``marduk.membership``'s.
 
 from __future__ import annotations
 
-from marduk import membership as rdzv
-from marduk.decisions import Outcome, PolicyConfig, PolicyError, worker_key
-from marduk.drmap import WorkerKey
-from marduk.protocol import Command, CommandKind, ControllerEvent, Membership, Registration
-from marduk.records import EpochKey, EpochRecord, WorkerRecord
-from marduk.scopes import Scopes
+from marduk.core import membership as rdzv
+from marduk.core.decisions import Outcome, PolicyConfig, PolicyError, worker_key
+from marduk.core.drmap import WorkerKey
+from marduk.core.records import EpochKey, EpochRecord, WorkerRecord
+from marduk.core.scopes import Scopes
+from marduk.wire.protocol import Command, CommandKind, ControllerEvent, Membership, Registration
 
 
 class MembershipPolicy:

@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from marduk.drmap import WorkerKey
-from marduk.protocol import Member, Membership, Rendezvous
+from marduk.core.drmap import WorkerKey
+from marduk.wire.protocol import Member, Membership, Rendezvous
 
 # The coordinator port when rank 0's agent reported none (an older agent): torchrun's default,
 # moved by the epoch over a span of ports as agents without a controller do.

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from marduk.protocol import DeviceInfo, WorkerInfo
+from marduk.wire.protocol import DeviceInfo, WorkerInfo
 
 # Room for the envelope of a page (controller info, counters, paging fields).
 ENVELOPE_BYTES = 16 * 1024

@@ -3,14 +3,14 @@
 Pure: no I/O, no clock (``now`` is an argument, unix seconds). The controller shell decodes
 messages, calls these methods, persists the records they return and publishes the commands.
 
-Epochs (DESIGN.md decision 3). Each restart scope has a monotonically increasing epoch: the
+Epochs (docs/decisions.md #3). Each restart scope has a monotonically increasing epoch: the
 replica for scope ``replica``, the whole job for scope ``job``. A restart bumps the epoch and
 records the command that did it. While the workers of a scope have not confirmed the new epoch
 (by an ack, or by registering as a fresh process), further failures for that scope are
 *coalesced* into the restart already in flight, so a storm of events yields one command per
 scope. A restart unconfirmed after ``pending_timeout_s`` no longer holds events back.
 
-Delivery (issue 6). A failure that joins a restart in flight is still told to every scope it
+Delivery. A failure that joins a restart in flight is still told to every scope it
 touches: the command in flight is sent again with the device merged into it (same epoch, so an
 agent acts once). A worker that had already acted when the device was merged (its ack, on its
 way, lists the devices it knew) is restarted again at a new epoch for it: a merge covers only a
@@ -25,10 +25,10 @@ silent for ``worker_ttl_s`` is ``stale`` (it no longer holds a restart pending) 
 after ``worker_expiry_s``. Devices no worker uses are forgotten. A second live process claiming a
 worker identity is refused (``duplicate_worker``).
 
-Escalation (decision 6). Each device has a failure budget: past ``device_max_failures`` restarts
-caused by one device within ``device_failure_window_s``, the replicas get ``fail`` instead of
-``restart``: restarting on that device does not help; the pod should go back to the scheduler.
-A ``healthy`` event for the device clears its history.
+Escalation (docs/decisions.md #6). Each device has a failure budget: past
+``device_max_failures`` restarts caused by one device within ``device_failure_window_s``, the
+replicas get ``fail`` instead of ``restart``: restarting on that device does not help; the pod
+should go back to the scheduler. A ``healthy`` event for the device clears its history.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from marduk.decisions import (
+from marduk.core.decisions import (
     HealthResult,
     Outcome,
     PolicyConfig,
@@ -48,11 +48,13 @@ from marduk.decisions import (
     epoch_key_for,
     worker_key,
 )
-from marduk.device_policy import DevicePolicy
-from marduk.drmap import DRMap, ReplicaKey, WorkerKey
-from marduk.membership_policy import MembershipPolicy
-from marduk.notices import failed_peers, peer_notices
-from marduk.protocol import (
+from marduk.core.device_policy import DevicePolicy
+from marduk.core.drmap import DRMap, ReplicaKey, WorkerKey
+from marduk.core.membership_policy import MembershipPolicy
+from marduk.core.notices import failed_peers, peer_notices
+from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.core.scopes import Scopes
+from marduk.wire.protocol import (
     MAX_EPOCH,
     Action,
     Command,
@@ -65,8 +67,6 @@ from marduk.protocol import (
     Report,
     WorkerInfo,
 )
-from marduk.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
-from marduk.scopes import Scopes
 
 
 def _takes_part(state: EpochRecord | None, key: WorkerKey) -> bool:
@@ -110,7 +110,7 @@ class Policy(DevicePolicy, MembershipPolicy):
         self.config = config or PolicyConfig()
         self.drmap = DRMap()
         self.workers: dict[WorkerKey, WorkerRecord] = {}
-        # Each restart scope's epoch record, and what is derived from it (marduk/scopes.py).
+        # Each restart scope's epoch record, and what is derived from it (marduk/core/scopes.py).
         self.scopes = Scopes()
         self.devices: dict[str, DeviceRecord] = {}
         self._job_workers: dict[str, set[WorkerKey]] = {}
@@ -122,7 +122,7 @@ class Policy(DevicePolicy, MembershipPolicy):
         # workers that have been silent for a TTL, not at all 25k of them four times a second.
         self.last_seen: dict[WorkerKey, float] = {}
         self.stale: set[WorkerKey] = set()
-        self._quorum_since: dict[str, float] = {}  # marduk/membership_policy.py
+        self._quorum_since: dict[str, float] = {}  # marduk/core/membership_policy.py
 
     # --- restore ---------------------------------------------------------------------------------
 
@@ -765,14 +765,14 @@ class Policy(DevicePolicy, MembershipPolicy):
     def awaiting(self, ekey: EpochKey) -> frozenset[WorkerKey]:
         return self.scopes.awaiting(ekey)
 
-    # --- views for queries (marduk.views) --------------------------------------------------------
+    # --- views for queries (marduk.core.views) ---------------------------------------------------
 
     def worker_infos(self, job: str | None = None) -> list[WorkerInfo]:
-        from marduk.views import worker_infos
+        from marduk.core.views import worker_infos
 
         return worker_infos(self, job)
 
     def device_infos(self, job: str | None = None) -> list[DeviceInfo]:
-        from marduk.views import device_infos
+        from marduk.core.views import device_infos
 
         return device_infos(self, job)

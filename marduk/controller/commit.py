@@ -29,9 +29,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from marduk.decisions import Outcome
+from marduk.core.decisions import Outcome
+from marduk.core.records import EpochRecord
 from marduk.errors import MardukError
-from marduk.records import EpochRecord
 
 MAX_BATCH = 1024
 """Outcomes committed together at most: bounds a batch's writes in flight."""

@@ -1,0 +1,3 @@
+"""NATS: connecting, credentials and roles, the embedded nats-server. See
+docs/architecture.md.
+"""

@@ -1,0 +1,3 @@
+"""The wire contract: every message (msgspec Structs) and every subject. See
+docs/architecture.md.
+"""
