@@ -49,7 +49,7 @@ class Message(msgspec.Struct, tag_field="op", kw_only=True, omit_defaults=True):
     """Unknown fields are ignored: a newer library may add optional ones."""
 
 
-class Hello(Message, tag="hello"):
+class TrainerHello(Message, tag="hello"):
     """The trainer's library connected; ``peer_notices``: it wants ``peer_failed`` notices (the
     supervisor asks the controller for them and forwards them as they come)."""
 
@@ -85,14 +85,14 @@ class Welcome(Message, tag="welcome"):
     epoch: wire.Epoch
 
 
-class Forward(Message, tag="command"):
+class ForwardedCommand(Message, tag="command"):
     """A controller command, forwarded just before the supervisor stops the trainer."""
 
     command: wire.Command
 
 
-ToAgent = Hello | Step | Heartbeat | Section | Checkpointed
-ToTrainer = Welcome | Forward
+ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed
+ToTrainer = Welcome | ForwardedCommand
 M = TypeVar("M", ToAgent, ToTrainer)
 
 _encoder = msgspec.json.Encoder()

@@ -13,12 +13,12 @@ from agent.channel.messages import (
     MAX_LINE,
     ChannelError,
     Checkpointed,
-    Forward,
+    ForwardedCommand,
     Heartbeat,
-    Hello,
     Message,
     Section,
     Step,
+    TrainerHello,
     Welcome,
     decode_to_trainer,
     encode,
@@ -54,7 +54,7 @@ class LocalAsyncClient(CommandInbox):
             reader, self._writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(self.socket_path, limit=MAX_LINE), self.opts.timeout
             )
-            await self._send(Hello(pid=os.getpid(), peer_notices=self.opts.peer_notices))
+            await self._send(TrainerHello(pid=os.getpid(), peer_notices=self.opts.peer_notices))
             line = await asyncio.wait_for(read_line(reader), self.opts.timeout)
             if line is None:
                 raise ChannelError("it closed the connection before its welcome")
@@ -72,7 +72,7 @@ class LocalAsyncClient(CommandInbox):
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:
             async for msg in messages(reader, decode_to_trainer, self._bad):
-                if isinstance(msg, Forward):
+                if isinstance(msg, ForwardedCommand):
                     self._accept(msg.command)
                 else:
                     self._bad(f"unexpected {type(msg).__name__}")

@@ -817,7 +817,7 @@ class Supervisor:
     async def _on_trainer(self, rank: int, msg: messages.ToAgent) -> None:
         now = time.monotonic()
         match msg:
-            case messages.Hello(peer_notices=True):
+            case messages.TrainerHello(peer_notices=True):
                 self._ask_for_peer_notices()
             case messages.Step(step=step):
                 self._progress(rank, step)

@@ -11,9 +11,9 @@ from collections.abc import Awaitable, Callable
 
 from agent.channel.messages import (
     MAX_LINE,
-    Forward,
-    Hello,
+    ForwardedCommand,
     ToAgent,
+    TrainerHello,
     Welcome,
     decode_to_agent,
     encode,
@@ -62,7 +62,7 @@ class TrainerChannel:
 
     async def forward(self, command: wire.Command) -> None:
         """Tell the trainer's library (if it connected) why it is about to be stopped."""
-        line = encode(Forward(command=command))
+        line = encode(ForwardedCommand(command=command))
         for writer in list(self._trainers):
             with contextlib.suppress(OSError, RuntimeError, TimeoutError):
                 writer.write(line)
@@ -72,7 +72,7 @@ class TrainerChannel:
         self._trainers.add(writer)
         try:
             async for msg in messages(reader, decode_to_agent, self._bad):
-                if isinstance(msg, Hello):
+                if isinstance(msg, TrainerHello):
                     writer.write(encode(Welcome(epoch=self._epoch())))
                     await writer.drain()
                     if not msg.peer_notices:

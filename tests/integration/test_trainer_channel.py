@@ -19,11 +19,11 @@ from agent.channel.messages import (
     MAX_LINE,
     ChannelError,
     Checkpointed,
-    Forward,
+    ForwardedCommand,
     Heartbeat,
-    Hello,
     Section,
     Step,
+    TrainerHello,
     Welcome,
     decode_to_agent,
     decode_to_trainer,
@@ -58,7 +58,7 @@ COMMAND = wire.Command(command_id="c1", job="j", replica="r1", kind="restart", e
 
 def test_the_lines_are_the_documented_ones() -> None:
     # The module docstring documents these; an older library speaks them.
-    assert encode(Hello(pid=123)) == b'{"op":"hello","pid":123}\n'
+    assert encode(TrainerHello(pid=123)) == b'{"op":"hello","pid":123}\n'
     assert encode(Step(step=42)) == b'{"op":"step","step":42}\n'
     assert encode(Heartbeat()) == b'{"op":"heartbeat"}\n'
     assert encode(Section(name="checkpoint", open=True, timeout=120)) == (
@@ -69,8 +69,8 @@ def test_the_lines_are_the_documented_ones() -> None:
     )
     assert encode(Checkpointed(step=42)) == b'{"op":"checkpointed","step":42}\n'
     assert encode(Welcome(epoch=3)) == b'{"op":"welcome","epoch":3}\n'
-    forwarded = decode_to_trainer(encode(Forward(command=COMMAND))[:-1])
-    assert forwarded == Forward(command=COMMAND)
+    forwarded = decode_to_trainer(encode(ForwardedCommand(command=COMMAND))[:-1])
+    assert forwarded == ForwardedCommand(command=COMMAND)
 
 
 @pytest.mark.parametrize(
@@ -124,7 +124,7 @@ async def test_the_supervisor_end_skips_bad_lines_and_keeps_serving(
 ) -> None:
     server, got = channel
     reader, writer = await asyncio.open_unix_connection(server.path, limit=MAX_LINE)
-    writer.write(encode(Hello(pid=1)))
+    writer.write(encode(TrainerHello(pid=1)))
     assert decode_to_trainer((await reader.readline())[:-1]) == Welcome(epoch=5)
     writer.write(b"garbage\n" + b'{"op":"step","step":"x"}\n' + encode(Step(step=1)))
     # A line far over the cap, sent in pieces: skipped whole, the next line is read.
@@ -138,7 +138,7 @@ async def test_the_supervisor_end_skips_bad_lines_and_keeps_serving(
     assert server.stats == Counter({"channel_bad_messages": 3, "channel_errors": 1})
     # Still connected: a forwarded command reaches it.
     await server.forward(COMMAND)
-    assert decode_to_trainer((await reader.readline())[:-1]) == Forward(command=COMMAND)
+    assert decode_to_trainer((await reader.readline())[:-1]) == ForwardedCommand(command=COMMAND)
     writer.close()
 
 
@@ -179,7 +179,7 @@ async def test_the_library_end_counts_a_bad_message_and_stays_connected() -> Non
         writer.write(b'{"op":"command","command":{"kind":"reboot"}}\n')
         writer.write(encode(Welcome(epoch=2)))  # not expected now
         writer.write(b"z" * (MAX_LINE + 10) + b"\n")
-        writer.write(encode(Forward(command=COMMAND)))
+        writer.write(encode(ForwardedCommand(command=COMMAND)))
         await writer.drain()
         await reader.read()
 
