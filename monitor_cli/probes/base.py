@@ -2,8 +2,8 @@
 
 A probe observes devices and says which *conditions* hold now, level-triggered: "GPU-x has an
 uncorrectable ECC error", "this host is being preempted". It never publishes: the daemon
-(``monitor_cli.daemon``) tracks conditions over time and publishes a ``DeviceHealth`` event when
-a condition starts and a ``healthy`` one when the last condition of a device clears, never on
+tracks conditions over time (``monitor_cli.conditions``) and publishes a ``DeviceHealth`` event
+when a condition starts and a ``healthy`` one when the last condition of a device clears, never on
 every interval. A probe that fails to observe raises; the daemon reports that as a condition of
 the probe (not a crash) and tries again at the next interval.
 

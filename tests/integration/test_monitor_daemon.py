@@ -24,7 +24,8 @@ import agent
 from marduk.controller import Controller
 from marduk.wire.protocol import DeviceHealth, decode, encode
 from monitor_cli import client, run_cli
-from monitor_cli.daemon import SEVERITY, ConditionTracker, DaemonSettings, MonitorDaemon
+from monitor_cli.conditions import SEVERITY, ConditionTracker
+from monitor_cli.daemon import DaemonSettings, MonitorDaemon
 from monitor_cli.probes.base import Condition, Emit
 from tests.conftest import ROOT, NatsServer, eventually, free_port
 
