@@ -17,7 +17,7 @@ from marduk.controller.commit import NotServing
 from marduk.controller.telemetry import log_event
 from marduk.core.policy import Outcome
 from marduk.core.records import EpochRecord
-from marduk.store.state import Fenced
+from marduk.store.kv import Fenced
 from marduk.transport import auth
 from marduk.wire.protocol import (
     Command,

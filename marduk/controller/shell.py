@@ -37,7 +37,8 @@ from marduk.core.role import Event, Role, RoleMachine
 from marduk.errors import ConnectError, MardukError
 from marduk.shell.metrics import MetricsServer, Probes, StatsCollector
 from marduk.store.health_stream import HealthConsumer, ensure_stream
-from marduk.store.state import StateMirror, StateStore
+from marduk.store.mirror import StateMirror
+from marduk.store.state import StateStore
 from marduk.transport import auth, bus
 from marduk.transport.credentials import redact
 from marduk.transport.embedded import EmbeddedServer, ServerKeeper

@@ -23,7 +23,8 @@ from marduk.aio import Pulse, wait_any
 from marduk.core.policy import Policy
 from marduk.core.role import Event, Role
 from marduk.errors import MardukError, ProtocolError
-from marduk.store.state import Fenced, Loaded
+from marduk.store.kv import Fenced
+from marduk.store.state import Loaded
 from marduk.transport.credentials import redact
 from marduk.wire.protocol import (
     ControllerInfo,

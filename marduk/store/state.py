@@ -38,34 +38,23 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
-import copy
 import logging
-import re
 import time
-from collections.abc import AsyncIterator
-from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.client import JetStreamContext
 from nats.js.errors import (
-    BucketNotFoundError,
-    InvalidKeyError,
     KeyDeletedError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
 )
 from nats.js.kv import KeyValue
 
-from marduk.aio import Pulse
 from marduk.core.drmap import WorkerKey
 from marduk.core.policy import Outcome
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
-from marduk.errors import MardukError
+from marduk.store.kv import BatchWriter, Fenced, open_bucket, read_bucket
 from marduk.wire.protocol import HealthReply
 
 log = logging.getLogger("marduk.store")
@@ -102,10 +91,9 @@ TERM_KEY = "term"
 """The state bucket's fencing key: the term of the leader allowed to write (``TermRecord``)."""
 PROBE_KEY = "probe"
 """Written (fenced) when a batch has dedup records but nothing else for the state bucket."""
-_FENCE_KEYS = frozenset({TERM_KEY, PROBE_KEY})
+FENCE_KEYS = frozenset({TERM_KEY, PROBE_KEY})
 _EXPECTED_SEQ = "Nats-Expected-Last-Subject-Sequence"
 _EXPECTED_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
-_WRONG_LAST_SEQUENCE = b"10071"  # JetStream's err_code for "wrong last sequence"
 
 
 class TermRecord(msgspec.Struct, kw_only=True):
@@ -188,7 +176,7 @@ class StateStore:
     ) -> StateStore:
         """Bind the buckets, creating them (file storage, one revision per key) if needed."""
         js = nc.jetstream(timeout=5.0)
-        kv = await _bucket(
+        kv = await open_bucket(
             js,
             KeyValueConfig(
                 bucket=bucket_name(prefix),
@@ -198,7 +186,7 @@ class StateStore:
                 description="Marduk controller state: registrations, epochs, devices",
             ),
         )
-        events = await _bucket(
+        events = await open_bucket(
             js,
             KeyValueConfig(
                 bucket=events_bucket_name(prefix),
@@ -298,303 +286,6 @@ class StateStore:
             pass
 
 
-class WriteError(MardukError):
-    """The server refused (or did not acknowledge) some writes of a batch."""
-
-
-class Fenced(WriteError):
-    """The server refused a write because another leader's term began (the term key moved),
-    or the term is already claimed: this controller is not the leader any more."""
-
-    def __init__(self, message: str, term: int = 0) -> None:
-        super().__init__(message)
-        self.term = term  # the term claimed in the store, where known
-
-
-_VALID_KEY = re.compile(r"[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*")
-
-
-class BatchWriter:
-    """Writes many keys of a bucket at once, with one subscription for every acknowledgement.
-
-    ``KeyValue.put`` is one request per key: a reply future, a timer, a random token (an
-    ``os.urandom`` call) and a parsed acknowledgement each, about a quarter of the leader's
-    CPU at 2,000 registrations a second. Here a batch's puts and deletes are published with
-    replies to ``<inbox>.<batch>.<n>``, on one subscription made once per connection (not a
-    subscription per batch: on a cluster every SUB and UNSUB is interest that travels the
-    routes), and the acknowledgements are counted.
-    """
-
-    def __init__(self, nc: NATS) -> None:
-        self.nc = nc
-        self._inbox = ""
-        self._sub: Any = None
-        self._subscribing = asyncio.Lock()
-        self._batches: dict[str, _Batch] = {}
-        self._next = 0
-
-    async def write(
-        self,
-        kv: KeyValue,
-        writes: dict[str, bytes | None],
-        *,
-        timeout: float = 5.0,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        """Put (or, for None, delete) the keys, each with ``headers`` (the term's fence).
-        Raises ``Fenced`` if the fence refused any, ``WriteError`` if any other was refused or
-        not acknowledged within ``timeout``; every write is idempotent, so the caller may
-        retry the batch (not a fenced one: it will never be stored)."""
-        for key in writes:
-            if not _VALID_KEY.fullmatch(key):
-                raise InvalidKeyError(key)
-        if not writes:
-            return
-        await self._subscribe()
-        self._next += 1
-        batch_id = str(self._next)
-        batch = self._batches[batch_id] = _Batch(len(writes))
-        reply_prefix = f"{self._inbox}.{batch_id}."
-        try:
-            for i, (key, value) in enumerate(writes.items()):
-                # kv._pre: the bucket's subject prefix ("$KV.<bucket>.", or with a JetStream
-                # API prefix), as KeyValue.put itself builds the subject.
-                subject, reply = kv._pre + key, reply_prefix + str(i)
-                if value is None:
-                    hdrs = {**headers, _KV_OP: _KV_DEL} if headers else {_KV_OP: _KV_DEL}
-                    await self.nc.publish(subject, b"", reply=reply, headers=hdrs)
-                else:
-                    await self.nc.publish(subject, value, reply=reply, headers=headers or None)
-            try:
-                await asyncio.wait_for(asyncio.shield(batch.done), timeout)
-            except TimeoutError:
-                raise WriteError(
-                    f"{batch.remaining} of {len(writes)} writes not acknowledged"
-                ) from None
-        finally:
-            del self._batches[batch_id]  # a late acknowledgement is dropped
-        if batch.fenced:
-            raise Fenced(f"{batch.fenced} of {len(writes)} writes refused: another term began")
-        if batch.refused:
-            raise WriteError(
-                f"{len(batch.refused)} of {len(writes)} writes refused: {batch.refused[0]}"
-            )
-
-    async def _subscribe(self) -> None:
-        async with self._subscribing:
-            if self._sub is None:
-                self._inbox = self.nc.new_inbox()
-                self._sub = await self.nc.subscribe(
-                    self._inbox + ".>",
-                    cb=self._on_ack,
-                    pending_msgs_limit=1_000_000,
-                    pending_bytes_limit=256 * 1024 * 1024,
-                )
-
-    async def _on_ack(self, msg: Msg) -> None:
-        batch = self._batches.get(msg.subject[len(self._inbox) + 1 :].split(".", 1)[0])
-        if batch is not None:
-            batch.acknowledged(msg)
-
-
-class _Batch:
-    def __init__(self, count: int) -> None:
-        self.remaining = count
-        self.refused: list[str] = []
-        self.fenced = 0
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def acknowledged(self, msg: Msg) -> None:
-        # {"stream":..,"seq":..} or {"error":{..}}; a bare status (503: no stream) is an error.
-        if b'"error"' in msg.data or not msg.data:
-            self.refused.append(msg.data.decode(errors="replace")[:200] or str(msg.headers))
-            if _WRONG_LAST_SEQUENCE in msg.data:
-                self.fenced += 1
-        self.remaining -= 1
-        if self.remaining == 0 and not self.done.done():
-            self.done.set_result(None)
-
-
-_KV_OP, _KV_DEL = "KV-Operation", "DEL"
-
-
-async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
-    try:
-        return await js.key_value(config.bucket)
-    except BucketNotFoundError:
-        return await js.create_key_value(config)
-
-
-async def read_bucket(
-    kv: KeyValue, bucket: str, *, timeout: float = 10.0
-) -> AsyncIterator[tuple[str, bytes]]:
-    """Every key of a bucket with its value (deleted keys left out), read with one watch.
-
-    Not ``KeyValue.watchall``'s end marker: nats-py sends it when the consumer's info says
-    nothing is pending and its callback has not run yet, which is also the case when the server
-    has already pushed every record and the callback is waiting for that very answer: a load
-    then read an empty bucket (a restarted controller with no workers, 6 loads in 150 of a
-    bucket of 303 records). The end here is the server's own count on each record: the one
-    delivered with nothing pending after it. An empty bucket is known from the stream's message
-    count before watching; a quiet second with nothing pending on the server (the last record
-    expired while we read) ends it too. Raises ``TimeoutError`` after ``timeout`` seconds
-    without a record while the server says more are pending."""
-    info = await kv._js.stream_info(f"KV_{bucket}")
-    if not info.state.messages:
-        return
-    watcher = await kv.watchall()
-    quiet = 0.0
-    try:
-        while True:
-            try:
-                entry = await watcher.updates(timeout=1.0)  # type: ignore[no-untyped-call]
-            except (TimeoutError, NatsTimeoutError):
-                sub: Any = watcher._sub  # the watch's ordered consumer
-                pending = (await sub.consumer_info()).num_pending
-                quiet += 1.0
-                if not pending:
-                    return
-                if quiet >= timeout:
-                    raise TimeoutError(
-                        f"{bucket}: {pending} records pending, none delivered"
-                    ) from None
-                continue
-            quiet = 0.0
-            if entry is None:  # nats-py's end marker (see above): not trusted
-                continue
-            if entry.value is not None and entry.operation is None:
-                yield entry.key, entry.value
-            if not entry.delta:
-                return
-    finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]
-
-
-class StateMirror:
-    """A hot standby's copy of the state bucket, kept current by a KV watch.
-
-    Records are decoded as they arrive (the standby has time; a new leader does not), so
-    ``snapshot()`` only lists them. ``caught_up()`` says whether it has seen every revision the
-    bucket had when asked (so a new leader does not miss the old one's last writes). If the
-    watch breaks, the mirror is marked unusable and takeover falls back to
-    ``StateStore.load()``.
-    """
-
-    def __init__(self, store: StateStore) -> None:
-        self.store = store
-        self._workers: dict[str, WorkerRecord] = {}
-        self._epochs: dict[str, EpochRecord] = {}
-        self._devices: dict[str, DeviceRecord] = {}
-        self._unreadable: set[str] = set()
-        self.revision: dict[str, int] = {}  # bucket -> last revision seen
-        self.version = 0  # bumped on every change to the records
-        self.changed_at = time.monotonic()
-        self.changed = Pulse()  # beats on every change to the records
-        self.healthy = False
-        self._tasks: list[asyncio.Task[None]] = []
-
-    async def start(self) -> None:
-        self.healthy = True
-        # The state bucket only: the events bucket's keys expire by TTL without a delete a
-        # watch would see, so a mirror of it would only grow; it is read at takeover instead.
-        for kv, bucket in ((self.store.kv, self.store.bucket),):
-            watcher = await kv.watchall()
-            self._tasks.append(
-                asyncio.create_task(self._follow(watcher, bucket), name=f"mirror-{bucket}")
-            )
-
-    def _put(self, key: str, value: bytes) -> None:
-        self._drop(key)
-        try:
-            if key.startswith("w."):
-                self._workers[key] = _decode_worker(value)
-            elif key.startswith("e."):
-                self._epochs[key] = _decode_epoch(value)
-            elif key.startswith("d."):
-                self._devices[key] = _decode_device(value)
-        except msgspec.DecodeError as e:
-            self._unreadable.add(key)
-            log.warning("skipping unreadable state record %s: %s", key, e)
-
-    def _drop(self, key: str) -> None:
-        self.version += 1
-        self.changed_at = time.monotonic()
-        self.changed.notify()
-        for records in (self._workers, self._epochs, self._devices):
-            records.pop(key, None)
-        self._unreadable.discard(key)
-
-    async def _follow(self, watcher: Any, bucket: str) -> None:
-        try:
-            while True:
-                try:
-                    entry = await watcher.updates(timeout=3600.0)
-                except (TimeoutError, NatsTimeoutError):
-                    continue
-                if entry is None:  # end of the initial values
-                    continue
-                self.revision[bucket] = max(self.revision.get(bucket, 0), entry.revision or 0)
-                if entry.key in _FENCE_KEYS:
-                    continue  # no record: a policy prepared before a term's claim still holds
-                if entry.operation is not None or entry.value is None:
-                    self._drop(entry.key)
-                else:
-                    self._put(entry.key, entry.value)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            self.healthy = False
-            log.warning("state mirror of %s stopped (%s); takeover will reload", bucket, e)
-        finally:
-            with contextlib.suppress(Exception):
-                await watcher.stop()
-
-    async def caught_up(
-        self, js: JetStreamContext, *, stall: float = 1.0, limit: float = 60.0
-    ) -> bool:
-        """True once the mirror has seen the last revision the bucket had when called.
-
-        It waits as long as the mirror makes progress (a fresh controller's watch is still
-        replaying 50k records: reading them again would only take longer), but gives up after
-        ``stall`` seconds without progress or ``limit`` in all."""
-        if not self.healthy:
-            return False
-        targets = {}
-        for bucket in (self.store.bucket,):
-            info = await js.stream_info(f"KV_{bucket}")
-            targets[bucket] = info.state.last_seq
-        start = last_progress = time.monotonic()
-        seen = dict(self.revision)
-        while any(self.revision.get(b, 0) < seq for b, seq in targets.items()):
-            # Deleted keys' revisions may be purged; a bucket with nothing left has no entry.
-            now = time.monotonic()
-            if self.revision != seen:
-                seen, last_progress = dict(self.revision), now
-            if not self.healthy or now - last_progress > stall or now - start > limit:
-                return False
-            await asyncio.sleep(0.01)
-        return True
-
-    def snapshot(self) -> Loaded:
-        """Copies of the records: a policy built from them edits its records in place, and the
-        mirror must keep showing the bucket, not a leader's decisions (a leader that steps down
-        drops the ones it never wrote, and leads again from the mirror). Shallow copies do: the
-        policy replaces a record's lists and command, it never edits them."""
-        return Loaded(
-            [copy.copy(r) for r in self._workers.values()],
-            [copy.copy(r) for r in self._epochs.values()],
-            [copy.copy(r) for r in self._devices.values()],
-            skipped=len(self._unreadable),
-        )
-
-    async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
-        self.healthy = False
-
-
 def _decode_term(value: bytes | None) -> TermRecord | None:
     if not value:
         return None
@@ -604,6 +295,6 @@ def _decode_term(value: bytes | None) -> TermRecord | None:
         return None
 
 
-_decode_worker = msgspec.json.Decoder(WorkerRecord).decode
-_decode_epoch = msgspec.json.Decoder(EpochRecord).decode
-_decode_device = msgspec.json.Decoder(DeviceRecord).decode
+decode_worker = msgspec.json.Decoder(WorkerRecord).decode
+decode_epoch = msgspec.json.Decoder(EpochRecord).decode
+decode_device = msgspec.json.Decoder(DeviceRecord).decode

@@ -27,7 +27,8 @@ from marduk.core.decisions import Outcome
 from marduk.core.lease import FENCE
 from marduk.core.records import EpochRecord
 from marduk.store.health_stream import HealthConsumer, ensure_stream
-from marduk.store.state import StateMirror, StateStore
+from marduk.store.mirror import StateMirror
+from marduk.store.state import StateStore
 from marduk.wire.protocol import Command
 from marduk.wire.subjects import Subjects
 from tests.conftest import NatsServer, controller_settings, eventually, start_serving, store_health

@@ -18,7 +18,9 @@ from marduk.core.decisions import Outcome
 from marduk.core.drmap import WorkerKey
 from marduk.core.policy import Policy
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
-from marduk.store.state import BatchWriter, StateMirror, StateStore, WriteError, device_kv_key
+from marduk.store.kv import BatchWriter, WriteError
+from marduk.store.mirror import StateMirror
+from marduk.store.state import StateStore, device_kv_key
 from marduk.wire.protocol import HealthReply, Registration
 from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving
 from tests.integration.test_commit_ordering import StalledLease, register

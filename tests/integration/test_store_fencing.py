@@ -18,15 +18,8 @@ from nats.aio.client import Client as NATS
 from marduk.controller import Controller
 from marduk.core.decisions import Outcome
 from marduk.core.records import DeviceRecord, EpochRecord
-from marduk.store.state import (
-    TERM_KEY,
-    BatchWriter,
-    Fenced,
-    StateStore,
-    WriteError,
-    device_kv_key,
-    handled_kv_key,
-)
+from marduk.store.kv import BatchWriter, Fenced, WriteError
+from marduk.store.state import TERM_KEY, StateStore, device_kv_key, handled_kv_key
 from marduk.wire.protocol import HealthReply
 from tests.conftest import NatsServer, controller_settings, eventually, start_serving
 from tests.integration.test_commit_ordering import health_reply_task, register
