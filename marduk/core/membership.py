@@ -20,6 +20,10 @@ the job's coordinator, with a few free ports its agent picked.
   registered keeps its rank unless a live worker claims that rank (``--node-rank``): a
   replacement pod with another identity takes its place.
 
+* **A member out of service** (``replace``; docs/decisions.md #16): a free spare of its shape
+  (``--spare``, or a worker beyond MAX) takes its node rank and ranks; with none the others close
+  ranks (shrink); below MIN there is no membership (the job is held until it forms again).
+
 The membership is written ahead with its epoch record (``EpochRecord.membership``) and carried
 in every command of the job (``Command.membership``); docs/decisions.md #14.
 """

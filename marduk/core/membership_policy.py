@@ -10,6 +10,9 @@ which ranks, which coordinator port) is ``marduk.core.membership``'s.
   ``tick`` watches) the membership forms: a ``restart`` at a new epoch that carries it.
 * **Every restart** of such a job renews it (``_issue`` asks ``_next_membership``); a changed
   membership goes into the write-ahead with its epoch record.
+* **A member out of service** (the device policy would ``fail`` the job, or ``tick`` finds it
+  stale) is retired and leaves the membership in one restart: a spare takes its ranks, or the job
+  shrinks, or it is held below MIN (``_replace_members``; docs/decisions.md #16).
 """
 
 from __future__ import annotations
