@@ -11,8 +11,8 @@
 Imports fast (no jax, no controller, no CLI); jax is imported only to discover devices.
 """
 
-from agent.client import AgentError, AsyncClient, Client, Command, connect, connect_async
-from agent.devices import local_device_uuids
+from agent.library.client import AgentError, AsyncClient, Client, Command, connect, connect_async
+from agent.library.devices import local_device_uuids
 
 __all__ = [
     "AgentError",

@@ -5,7 +5,7 @@
     client = agent.connect(on_command=agent.jax.exit_on_restart)
 
 ``initialize`` calls ``jax.distributed.initialize`` with what the agent hands every rank
-(torchrun's variables, agent/launch.py): the coordinator ``MASTER_ADDR:MASTER_PORT``,
+(torchrun's variables, agent/supervise/launch.py): the coordinator ``MASTER_ADDR:MASTER_PORT``,
 ``num_processes=WORLD_SIZE``, ``process_id=RANK``. With ``--nnodes MIN:MAX`` (no
 ``--node-rank``) they come from the controller's membership of the epoch: node ranks it
 assigned and a coordinator port node 0's agent picked, never the previous epoch's; with
@@ -34,7 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from agent.command import Command
+from agent.library.command import Command
 
 # How a trainer ended by ``exit_on_restart`` exits (EX_TEMPFAIL: "try again"); the agent is
 # stopping it anyway and does not count it as a crash.

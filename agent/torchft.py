@@ -46,9 +46,9 @@ import threading
 from typing import Any, Final, Protocol
 
 import agent
-from agent.command import Command
+from agent.channel.handoff import Handoff
 from agent.errors import AgentError
-from agent.handoff import Handoff
+from agent.library.command import Command
 
 log = logging.getLogger("agent.torchft")
 

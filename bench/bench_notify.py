@@ -120,7 +120,7 @@ def machine() -> dict[str, str | int]:
 
 
 async def agents_main(url: str, first: int, count: int, dpr: int, scope: str) -> None:
-    from agent.client import AsyncClient, Options
+    from agent.library.client import AsyncClient, Options
 
     received: list[tuple[str, int, int]] = []  # (event_id, epoch, recv_ns)
     pings: list[tuple[int, int]] = []

@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 import agent
 import agent.jax
-from agent.handoff import Handoff
+from agent.channel.handoff import Handoff
 
 PREEMPTED_EXIT = 143  # saved at JAX's preemption sync point (SIGTERM) and exited
 PEER_LOSS_WAIT_S = 3.0  # after a failed collective: how long to wait for the agent's restart

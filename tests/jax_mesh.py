@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from agent.launch import PORT_SPAN
+from agent.supervise.launch import PORT_SPAN
 from tests.processes import Proc, controller
 
 EXAMPLE = "examples/jax_distributed_trainer.py"

@@ -258,7 +258,7 @@ def controller(
 
 
 def _mount() -> None:
-    from agent.cli import app as agent_app
+    from agent.supervise.cli import app as agent_app
     from marduk.cli.auth import app as auth_app
     from monitor_cli.cli import app as monitor_app
 

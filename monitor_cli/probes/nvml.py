@@ -20,8 +20,8 @@ Two probes share one NVML handle:
   "nothing to see", not a failure.
 
 Device ids are NVML UUIDs (``nvmlDeviceGetUUID``), exactly what agents register
-(``agent/devices.py``). The library is the seam: every function takes the ``pynvml`` module as
-an argument, so tests hand in an object that answers with recorded values.
+(``agent/library/devices.py``). The library is the seam: every function takes the ``pynvml`` module
+as an argument, so tests hand in an object that answers with recorded values.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ What a node-level monitor CAN observe:
 What it CANNOT observe:
 
 * **A crashed or poisoned runtime** (seen on TPU fleets: "Core halted unexpectedly", "program
-  continuator has halted unexpectedly", an unexpected peer in the launch group). Those live in
-  the trainer process: the runtime raises them into it, the process must be replaced, and only
-  the agent, which runs that process and reads its log (``agent/signatures.py``), sees them.
+  continuator has halted unexpectedly", an unexpected peer in the launch group). Those live in the
+  trainer process: the runtime raises them into it, the process must be replaced, and only the
+  agent, which runs that process and reads its log (``agent/supervise/signatures.py``), sees them.
   The chips stay present and look fine from here.
 * **"The runtime does not answer"** is not a condition: the metrics server lives and dies with
   the trainer, so it is also silent between two trainers, during startup and after a job ends.
@@ -29,7 +29,7 @@ What it CANNOT observe:
 * HBM errors, ICI link health, chip temperatures: libtpu exposes no such metric to outside
   readers today.
 
-Device ids are those agents register: ``<host>:tpu:<local id>`` (``agent/devices.py``, jax's
+Device ids are those agents register: ``<host>:tpu:<local id>`` (``agent/library/devices.py``, jax's
 ``local_hardware_id``). Chip ``i`` (in device-file order) holds local ids
 ``i*devices_per_chip ... (i+1)*devices_per_chip - 1``, the order ``tpu-info`` itself assumes when
 it spreads per-chip values over devices; ``devices_per_chip`` is 2 for v2, v3 and 7x (from

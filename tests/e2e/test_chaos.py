@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client as NATS
 
-from agent.client import AsyncClient, Command, connect_async
+from agent.library.client import AsyncClient, Command, connect_async
 from marduk.store.state import events_bucket_name, handled_kv_key
 from marduk.transport import bus
 from marduk.wire import protocol as wire

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.client import connect_async
+from agent.library.client import connect_async
 from marduk.controller import Controller, ControllerSettings
 from monitor_cli import client as monitor
 from tests.conftest import eventually

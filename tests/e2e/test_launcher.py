@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.supervisor import ExitCode
+from agent.supervise.supervisor import ExitCode
 from tests.conftest import NatsServer
 from tests.processes import Proc, agent_run, controller, inject
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.supervisor import ExitCode
+from agent.supervise.supervisor import ExitCode
 from tests.conftest import NatsServer
 from tests.processes import Proc, agent_run, controller, inject
 
@@ -165,12 +165,12 @@ def test_prespawned_trainer_has_its_modules_imported_before_it_runs(
 
 
 def test_standby_command_forms() -> None:
-    from agent.supervisor import standby_command
+    from agent.supervise.supervisor import standby_command
 
     assert standby_command(["python3", "t.py", "-x"], ["jax"]) == [
         "python3",
         "-m",
-        "agent.standby",
+        "agent.supervise.standby",
         "--preload",
         "jax",
         "--",
@@ -180,7 +180,7 @@ def test_standby_command_forms() -> None:
     assert standby_command(["python", "-m", "pkg.train"], []) == [
         "python",
         "-m",
-        "agent.standby",
+        "agent.supervise.standby",
         "--preload",
         "",
         "--",

@@ -1,4 +1,4 @@
-"""Warm restarts from the fork server (agent/zygote.py), with real processes: every restart of
+"""Warm restarts from the fork server (agent/supervise/zygote.py), with real processes: every restart of
 a burst is forked from the zygote, the trainer is a clean process, nothing is left behind, and
 a dead zygote costs one cold start, not the job. No timed assertions: how each trainer was
 started is asserted from what it reports (``MARDUK_WARM_START``), not from the clock."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agent.supervisor import ExitCode
+from agent.supervise.supervisor import ExitCode
 from tests.conftest import eventually_sync
 from tests.processes import Proc, agent_run
 

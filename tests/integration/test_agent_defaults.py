@@ -1,6 +1,6 @@
 """``marduk agent run`` with no option builds the default settings: its options take their
-defaults from ``SupervisorConfig`` (agent/supervisor_config.py), ``LaunchSpec`` and the library
-(agent/options.py), so what can still drift is the CLI's own wiring (an option that maps a
+defaults from ``SupervisorConfig`` (agent/supervise/supervisor_config.py), ``LaunchSpec`` and the library
+(agent/library/options.py), so what can still drift is the CLI's own wiring (an option that maps a
 sentinel, renames a value, or forgets to pass one on). The command runs as users run it, up to
 the point where it would start the supervisor."""
 
@@ -11,10 +11,10 @@ import dataclasses
 import pytest
 from typer.testing import CliRunner
 
-import agent.supervisor
-from agent import options
-from agent.launch import LaunchSpec, Std
-from agent.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig, default_preload
+import agent.supervise.supervisor
+from agent.library import options
+from agent.supervise.launch import LaunchSpec, Std
+from agent.supervise.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig, default_preload
 from marduk.cli import app
 
 
@@ -43,7 +43,7 @@ def built(monkeypatch: pytest.MonkeyPatch) -> list[SupervisorConfig]:
         async def run(self) -> int:
             return 0
 
-    monkeypatch.setattr(agent.supervisor, "Supervisor", Captured)
+    monkeypatch.setattr(agent.supervise.supervisor, "Supervisor", Captured)
     return configs
 
 

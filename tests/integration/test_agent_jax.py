@@ -47,7 +47,7 @@ def test_waits_until_the_coordinator_listens() -> None:
 
 TRAINER = """
 import time
-from agent.command import Command
+from agent.library.command import Command
 from agent.jax import exit_on_restart
 def cmd(kind):
     return Command(kind=kind, epoch=4, reason="device d1 failed", devices=("d1",), job="j",

@@ -16,7 +16,7 @@ import nats
 import pytest
 
 import agent
-from agent.devices import device_ids
+from agent.library.devices import device_ids
 from marduk.controller import Controller
 from tests.conftest import (
     NatsServer,
@@ -125,7 +125,7 @@ def test_device_ids_format_and_nvml_preference() -> None:
 
 
 def test_cuda_visible_devices_uuid_passthrough(monkeypatch: pytest.MonkeyPatch) -> None:
-    from agent.devices import nvml_uuid_for_ordinal
+    from agent.library.devices import nvml_uuid_for_ordinal
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaa,GPU-bbb")
     assert nvml_uuid_for_ordinal(1) == "GPU-bbb"
@@ -173,7 +173,7 @@ def test_library_imports_without_jax_controller_or_cli() -> None:
 def node_uuids_in_subprocess(env: dict[str, str]) -> tuple[list[str], list[str]]:
     """``node_device_uuids()`` in a fresh process: (the ids, which frameworks it imported)."""
     code = (
-        "import sys, json, agent.devices as d; ids = d.node_device_uuids(); "
+        "import sys, json, agent.library.devices as d; ids = d.node_device_uuids(); "
         "print(json.dumps([ids, [m for m in ('jax', 'torch') if m in sys.modules]]))"
     )
     out = subprocess.run(

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.signatures import diagnose
+from agent.supervise.signatures import diagnose
 from marduk import __version__
 from marduk.transport.embedded import find_binary, listening
 from tests.conftest import NatsServer, eventually_sync, free_port, marduk_cli

@@ -9,7 +9,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from agent.client import AsyncClient, connect_async
+from agent.library.client import AsyncClient, connect_async
 from marduk.controller import Controller
 from marduk.wire import protocol as wire
 from marduk.wire.protocol import decode, encode
@@ -118,7 +118,7 @@ async def test_scope_conflict_is_a_clear_error(
     controller: Controller, nats_server: NatsServer
 ) -> None:
     a = await agent(nats_server, "r1", ["d1"], scope="job")
-    from agent.client import AgentError
+    from agent.library.client import AgentError
 
     with pytest.raises(AgentError, match="scope_conflict"):
         await agent(nats_server, "r2", ["d2"], scope="replica")

@@ -11,7 +11,7 @@ import nats
 import pytest
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 
-from agent.client import AsyncClient, connect_async
+from agent.library.client import AsyncClient, connect_async
 from marduk.controller import Controller
 from marduk.core.policy import PolicyConfig
 from marduk.core.records import EpochKey

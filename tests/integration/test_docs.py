@@ -344,7 +344,7 @@ def _registered_metric_names() -> set[str]:
     from marduk.shell.metrics import FAMILIES
 
     names = {name for name, _label, _doc in FAMILIES.values()}
-    for path in [*(ROOT / "marduk").rglob("*.py"), *(ROOT / "agent").glob("*.py")]:
+    for path in [*(ROOT / "marduk").rglob("*.py"), *(ROOT / "agent").rglob("*.py")]:
         for call in ast.walk(ast.parse(path.read_text())):
             if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
                 continue

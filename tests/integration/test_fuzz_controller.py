@@ -31,7 +31,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
-from agent.client import AsyncClient, connect_async
+from agent.library.client import AsyncClient, connect_async
 from marduk.controller import Controller
 from marduk.store.health_stream import CONSUMER, stream_name
 from marduk.wire import protocol as wire

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from agent.client import AsyncClient, connect_async
+from agent.library.client import AsyncClient, connect_async
 from marduk.controller import Controller
 from marduk.wire import protocol as wire
 from monitor_cli.client import publish_health, query

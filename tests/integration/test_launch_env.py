@@ -1,11 +1,11 @@
-"""torchrun's contract (agent/launch.py): each rank's variables, options, log routing. Pure."""
+"""torchrun's contract (agent/supervise/launch.py): each rank's variables, options, log routing. Pure."""
 
 from __future__ import annotations
 
 import pytest
 
-from agent.cli import node_name, trainer_command
-from agent.launch import (
+from agent.supervise.cli import node_name, trainer_command
+from agent.supervise.launch import (
     PORT_SPAN,
     LaunchError,
     LaunchSpec,
@@ -15,7 +15,7 @@ from agent.launch import (
     parse_nnodes,
     parse_std,
 )
-from agent.ports import port_for_incarnation
+from agent.supervise.ports import port_for_incarnation
 
 
 def test_rank_variables_match_torchrun() -> None:
@@ -167,7 +167,7 @@ def test_launch_mistakes_are_one_line_and_exit_2(options: list[str], message: st
 def test_listening_sees_a_listening_socket_only() -> None:
     import socket
 
-    from agent.ports import listening
+    from agent.supervise.ports import listening
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

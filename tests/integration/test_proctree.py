@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from agent.proctree import _leftovers_by_psutil, descendants, leftovers
+from agent.supervise.proctree import _leftovers_by_psutil, descendants, leftovers
 
 
 def test_the_subtree_walk_finds_what_psutil_finds_and_spares_the_spare() -> None:

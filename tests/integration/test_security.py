@@ -16,7 +16,7 @@ import nats
 import pytest
 
 import agent
-from agent.client import AgentError, AsyncClient
+from agent.library.client import AgentError, AsyncClient
 from marduk.controller import Controller, ControllerSettings
 from marduk.errors import ConnectError, PermissionDeniedError
 from marduk.transport import auth, bus

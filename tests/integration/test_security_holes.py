@@ -18,7 +18,7 @@ import nats.js.errors
 import pytest
 
 import agent
-from agent.client import AsyncClient
+from agent.library.client import AsyncClient
 from marduk.controller import Controller, ControllerSettings
 from marduk.controller.leadership import lease_bucket_name
 from marduk.errors import RequestRejected

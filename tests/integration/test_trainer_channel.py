@@ -1,4 +1,4 @@
-"""The typed trainer<->agent channel (agent/local.py): both ends over a real unix socket, and
+"""The typed trainer<->agent channel (agent/channel/messages.py): both ends over a real unix socket, and
 what a malformed message does (counted, skipped, never fatal). No controller, no processes."""
 
 from __future__ import annotations
@@ -14,24 +14,24 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent import local
-from agent.client import AgentError, Options
-from agent.local import (
+from agent.channel import messages
+from agent.channel.messages import (
     MAX_LINE,
     ChannelError,
     Checkpointed,
     Forward,
     Heartbeat,
     Hello,
-    LocalAsyncClient,
     Section,
     Step,
-    TrainerChannel,
     Welcome,
     decode_to_agent,
     decode_to_trainer,
     encode,
 )
+from agent.library.client import AgentError, Options
+from agent.library.local_client import LocalAsyncClient
+from agent.supervise.trainer_channel import TrainerChannel
 from marduk.wire import protocol as wire
 from tests.conftest import eventually
 
@@ -99,10 +99,10 @@ def test_unknown_fields_are_ignored_for_a_newer_peer() -> None:
 
 
 @pytest.fixture
-async def channel() -> AsyncIterator[tuple[TrainerChannel, list[local.ToAgent]]]:
-    got: list[local.ToAgent] = []
+async def channel() -> AsyncIterator[tuple[TrainerChannel, list[messages.ToAgent]]]:
+    got: list[messages.ToAgent] = []
 
-    async def on_message(msg: local.ToAgent) -> None:
+    async def on_message(msg: messages.ToAgent) -> None:
         if isinstance(msg, Step) and msg.step < 0:
             raise RuntimeError("a handler bug")
         got.append(msg)
@@ -120,7 +120,7 @@ async def channel() -> AsyncIterator[tuple[TrainerChannel, list[local.ToAgent]]]
 
 
 async def test_the_supervisor_end_skips_bad_lines_and_keeps_serving(
-    channel: tuple[TrainerChannel, list[local.ToAgent]],
+    channel: tuple[TrainerChannel, list[messages.ToAgent]],
 ) -> None:
     server, got = channel
     reader, writer = await asyncio.open_unix_connection(server.path, limit=MAX_LINE)
@@ -143,7 +143,7 @@ async def test_the_supervisor_end_skips_bad_lines_and_keeps_serving(
 
 
 async def test_the_library_end_talks_to_the_supervisor_end(
-    channel: tuple[TrainerChannel, list[local.ToAgent]],
+    channel: tuple[TrainerChannel, list[messages.ToAgent]],
 ) -> None:
     server, got = channel
     client = LocalAsyncClient(options(), server.path)

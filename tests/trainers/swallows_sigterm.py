@@ -11,7 +11,7 @@ import time
 
 import agent
 import agent.jax
-from agent.handoff import Handoff
+from agent.channel.handoff import Handoff
 
 p = argparse.ArgumentParser()
 p.add_argument("--crash-rank", type=int, default=-1)

@@ -1,4 +1,4 @@
-"""The epoch-fencing rule (agent/fencing.py), pure: every verdict, and its invariants."""
+"""The epoch-fencing rule (agent/channel/fencing.py), pure: every verdict, and its invariants."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.fencing import MAX_EPOCH_JUMP, Fence, Verdict, supersedes
+from agent.channel.fencing import MAX_EPOCH_JUMP, Fence, Verdict, supersedes
 
 
 @dataclass

@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 
-from agent import handoff
-from agent.client import AgentError, resolve_options
-from agent.handoff import Handoff, HandoffError, parse_devices
+from agent.channel import handoff
+from agent.channel.handoff import Handoff, HandoffError, parse_devices
+from agent.library.client import AgentError, resolve_options
 
 FULL = Handoff(
     job="j1",

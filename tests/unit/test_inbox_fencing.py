@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.client import Command, CommandInbox, Options
+from agent.library.client import Command, CommandInbox, Options
 from marduk.wire import protocol as wire
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from agent.client import CommandInbox, Options
+from agent.library.client import CommandInbox, Options
 from marduk.wire import protocol as wire
 from tests.conftest import eventually
 

@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from agent.supervisor import ExitCode
+from agent.supervise.supervisor import ExitCode
 from marduk.transport import auth
 
 ROOT = Path(__file__).resolve().parents[2]

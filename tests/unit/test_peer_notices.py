@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from agent.client import Command, CommandInbox, Options
+from agent.library.client import Command, CommandInbox, Options
 from marduk.core.policy import Policy, PolicyConfig
 from marduk.wire import protocol as wire
 from marduk.wire.protocol import DeviceHealth, Registration, Report

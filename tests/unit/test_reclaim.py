@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from agent.reclaim import nvml_used_mib, wait_for_release
+from agent.supervise.reclaim import nvml_used_mib, wait_for_release
 
 
 async def test_waits_until_memory_drops_below_tolerance() -> None:

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from agent.errors import AgentError
-from agent.launch import LaunchSpec, Std
-from agent.options import Options
-from agent.run_config import ConfigError, Lookups, RunArgs, build_config
+from agent.library.options import Options
+from agent.supervise.launch import LaunchSpec, Std
+from agent.supervise.run_config import ConfigError, Lookups, RunArgs, build_config
 
 
 class Fakes:
@@ -63,7 +63,7 @@ def build(fakes: Fakes | None = None, **kw: Any) -> Any:
 
 
 def test_run_args_has_one_field_per_option_of_agent_run() -> None:
-    from agent.cli import run
+    from agent.supervise.cli import run
 
     params = set(inspect.signature(run.__wrapped__).parameters)
     assert params == set(RunArgs.__dataclass_fields__)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agent.signatures import diagnose, last_exception
+from agent.supervise.signatures import diagnose, last_exception
 
 SEED_003_HALT = (
     "jax.errors.JaxRuntimeError: INTERNAL: Core halted unexpectedly: INTERNAL: Accelerator "

@@ -1,4 +1,4 @@
-"""The start mode (agent/start_mode.py): every branch of the choice, from the facts alone."""
+"""The start mode (agent/supervise/start_mode.py): every branch of the choice, from the facts alone."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import dataclasses
 
 import pytest
 
-from agent.start_mode import ZYGOTE_RETRIES, StartFacts, StartMode, choose, needs_import_check
+from agent.supervise.start_mode import (
+    ZYGOTE_RETRIES,
+    StartFacts,
+    StartMode,
+    choose,
+    needs_import_check,
+)
 
 WARM = StartFacts(prespawn=True, python_command=True, fork_server=True, imports_agent=True)
 

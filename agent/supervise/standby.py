@@ -1,13 +1,14 @@
-"""A trainer process started ahead of time: ``python -m agent.standby --preload jax -- train.py``.
+"""A trainer process started ahead of time: ``python -m agent.supervise.standby --preload jax --
+train.py``.
 
-Most of a restarted trainer's time-to-first-step is the interpreter importing the framework.
-With ``--no-fork-server`` (or where the fork server, ``agent/zygote.py``, cannot be used) the
+Most of a restarted trainer's time-to-first-step is the interpreter importing the framework. With
+``--no-fork-server`` (or where the fork server, ``agent/supervise/zygote.py``, cannot be used) the
 supervisor keeps one standby process per worker that has already imported the modules named by
-``--preload`` and waits. On a restart the supervisor writes one JSON line to its stdin,
-``{"env": {...}}`` (the trainer's environment: the new epoch, restart count, torchrun's
-variables, ``MARDUK_WARM_START``); the standby applies it to ``os.environ`` and runs the trainer as
-``python`` would (``runpy``, with ``__name__ == "__main__"`` and ``sys.argv`` set). EOF on stdin
-(the supervisor discarded it) exits quietly.
+``--preload`` and waits. On a restart the supervisor writes one JSON line to its stdin, ``{"env":
+{...}}`` (the trainer's environment: the new epoch, restart count, torchrun's variables,
+``MARDUK_WARM_START``); the standby applies it to ``os.environ`` and runs the trainer as ``python``
+would (``runpy``, with ``__name__ == "__main__"`` and ``sys.argv`` set). EOF on stdin (the
+supervisor discarded it) exits quietly.
 
 Only what is imported is preloaded: no device is touched before the trainer runs, so the old
 trainer still owns the accelerators while its successor waits.

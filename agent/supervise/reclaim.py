@@ -25,7 +25,7 @@ def nvml_used_mib(device: str) -> float | None:
     """Used memory of an NVIDIA GPU by NVML UUID; None when NVML cannot tell."""
     if not device.startswith(("GPU-", "MIG-")):
         return None
-    from agent.devices import _nvml
+    from agent.library.devices import _nvml
 
     pynvml = _nvml()
     if pynvml is None:

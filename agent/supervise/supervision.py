@@ -1,7 +1,7 @@
 """The agent's supervision core: what happened in, what to do out. Pure, like marduk/core/policy.py.
 
-``marduk agent run`` (agent/supervisor.py) runs processes and talks to the controller; every
-decision about them is made here, from facts the shell observes, with ``now`` as an argument
+``marduk agent run`` (agent/supervise/supervisor.py) runs processes and talks to the controller;
+every decision about them is made here, from facts the shell observes, with ``now`` as an argument
 (monotonic seconds) and no I/O:
 
 * a local rank exits: 0 -> that rank is done (``Finish`` once every rank is); otherwise a local
@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
-from agent.fencing import supersedes
+from agent.channel.fencing import supersedes
 
 
 class ExitCode(enum.IntEnum):
@@ -46,7 +46,7 @@ class ExitCode(enum.IntEnum):
 @dataclass(frozen=True)
 class Limits:
     """The rules' numbers (``marduk agent run`` options; no slots: the class attributes are the
-    defaults, which agent/supervisor_config.py takes)."""
+    defaults, which agent/supervise/supervisor_config.py takes)."""
 
     max_restarts: int = 3
     restart_window_s: float = 3600.0

@@ -1,12 +1,12 @@
 """The agent's look-ups of the machine's ports: a free TCP port to give the ranks as
 MASTER_PORT, and whether a rank listens on it yet. Kept apart from the launch contract
-(agent/launch.py), which stays pure."""
+(agent/supervise/launch.py), which stays pure."""
 
 from __future__ import annotations
 
 import socket
 
-from agent.launch import LaunchError, LaunchSpec
+from agent.supervise.launch import LaunchError, LaunchSpec
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,11 +1,11 @@
 """How ``marduk agent run`` starts its trainers: cold, forked from the fork server, or from a
 standby process — for each local rank.
 
-One fork server (agent/zygote.py) per agent serves every local rank: each rank's next trainer is
-forked ahead of time and waits for its environment (``RANK``, ``LOCAL_RANK``, the epoch, ...),
-given at activation. Where forking is unsafe or impossible, each rank keeps one standby process
-(agent/standby.py) started with its own environment. Commands that are not ``python SCRIPT`` or
-``python -m MODULE`` start cold.
+One fork server (agent/supervise/zygote.py) per agent serves every local rank: each rank's next
+trainer is forked ahead of time and waits for its environment (``RANK``, ``LOCAL_RANK``, the epoch,
+...), given at activation. Where forking is unsafe or impossible, each rank keeps one standby
+process (agent/supervise/standby.py) started with its own environment. Commands that are not
+``python SCRIPT`` or ``python -m MODULE`` start cold.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from agent import handoff
-from agent.start_mode import StartFacts, StartMode, choose, needs_import_check
-from agent.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
+from agent.channel import handoff
+from agent.supervise.start_mode import StartFacts, StartMode, choose, needs_import_check
+from agent.supervise.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
 from marduk.transport.children import die_with_parent
 
 log = logging.getLogger("agent.supervisor")
@@ -43,7 +43,15 @@ def standby_command(cmd: list[str], preload: list[str]) -> list[str] | None:
         return None
     rest = cmd[1:]
     if (rest[0] == "-m" and len(rest) >= 2) or not rest[0].startswith("-"):
-        return [cmd[0], "-m", "agent.standby", "--preload", ",".join(preload), "--", *rest]
+        return [
+            cmd[0],
+            "-m",
+            "agent.supervise.standby",
+            "--preload",
+            ",".join(preload),
+            "--",
+            *rest,
+        ]
     return None
 
 
@@ -96,7 +104,8 @@ class Starter:
         self.stats = stats
         self._spawn = spawn  # named, guarded background tasks (the supervisor's)
         self.standby_cmd = standby_command(cmd, preload)
-        # The facts the start mode is chosen from (agent/start_mode.py); failures change them.
+        # The facts the start mode is chosen from (agent/supervise/start_mode.py); failures change
+        # them.
         self.facts = StartFacts(
             prespawn=prespawn,
             python_command=self.standby_cmd is not None,
@@ -324,7 +333,7 @@ class Starter:
             check = await asyncio.create_subprocess_exec(
                 self.cmd[0],
                 "-c",
-                "import agent.standby, agent.zygote",
+                "import agent.supervise.standby, agent.supervise.zygote",
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,

@@ -7,7 +7,7 @@ retried in the background (visible as ``state``), bad messages are counted and r
 After a reconnect, whenever a controller announces it took over, and every renewal interval
 (the controller says how often), the client registers again; the reply carries the current
 epoch and the command that set it, so a command missed while disconnected is delivered then
-(level-triggered). Which commands are news is ``agent/fencing.py``'s rule.
+(level-triggered). Which commands are news is ``agent/channel/fencing.py``'s rule.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from collections.abc import Callable
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from agent.command import Command, OnCommand
+from agent.channel.fencing import Verdict
 from agent.errors import AgentError
-from agent.fencing import Verdict
-from agent.inbox import CommandInbox
-from agent.options import Options
+from agent.library.command import Command, OnCommand
+from agent.library.inbox import CommandInbox
+from agent.library.options import Options
 from marduk.errors import MardukError, RequestRejected
 from marduk.transport import bus
 from marduk.transport.auth import SIG_HEADER, verify
@@ -285,8 +285,9 @@ class AsyncClient(CommandInbox):
             addr=self.opts.addr,
         )
 
-    # Progress. Under ``marduk agent run`` these feed its hang detection (agent/local.py);
-    # a standalone client only records them (``last_step``): nothing watches for hangs then.
+    # Progress. Under ``marduk agent run`` these feed its hang detection
+    # (agent/channel/messages.py); a standalone client only records them (``last_step``): nothing
+    # watches for hangs then.
     async def step(self, step: int) -> None:
         self.last_step, self.last_progress = step, time.time()
 

@@ -52,7 +52,8 @@ class Handoff:
     epoch: int = 0
     restart_count: int = 0
     supervisor_pid: int | None = None
-    # The supervisor's unix socket (agent/local.py): set means "talk to it, don't register".
+    # The supervisor's unix socket (agent/channel/messages.py): set means "talk to it, don't
+    # register".
     agent_socket: str | None = None
     # How a warm trainer was started (the fork server or a standby); None: a cold start.
     warm_start: WarmStart | None = None

@@ -14,7 +14,7 @@ rank (``--node-rank``), as with torchrun's ``static`` backend (``--rdzv-endpoint
 names the master), or, with ``--nnodes MIN:MAX`` and no ``--node-rank``, the controller is the
 rendezvous: each epoch's membership (marduk/core/membership.py) gives the node rank, world size and
 coordinator (``LaunchSpec.placed``). Pure: the look-ups of the
-machine's ports are agent/ports.py's.
+machine's ports are agent/supervise/ports.py's.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from agent import handoff
+from agent.channel import handoff
 
 DEFAULT_MASTER_PORT = 29500  # torchrun's, for multi-node jobs that do not name one
 # Across nodes, MASTER_PORT is base + epoch % PORT_SPAN: every agent of the job derives the same
@@ -162,8 +162,8 @@ class LaunchSpec:
     def fixed_port(self, epoch: int) -> int | None:
         """MASTER_PORT for the incarnation started at restart epoch ``epoch``, where the spec
         fixes it; None on one node without ``--master-port``: a free port per incarnation
-        (agent/ports.py), as torchrun's rendezvous picks, so a restart never waits on the old
-        socket.
+        (agent/supervise/ports.py), as torchrun's rendezvous picks, so a restart never waits on the
+        old socket.
 
         Across nodes: ``base + epoch % PORT_SPAN`` (base: ``--master-port``, else 29500). The
         agents of a job share its epoch, so they all compute the same port without talking;

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import msgspec
 
-from agent.nats_client import AsyncClient
-from agent.options import Options
-from agent.ports import coordinator_ports
+from agent.library.nats_client import AsyncClient
+from agent.library.options import Options
+from agent.supervise.ports import coordinator_ports
 from marduk.wire.protocol import Member, Membership
 
 log = logging.getLogger("agent.supervisor")

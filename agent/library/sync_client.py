@@ -12,11 +12,11 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
-from agent.command import Command, OnCommand
 from agent.errors import AgentError
-from agent.inbox import State
-from agent.options import Options
-from agent.transport import AgentClient, open_client
+from agent.library.command import Command, OnCommand
+from agent.library.inbox import State
+from agent.library.options import Options
+from agent.library.transport import AgentClient, open_client
 
 log = logging.getLogger("agent")
 

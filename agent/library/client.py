@@ -1,23 +1,22 @@
 """The library a trainer imports: ``connect`` (a synchronous ``Client``) and ``connect_async``.
 
-Both register this worker with the controller (``AsyncClient``, agent/nats_client.py), or,
+Both register this worker with the controller (``AsyncClient``, agent/library/nats_client.py), or,
 under ``marduk agent run``, talk to that supervisor instead (``LocalAsyncClient``,
-agent/local.py); ``Client`` runs either on a background thread (named ``marduk-agent``) for
-synchronous training loops. Nothing raises into the training loop after ``connect`` has
-returned: a lost connection is retried in the background (visible as ``state``), bad messages
-are counted and recorded in ``errors``, and every wait has a timeout.
+agent/channel/messages.py); ``Client`` runs either on a background thread (named ``marduk-agent``)
+for synchronous training loops. Nothing raises into the training loop after ``connect`` has
+returned: a lost connection is retried in the background (visible as ``state``), bad messages are
+counted and recorded in ``errors``, and every wait has a timeout.
 
-Commands are fenced by epochs (agent/fencing.py): a command whose epoch is below the last one
-received is stale, and one at that epoch that says nothing new is a duplicate (the controller
-resends commands until they are confirmed); both are dropped (``stats["dropped_stale"]``). A
-command at the same epoch with more devices is an update (another device failed and joined the
-restart in flight) and is delivered again (``stats["updates"]``): act on each epoch once, read
-its devices.
+Commands are fenced by epochs (agent/channel/fencing.py): a command whose epoch is below the last
+one received is stale, and one at that epoch that says nothing new is a duplicate (the controller
+resends commands until they are confirmed); both are dropped (``stats["dropped_stale"]``). A command
+at the same epoch with more devices is an update (another device failed and joined the restart in
+flight) and is delivered again (``stats["updates"]``): act on each epoch once, read its devices.
 
 The modules, by role: ``options`` (settings and their defaults), ``command``, ``inbox``
 (fencing and delivery, shared), ``nats_client``, ``local``, ``transport`` (the interface and
 the choice), ``sync_client`` (the facade), and this one, the entry points. The names below are
-re-exported so that ``from agent.client import ...`` keeps working.
+re-exported so that ``from agent.library.client import ...`` keeps working.
 """
 
 from __future__ import annotations
@@ -25,19 +24,19 @@ from __future__ import annotations
 import os
 from typing import cast
 
-from agent.command import Command, OnCommand
 from agent.errors import AgentError
-from agent.inbox import CommandInbox, State
-from agent.nats_client import AsyncClient
-from agent.options import (
+from agent.library.command import Command, OnCommand
+from agent.library.inbox import CommandInbox, State
+from agent.library.nats_client import AsyncClient
+from agent.library.options import (
     CONNECT_TIMEOUT,
     Options,
     resolve_controller_keys,
     resolve_options,
     with_nkey,
 )
-from agent.sync_client import Client
-from agent.transport import AgentClient, open_client
+from agent.library.sync_client import Client
+from agent.library.transport import AgentClient, open_client
 from marduk.transport.credentials import Credentials
 
 __all__ = [

@@ -8,7 +8,7 @@ process (never in the supervisor: a hang or a crash here must not take it down):
 devices, and a tiny computation runs on each, under a timeout. Exit 0: all well. Exit 1: a
 device is missing or fails; the lines on stdout say which (``PREFLIGHT FAIL <id>: <why>``).
 
-    python -m agent.preflight --expect 8
+    python -m agent.supervise.preflight --expect 8
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ async def run_check(
 ) -> tuple[bool, list[str]]:
     """In the supervisor: run this module in a fresh process (its own session) under a
     timeout; (passed, its output lines)."""
-    cmd = [sys.executable, "-m", "agent.preflight"]
+    cmd = [sys.executable, "-m", "agent.supervise.preflight"]
     if expect:
         cmd += ["--expect", str(expect)]
     proc = await asyncio.create_subprocess_exec(

@@ -2,9 +2,9 @@
 
 The pod survives when a trainer dies. This process registers the node's devices with the
 controller once (so the registration outlives trainer restarts), runs ``--nproc-per-node`` local
-ranks (torchrun's contract: agent/launch.py), each in its own process group, passes their
+ranks (torchrun's contract: agent/supervise/launch.py), each in its own process group, passes their
 output through line by line, and applies the decisions of the supervision core
-(agent/supervision.py) to what it observes:
+(agent/supervise/supervision.py) to what it observes:
 
 * a local rank crashes (exit code or signal) or hangs (no step for ``hang_timeout_s``; before
   the first step, ``startup_timeout_s``; a section open past its timeout): every local rank is
@@ -20,10 +20,10 @@ output through line by line, and applies the decisions of the supervision core
 * SIGTERM/SIGINT (eviction, preemption): SIGTERM to the ranks, the grace period to
   checkpoint, ``preempted``, exit.
 
-Stopping an incarnation is SIGTERM to every rank's process group and to every process its
-trainers left behind (agent/proctree.py: the agent is their subreaper), ``grace_s`` to finish,
-then SIGKILL. With no controller reachable (or ``--standalone``) the same rules run locally and
-the agent keeps trying to join the controller in the background (agent/controller_link.py).
+Stopping an incarnation is SIGTERM to every rank's process group and to every process its trainers
+left behind (agent/supervise/proctree.py: the agent is their subreaper), ``grace_s`` to finish, then
+SIGKILL. With no controller reachable (or ``--standalone``) the same rules run locally and the agent
+keeps trying to join the controller in the background (agent/supervise/controller_link.py).
 
 Exit codes: see ``ExitCode``.
 """
@@ -48,20 +48,25 @@ from typing import Any, TypeVar
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 
-from agent import handoff, local, placement
-from agent.client import AsyncClient, Command
-from agent.controller_link import (
+from agent.channel import handoff, messages
+from agent.channel.handoff import Handoff
+from agent.library.client import AsyncClient, Command
+from agent.supervise import placement
+from agent.supervise.controller_link import (
     REPORT_TIMEOUT_S,
     STOPPING_REPORT_TIMEOUT_S,
     ControllerLink,
 )
-from agent.handoff import Handoff
-from agent.launch import LaunchSpec, Std
-from agent.local import TrainerChannel
-from agent.ports import listening, port_for_incarnation
-from agent.preflight import run_check
-from agent.proctree import become_subreaper, end_leftovers, find_leftovers, wait_groups_gone
-from agent.ranks import (
+from agent.supervise.launch import LaunchSpec, Std
+from agent.supervise.ports import listening, port_for_incarnation
+from agent.supervise.preflight import run_check
+from agent.supervise.proctree import (
+    become_subreaper,
+    end_leftovers,
+    find_leftovers,
+    wait_groups_gone,
+)
+from agent.supervise.ranks import (
     CommandArrived,
     Fact,
     Joined,
@@ -70,10 +75,10 @@ from agent.ranks import (
     RankExited,
     Tick,
 )
-from agent.reclaim import between_incarnations
-from agent.signatures import Diagnosis, diagnose
-from agent.starter import Starter, standby_command
-from agent.supervision import (
+from agent.supervise.reclaim import between_incarnations
+from agent.supervise.signatures import Diagnosis, diagnose
+from agent.supervise.starter import Starter, standby_command
+from agent.supervise.supervision import (
     Decision,
     ExitCode,
     Finish,
@@ -85,8 +90,9 @@ from agent.supervision import (
     Supervision,
     describe_returncode,
 )
-from agent.supervisor_config import SupervisorConfig, default_preload
-from agent.zygote import TrainerProcess
+from agent.supervise.supervisor_config import SupervisorConfig, default_preload
+from agent.supervise.trainer_channel import TrainerChannel
+from agent.supervise.zygote import TrainerProcess
 from marduk.aio import TaskSet
 from marduk.errors import MardukError
 from marduk.shell.metrics import MetricsServer, Probes, StatsCollector, gauge, histogram
@@ -159,7 +165,7 @@ class Supervisor:
             Rank(i, os.path.join(self.socket_dir, name), config.tail_lines)
             for i, name in enumerate(names)
         ]
-        self.channels: list[TrainerChannel] = []  # each rank's library (agent/local.py)
+        self.channels: list[TrainerChannel] = []  # each rank's library (agent/channel/messages.py)
         self.master_port = 0
         # Where this node's ranks sit at the current incarnation (the controller's membership
         # with --nnodes MIN:MAX; else the launch spec as given).
@@ -806,21 +812,21 @@ class Supervisor:
                 return
             await asyncio.sleep(0.002)
 
-    # --- the trainers' library (agent/local.py) ---------------------------------------------------
+    # --- the trainers' library (the trainer channel) ---------------------------------------------
 
-    async def _on_trainer(self, rank: int, msg: local.ToAgent) -> None:
+    async def _on_trainer(self, rank: int, msg: messages.ToAgent) -> None:
         now = time.monotonic()
         match msg:
-            case local.Hello(peer_notices=True):
+            case messages.Hello(peer_notices=True):
                 self._ask_for_peer_notices()
-            case local.Step(step=step):
+            case messages.Step(step=step):
                 self._progress(rank, step)
-            case local.Heartbeat():
+            case messages.Heartbeat():
                 self._progress(rank, None)
-            case local.Checkpointed(step=step):
+            case messages.Checkpointed(step=step):
                 log.info("trainer saved the checkpoint asked for at step %d", step)
                 await self._report("checkpointed", summary=f"checkpoint saved at step {step}")
-            case local.Section(name=name, open=open_, timeout=timeout):
+            case messages.Section(name=name, open=open_, timeout=timeout):
                 if self.core.section(rank, name, open_, timeout, now):
                     self._stepped(rank)
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final, Literal
 
-from agent import handoff
+from agent.channel import handoff
+from agent.channel.handoff import Handoff, HandoffError
 from agent.errors import AgentError
-from agent.handoff import Handoff, HandoffError
 from marduk.errors import MardukError
 from marduk.transport import bus
 from marduk.transport.credentials import Credentials
@@ -46,7 +46,8 @@ class Options:
     credentials: Credentials = field(default_factory=Credentials)
     # Public keys commands must be signed with; None: signatures are not checked (no auth).
     controller_keys: list[str] | None = None
-    # Under ``marduk agent run``: its unix socket (the library talks to it, see agent/local.py).
+    # Under ``marduk agent run``: its unix socket (the library talks to it, see
+    # agent/channel/messages.py).
     agent_socket: str | None = None
     # Ask for ``peer_failed`` notices (another replica of the job restarts or fails).
     peer_notices: bool = False
@@ -101,7 +102,7 @@ def resolve_options(
     except ValueError as e:
         raise AgentError(str(e)) from None
     if devices is None:
-        from agent import devices as found
+        from agent.library import devices as found
 
         # The supervisor never imports a framework (it forks trainers, and jax would take the
         # accelerators): it asks NVML, then a child process.

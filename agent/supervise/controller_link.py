@@ -1,9 +1,9 @@
 """The supervisor's link to the controller: register at start, or keep trying in the background
 and join when it answers; report; acknowledge commands; close.
 
-``marduk agent run`` (agent/supervisor.py) works with a controller or without one (standalone,
-local restarts only). While none is joined, ``report`` answers None and ``ack`` does nothing,
-so the supervision shell applies its decisions the same way in both modes.
+``marduk agent run`` (agent/supervise/supervisor.py) works with a controller or without one
+(standalone, local restarts only). While none is joined, ``report`` answers None and ``ack`` does
+nothing, so the supervision shell applies its decisions the same way in both modes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from agent.client import AsyncClient, Command, Options
+from agent.library.client import AsyncClient, Command, Options
 from marduk.errors import MardukError
 from marduk.shell.metrics import StatsCollector
 from marduk.transport.credentials import redact

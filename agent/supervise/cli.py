@@ -1,10 +1,10 @@
 """``marduk agent run -- CMD``: supervise the trainers as the pod's main process.
 
 torchrun's options (``--nproc-per-node``, ``--nnodes``, ``--node-rank``, ``--master-addr``,
-``--master-port``, ``--rdzv-endpoint``, ``--max-restarts``, ``--monitor-interval``,
-``--log-dir``, ``--redirects``, ``--tee``, ``--local-ranks-filter``, ``--role``, ``-m``,
-``--no-python``) mean what they mean to torchrun (agent/launch.py); the script may be given as
-torchrun takes it (``train.py ARGS``: run with this interpreter).
+``--master-port``, ``--rdzv-endpoint``, ``--max-restarts``, ``--monitor-interval``, ``--log-dir``,
+``--redirects``, ``--tee``, ``--local-ranks-filter``, ``--role``, ``-m``, ``--no-python``) mean what
+they mean to torchrun (agent/supervise/launch.py); the script may be given as torchrun takes it
+(``train.py ARGS``: run with this interpreter).
 """
 
 from __future__ import annotations
@@ -13,18 +13,18 @@ from typing import Annotated, Literal
 
 import typer
 
-from agent import options as library
-from agent.launch import DEFAULT_MASTER_PORT, PORT_SPAN
-from agent.run_config import LAUNCH, Config, ConfigError, RunArgs, build_config
-from agent.run_config import node_name as node_name
-from agent.run_config import trainer_command as trainer_command
-from agent.supervisor_config import CONNECT_TIMEOUT_S
+from agent.library import options as library
+from agent.supervise.launch import DEFAULT_MASTER_PORT, PORT_SPAN
+from agent.supervise.run_config import LAUNCH, Config, ConfigError, RunArgs, build_config
+from agent.supervise.run_config import node_name as node_name
+from agent.supervise.run_config import trainer_command as trainer_command
+from agent.supervise.supervisor_config import CONNECT_TIMEOUT_S
 from marduk.shell import options
 from marduk.wire.subjects import DEFAULT_PREFIX
 
 # Every default below is a settings object's (each defined once): the supervisor's
 # (SupervisorConfig's class attributes), the launch contract's, the library's. What the options
-# mean is agent/run_config.py's.
+# mean is agent/supervise/run_config.py's.
 app = typer.Typer(
     help="The in-pod agent: spawn, watch and restart the trainer.", no_args_is_help=True
 )
@@ -393,7 +393,7 @@ def run(
     """
     # First, before any other name is bound: every option's value, by name (RunArgs's fields).
     args = RunArgs(**locals())
-    from agent.supervisor import CANCEL_WAIT_S, Supervisor
+    from agent.supervise.supervisor import CANCEL_WAIT_S, Supervisor
     from marduk.shell.logs import setup_logging
     from marduk.shell.runtime import run_to_exit
 

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from agent.handoff import DEVICES, parse_devices
+from agent.channel.handoff import DEVICES, parse_devices
 
 log = logging.getLogger("agent.devices")
 
@@ -94,7 +94,7 @@ def nvml_visible_uuids() -> list[str]:
     return [u for i in range(count) if (u := nvml_uuid_for_ordinal(i)) is not None]
 
 
-_CHILD = "import json, agent.devices as d; print(json.dumps(d.local_device_uuids()))"
+_CHILD = "import json, agent.library.devices as d; print(json.dumps(d.local_device_uuids()))"
 
 
 def _discover_in_child(timeout: float) -> list[str]:

@@ -1,5 +1,5 @@
 """What ``marduk agent run`` keeps of each local rank, and the facts its shell feeds to the
-supervision core (agent/supervision.py)."""
+supervision core (agent/supervise/supervision.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import IO
 
-from agent.client import Command
-from agent.launch import LogSpec, Std
-from agent.zygote import TrainerProcess
+from agent.library.client import Command
+from agent.supervise.launch import LogSpec, Std
+from agent.supervise.zygote import TrainerProcess
 
 # --- what the shell observes (facts for the core) ------------------------------------------------
 

@@ -11,9 +11,9 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from agent.command import Command, OnCommand
-from agent.fencing import Fence, Verdict
-from agent.options import Options
+from agent.channel.fencing import Fence, Verdict
+from agent.library.command import Command, OnCommand
+from agent.library.options import Options
 from marduk.aio import TaskSet
 from marduk.wire import protocol as wire
 
@@ -46,7 +46,7 @@ class CommandInbox:
         self._on_command = on_command
         self._deliver = deliver
         self._queue: asyncio.Queue[Command] = asyncio.Queue()
-        self.fence = Fence.started_at(opts.epoch)  # which commands are news (agent/fencing.py)
+        self.fence = Fence.started_at(opts.epoch)  # which commands are news (channel/fencing.py)
         self._checkpoint: Command | None = None  # a checkpoint asked for, not yet saved
         self._pending_failure: Command | None = None
         self._tasks = TaskSet(self._task_failed, prefix="marduk-agent-")

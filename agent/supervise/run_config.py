@@ -1,9 +1,9 @@
 """What ``marduk agent run``'s options mean: ``build_config`` turns the parsed option values
 (``RunArgs``) into the supervisor's configuration, checking them on the way.
 
-The CLI (agent/cli.py) only declares the options and reports a ``ConfigError`` as one line,
-exit 2. The few look-ups the building needs (the host name, the controller's options, whether a
-port can be bound, the script's imports) come in through ``Lookups``, so the rules are tested
+The CLI (agent/supervise/cli.py) only declares the options and reports a ``ConfigError`` as one
+line, exit 2. The few look-ups the building needs (the host name, the controller's options, whether
+a port can be bound, the script's imports) come in through ``Lookups``, so the rules are tested
 without touching the machine.
 """
 
@@ -17,10 +17,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from agent import options as library
-from agent import ports
 from agent.errors import AgentError
-from agent.launch import (
+from agent.library import options as library
+from agent.supervise import ports
+from agent.supervise.launch import (
     LaunchError,
     LaunchSpec,
     LogSpec,
@@ -29,13 +29,13 @@ from agent.launch import (
     parse_nnodes,
     parse_std,
 )
-from agent.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
+from agent.supervise.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
 from marduk.shell import options
 from marduk.wire.protocol import Rendezvous
 from marduk.wire.subjects import DEFAULT_PREFIX
 
 if TYPE_CHECKING:
-    from agent.options import Options
+    from agent.library.options import Options
 
 Config = SupervisorConfig
 LAUNCH = LaunchSpec()
@@ -115,13 +115,13 @@ class RunArgs:
 
 
 def _default_preload(cmd: list[str]) -> list[str]:
-    from agent.supervisor_config import default_preload, script_source
+    from agent.supervise.supervisor_config import default_preload, script_source
 
     return default_preload(script_source(cmd))
 
 
 def _resolve(**kw: Any) -> Options:
-    from agent.options import resolve_options
+    from agent.library.options import resolve_options
 
     return resolve_options(**kw)
 

@@ -1,8 +1,8 @@
 """What ``marduk agent run`` is configured with: ``SupervisorConfig``, each default defined here
-once (the rules' numbers in ``Limits``, agent/supervision.py).
+once (the rules' numbers in ``Limits``, agent/supervise/supervision.py).
 
 No slots: the dataclass's class attributes are its defaults, and ``marduk agent run``'s options
-take theirs from them (agent/cli.py), so the CLI, ``--help`` and code that builds a config
+take theirs from them (agent/supervise/cli.py), so the CLI, ``--help`` and code that builds a config
 directly cannot disagree. Light to import: the CLI reads it on every ``marduk`` command.
 """
 
@@ -13,11 +13,11 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Final
 
-from agent.launch import LaunchSpec, LogSpec
-from agent.supervision import Limits
+from agent.supervise.launch import LaunchSpec, LogSpec
+from agent.supervise.supervision import Limits
 
 if TYPE_CHECKING:
-    from agent.options import Options
+    from agent.library.options import Options
 
 DEFAULT_STEP_REGEX: Final = r"\bstep[\s:=#]+(\d+)"
 # Seconds the supervisor waits to register at start: longer than the library's
@@ -39,7 +39,7 @@ class SupervisorConfig:
     cleanup_cmd: str = ""
     stale_files: list[str] = field(default_factory=lambda: ["/tmp/libtpu_lockfile"])
     # Start trainers warm, with these modules imported ahead of time: forked from a fork
-    # server (agent/zygote.py) or, with fork_server off, from one standby process each.
+    # server (agent/supervise/zygote.py) or, with fork_server off, from one standby process each.
     prespawn: bool = True
     preload: list[str] = field(default_factory=list)
     fork_server: bool = True
@@ -49,8 +49,8 @@ class SupervisorConfig:
     status_interval_s: float = 15.0
     # Serve /metrics, /healthz and /readyz (ready: every rank is stepping) on HOST:PORT.
     metrics_addr: str | None = None
-    # Before a restart after a device-class failure (a check_device diagnosis, or a restart
-    # command naming devices), check the devices in a separate process (agent/preflight.py).
+    # Before a restart after a device-class failure (a check_device diagnosis, or a restart command
+    # naming devices), check the devices in a separate process (agent/supervise/preflight.py).
     preflight: bool = False
     preflight_timeout_s: float = 120.0
     preflight_expect: int | None = None  # devices the check must see (default: any)

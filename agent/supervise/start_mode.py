@@ -1,6 +1,6 @@
 """How a trainer starts: forked from the fork server, from a standby process, or cold — chosen
-from the facts alone, with the reason. The Starter (agent/starter.py) gathers the facts, applies
-the choice, and falls back when a warm start fails (which changes the facts)."""
+from the facts alone, with the reason. The Starter (agent/supervise/starter.py) gathers the facts,
+applies the choice, and falls back when a warm start fails (which changes the facts)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ ZYGOTE_RETRIES: Final = 3  # fork server failures in a row before standby proces
 
 
 class StartMode(enum.Enum):
-    ZYGOTE = "zygote"  # forked from the fork server (agent/zygote.py), the framework imported
-    STANDBY = "standby"  # a standby process started ahead of time (agent/standby.py)
+    ZYGOTE = "zygote"  # forked from the fork server (zygote.py), the framework imported
+    STANDBY = "standby"  # a standby process started ahead of time (agent/supervise/standby.py)
     COLD = "cold"  # the command itself, started now
 
 

@@ -1,8 +1,8 @@
 """How the library reaches its commands: the interface both async clients provide, and the
 choice between them.
 
-``AsyncClient`` (agent/nats_client.py) registers with the controller over NATS;
-``LocalAsyncClient`` (agent/local.py) talks to the ``marduk agent run`` that started the
+``AsyncClient`` (agent/library/nats_client.py) registers with the controller over NATS;
+``LocalAsyncClient`` (agent/channel/messages.py) talks to the ``marduk agent run`` that started the
 trainer. ``connect`` and the synchronous ``Client`` use either through ``AgentClient``, so
 neither implementation needs to know the other (nor the facade that wraps them).
 """
@@ -13,11 +13,11 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Protocol
 
-from agent.command import Command, OnCommand
-from agent.inbox import State
-from agent.local import LocalAsyncClient
-from agent.nats_client import AsyncClient
-from agent.options import Options
+from agent.library.command import Command, OnCommand
+from agent.library.inbox import State
+from agent.library.local_client import LocalAsyncClient
+from agent.library.nats_client import AsyncClient
+from agent.library.options import Options
 
 
 class AgentClient(Protocol):

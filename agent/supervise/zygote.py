@@ -1,9 +1,9 @@
 """The fork server ("zygote"): one process per agent imports the framework once, and every
 trainer incarnation is forked from it in milliseconds.
 
-    python -m agent.zygote --control-fd N --preload torch -- SCRIPT|-m MODULE [ARGS...]
+    python -m agent.supervise.zygote --control-fd N --preload torch -- SCRIPT|-m MODULE [ARGS...]
 
-A standby process (``agent/standby.py``) covers one fault: the next one waits for a new
+A standby process (``agent/supervise/standby.py``) covers one fault: the next one waits for a new
 interpreter to import the framework (seconds; several at once on a busy host). The zygote is
 never used up, so the first fault after start and a burst of faults are all warm restarts.
 
@@ -46,7 +46,7 @@ import time
 import traceback
 from typing import Any, Protocol
 
-from agent.client import AgentError
+from agent.library.client import AgentError
 from marduk.transport.children import die_with_parent
 
 MAX_ORDER = 1 << 20  # bytes: the environment travels in the order
@@ -230,7 +230,7 @@ def _default_signals() -> None:
 
 
 def main(argv: list[str]) -> None:
-    from agent.standby import parse, preload, run_target
+    from agent.supervise.standby import parse, preload, run_target
 
     opts, target = parse(argv, "zygote")
     control = int(opts["--control-fd"])
@@ -352,7 +352,7 @@ class Zygote:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *(python, "-m", "agent.zygote", "--control-fd", str(theirs.fileno())),
+                *(python, "-m", "agent.supervise.zygote", "--control-fd", str(theirs.fileno())),
                 *("--preload", ",".join(preload), "--", *target),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,

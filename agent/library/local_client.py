@@ -1,0 +1,130 @@
+"""The trainer's end of the trainer channel (agent/channel/messages.py): the library's client
+when ``marduk agent run`` supervises the trainer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+
+from agent.channel.messages import (
+    MAX_LINE,
+    ChannelError,
+    Checkpointed,
+    Forward,
+    Heartbeat,
+    Hello,
+    Message,
+    Section,
+    Step,
+    Welcome,
+    decode_to_trainer,
+    encode,
+    messages,
+    read_line,
+)
+from agent.errors import AgentError
+from agent.library.command import Command, OnCommand
+from agent.library.inbox import CommandInbox
+from agent.library.options import Options
+
+log = logging.getLogger("agent.local_client")
+
+
+class LocalAsyncClient(CommandInbox):
+    """The AsyncClient interface, served by the local supervisor instead of the controller."""
+
+    def __init__(
+        self,
+        opts: Options,
+        socket_path: str,
+        on_command: OnCommand | None = None,
+        *,
+        deliver: Callable[[Command], None] | None = None,
+    ) -> None:
+        super().__init__(opts, on_command, deliver)
+        self.socket_path = socket_path
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        try:
+            reader, self._writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(self.socket_path, limit=MAX_LINE), self.opts.timeout
+            )
+            await self._send(Hello(pid=os.getpid(), peer_notices=self.opts.peer_notices))
+            line = await asyncio.wait_for(read_line(reader), self.opts.timeout)
+            if line is None:
+                raise ChannelError("it closed the connection before its welcome")
+            welcome = decode_to_trainer(line)
+            if not isinstance(welcome, Welcome):
+                raise ChannelError(f"expected a welcome, got {welcome!r}")
+        except (OSError, TimeoutError, ChannelError) as e:
+            raise AgentError(
+                f"cannot reach the local agent at {self.socket_path}: {e or type(e).__name__}"
+            ) from None
+        self.fence = self.fence.adopt(welcome.epoch)
+        self.state = "registered"
+        self._reader_task = asyncio.create_task(self._read(reader), name="marduk-agent-local")
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            async for msg in messages(reader, decode_to_trainer, self._bad):
+                if isinstance(msg, Forward):
+                    self._accept(msg.command)
+                else:
+                    self._bad(f"unexpected {type(msg).__name__}")
+        except OSError as e:
+            self._record(f"local agent channel failed: {e}")
+        if self.state != "closed":
+            self.state = "disconnected"
+
+    def _bad(self, why: str) -> None:
+        self.stats["bad_commands"] += 1
+        self._record(f"dropped a bad message from the local agent: {why}")
+
+    async def _send(self, msg: Message) -> None:
+        if self._writer is None or self._writer.is_closing():
+            return
+        try:
+            self._writer.write(encode(msg))
+            await self._writer.drain()
+        except (OSError, RuntimeError) as e:
+            self._record(f"cannot reach the local agent: {e}")
+
+    # --- the AsyncClient interface ---------------------------------------------------------------
+
+    async def checkpoint_saved(self, step: int) -> bool:
+        """Tell the supervisor; it reports ``checkpointed`` to the controller."""
+        self._checkpoint = None
+        await self._send(Checkpointed(step=int(step)))
+        return True
+
+    async def ack(self, command: Command | None = None) -> bool:
+        """Clears ``failed``; the supervisor confirms epochs to the controller itself."""
+        self._clear_failure(command)
+        return True
+
+    async def step(self, step: int) -> None:
+        await self._send(Step(step=int(step)))
+
+    async def heartbeat(self) -> None:
+        await self._send(Heartbeat())
+
+    async def section(self, name: str, open_: bool, timeout: float | None = None) -> None:
+        await self._send(
+            Section(name=name, open=open_, timeout=float(timeout) if timeout else None)
+        )
+
+    async def close(self, *, deregister: bool = True, reason: str = "closed") -> None:
+        if self.state == "closed":
+            return
+        self.state = "closed"
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
+                await self._writer.wait_closed()

@@ -1,0 +1,95 @@
+"""The supervisor's end of the trainer channel (agent/channel/messages.py): a unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections import Counter
+from collections.abc import Awaitable, Callable
+
+from agent.channel.messages import (
+    MAX_LINE,
+    Forward,
+    Hello,
+    ToAgent,
+    Welcome,
+    decode_to_agent,
+    encode,
+    messages,
+)
+from marduk.aio import RateLimitedLog
+from marduk.wire import protocol as wire
+
+log = logging.getLogger("agent.trainer_channel")
+
+
+class TrainerChannel:
+    """The unix socket a supervisor serves its trainers on.
+
+    Each trainer's ``hello`` is answered with ``welcome`` at ``epoch()``; its other messages go
+    to ``on_message``. ``forward`` sends a command to every trainer connected. Bad messages are
+    counted in ``stats["channel_bad_messages"]`` and logged (a few a minute), never fatal.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        on_message: Callable[[ToAgent], Awaitable[None]],
+        epoch: Callable[[], int],
+        stats: Counter[str],
+    ) -> None:
+        self.path = path
+        self._on_message = on_message
+        self._epoch = epoch
+        self.stats = stats
+        self._server: asyncio.Server | None = None
+        self._trainers: set[asyncio.StreamWriter] = set()
+        self._bad_lines = RateLimitedLog(
+            log, more="(more bad messages from the trainer this minute are counted, not logged)"
+        )
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, self.path, limit=MAX_LINE)
+        os.chmod(self.path, 0o600)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    async def forward(self, command: wire.Command) -> None:
+        """Tell the trainer's library (if it connected) why it is about to be stopped."""
+        line = encode(Forward(command=command))
+        for writer in list(self._trainers):
+            with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+                writer.write(line)
+                await asyncio.wait_for(writer.drain(), 1.0)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._trainers.add(writer)
+        try:
+            async for msg in messages(reader, decode_to_agent, self._bad):
+                if isinstance(msg, Hello):
+                    writer.write(encode(Welcome(epoch=self._epoch())))
+                    await writer.drain()
+                    if not msg.peer_notices:
+                        continue
+                try:
+                    await self._on_message(msg)
+                except Exception:  # the supervisor's bug: logged, the channel goes on
+                    self.stats["channel_errors"] += 1
+                    log.exception("handling %r from the trainer's library", msg)
+        except OSError:
+            pass  # the trainer went away
+        finally:
+            self._trainers.discard(writer)
+            writer.close()
+
+    def _bad(self, why: str) -> None:
+        self.stats["channel_bad_messages"] += 1
+        self._bad_lines.log(
+            "bad", logging.WARNING, "bad message from the trainer's library, skipped: %s", why
+        )
