@@ -96,6 +96,7 @@ class MeshJob:
         *,
         ranks_from_controller: bool = False,
         spares: int = 0,
+        min_nodes: int | None = None,
     ) -> None:
         self.env, self.job, self.n = env, job, n
         self.ranks_from_controller = ranks_from_controller
@@ -104,15 +105,16 @@ class MeshJob:
         self.devices = [f"{job}-d{i}" for i in range(n)] + [f"{job}-s{i}" for i in range(spares)]
         self.ctl = controller(env)
         base = free_port_base()
+        nnodes = f"{min_nodes or n}:{n}"
         if ranks_from_controller:
             # No --node-rank: the controller assigns the ranks and the coordinator per epoch.
             placement = [
-                ["--replica", f"node{i}", "--nnodes", f"{n}:{n}", "--local-addr", "127.0.0.1"]
+                ["--replica", f"node{i}", "--nnodes", nnodes, "--local-addr", "127.0.0.1"]
                 for i in range(n)
             ]
             placement += [  # hot spares: registered, no trainer until a member is lost
                 [
-                    *("--replica", f"spare{i}", "--nnodes", f"{n}:{n}"),
+                    *("--replica", f"spare{i}", "--nnodes", nnodes),
                     *("--local-addr", "127.0.0.1", "--spare"),
                 ]
                 for i in range(spares)

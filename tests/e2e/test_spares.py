@@ -48,3 +48,33 @@ def test_a_spare_takes_the_rank_of_a_member_whose_device_is_past_its_budget(
         assert not left_behind([old_pid])
     finally:
         job.stop()
+
+
+def test_without_a_spare_the_mesh_shrinks_and_resumes_from_the_checkpoint(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """``--nnodes 1:2`` and no spare: the member past its budget leaves, the other goes on
+    alone at the next epoch (world size 1: node rank 0, its own coordinator) and restores the
+    checkpoint the two saved (full arrays restore onto any process count); a smaller global
+    batch, so the values after it are not compared with the two-process run's."""
+    e = {**mesh_env(env, tmp_path / "ckpt"), "MARDUK_DEVICE_MAX_FAILURES": "0"}
+    job = MeshJob(e, job="shrink", n=2, ranks_from_controller=True, min_nodes=1)
+    lost = 1
+    try:
+        now = job.wait_stepping(0, -1, timeout=180, steps=12)
+        epoch = now[0].epoch
+        time.sleep(0.3)
+        t = time.time()
+        r = marduk_cli("monitor", "inject-failure", job.device(lost), env=job.env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        job.running = [0]
+        [alone] = job.wait_stepping(t, epoch, timeout=60)
+        assert alone.start > 0 and placements(job, 0)[-1][1] == 0
+        assert any("process 0/1:" in ln for ln in job.agents[0].all)
+        print(
+            f"shrink 2 -> 1: epoch {epoch} -> {alone.epoch}, resumed at step {alone.start}, "
+            f"stepping {(alone.first_step_at or t) - t:.2f}s after the fault"
+        )
+        assert job.agents[lost].proc.wait(timeout=30) == 71
+    finally:
+        job.stop()
