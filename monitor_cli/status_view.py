@@ -154,6 +154,7 @@ class JobSummary:
     restarts: int
     last_failure: str
     last_failure_at: float
+    spares: int = 0  # live hot spares (a job whose ranks the controller assigns)
 
 
 def summarize(reply: QueryReply) -> list[JobSummary]:
@@ -188,6 +189,7 @@ def summarize(reply: QueryReply) -> list[JobSummary]:
                 restarts=sum(scopes.values()),
                 last_failure=what,
                 last_failure_at=when,
+                spares=sum(w.part == "spare" and w.state == "live" for w in workers),
             )
         )
     return out
@@ -221,7 +223,7 @@ def summary_grid(summaries: Sequence[JobSummary], now: float) -> Grid:
             (
                 s.job,
                 f"{s.replicas:,}",
-                f"{s.live:,}",
+                f"{s.live:,}" + (f" ({s.spares:,} spare)" if s.spares else ""),
                 (f"{s.stale:,}", "yellow") if s.stale else "0",
                 f"{s.devices:,}",
                 (f"{s.unhealthy:,}", "red") if s.unhealthy else "0",
@@ -283,6 +285,10 @@ def workers_grid(workers: Sequence[WorkerInfo], now: float) -> Grid:
         epoch = str(w.epoch) if w.applied_epoch >= w.epoch else f"{w.applied_epoch}->{w.epoch}"
         # A library-only worker sends no reports: it is registered, nothing more is known.
         status = (w.status or "registered") + (f" ({w.failure_class})" if w.failure_class else "")
+        if w.part == "member":
+            status += f", node {w.node_rank}"
+        elif w.part:  # spare (runs nothing) or retired (told to exit 71)
+            status = w.part
         rows.append(
             (
                 w.job,

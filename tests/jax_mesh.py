@@ -95,16 +95,29 @@ class MeshJob:
         agent_args: tuple[str, ...] = (),
         *,
         ranks_from_controller: bool = False,
+        spares: int = 0,
+        min_nodes: int | None = None,
     ) -> None:
         self.env, self.job, self.n = env, job, n
         self.ranks_from_controller = ranks_from_controller
+        # The agents whose processes form the mesh now (a swap replaces one by a spare).
+        self.running = list(range(n))
+        self.devices = [f"{job}-d{i}" for i in range(n)] + [f"{job}-s{i}" for i in range(spares)]
         self.ctl = controller(env)
         base = free_port_base()
+        nnodes = f"{min_nodes or n}:{n}"
         if ranks_from_controller:
             # No --node-rank: the controller assigns the ranks and the coordinator per epoch.
             placement = [
-                ["--replica", f"node{i}", "--nnodes", f"{n}:{n}", "--local-addr", "127.0.0.1"]
+                ["--replica", f"node{i}", "--nnodes", nnodes, "--local-addr", "127.0.0.1"]
                 for i in range(n)
+            ]
+            placement += [  # hot spares: registered, no trainer until a member is lost
+                [
+                    *("--replica", f"spare{i}", "--nnodes", nnodes),
+                    *("--local-addr", "127.0.0.1", "--spare"),
+                ]
+                for i in range(spares)
             ]
         else:
             placement = [
@@ -134,11 +147,11 @@ class MeshJob:
                 ],
                 env,
             )
-            for i in range(n)
+            for i in range(len(placement))
         ]
 
     def device(self, rank: int) -> str:
-        return f"{self.job}-d{rank}"
+        return self.devices[rank]
 
     # --- what the output says ---------------------------------------------------------------
 
@@ -160,6 +173,9 @@ class MeshJob:
         """Every trainer and fork server pid agent ``rank`` has started so far."""
         return [int(m.group(1)) for line in self.agents[rank].all if (m := STARTED.search(line))]
 
+    def has_trainer(self, rank: int) -> bool:
+        return any("trainer started: pid" in ln for ln in self.agents[rank].all)
+
     def trainer_pid(self, rank: int) -> int:
         lines = [ln for ln in self.agents[rank].all if "trainer started: pid" in ln]
         return int(lines[-1].split("pid ")[1].split(",")[0])
@@ -168,7 +184,7 @@ class MeshJob:
         """Every rank's incarnation once all run at one epoch above ``epoch_above``, resumed
         after ``after`` and ``steps`` steps in (None for a rank until then)."""
         last = []
-        for rank in range(self.n):
+        for rank in self.running:
             inc = self.incarnations(rank)
             if not inc or inc[-1].resumed_at <= after or inc[-1].epoch <= epoch_above:
                 return []
@@ -182,7 +198,7 @@ class MeshJob:
     ) -> list[Incarnation]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for a in self.agents:
+            for a in (self.agents[r] for r in self.running):
                 if a.proc.poll() is not None:
                     raise AssertionError(f"an agent exited:\n{''.join(a.all[-40:])}")
             found = self.stepping(after, epoch_above, steps)
@@ -195,7 +211,7 @@ class MeshJob:
         raise AssertionError(f"the mesh did not step again above epoch {epoch_above}:\n{tails}")
 
     def epoch(self) -> int:
-        return max(inc[-1].epoch for r in range(self.n) if (inc := self.incarnations(r)))
+        return max(inc[-1].epoch for r in self.running if (inc := self.incarnations(r)))
 
     # --- faults -------------------------------------------------------------------------------
 
@@ -245,11 +261,13 @@ def left_behind(pids: list[int]) -> list[int]:
 
 def resumed(job: MeshJob, name: str, t_fault: float, epoch_before: int) -> list[Incarnation]:
     """Wait for the mesh to step again after a fault; check it resumed right; print timings."""
-    old = [job.trainer_pid(r) for r in range(job.n)]  # (may be the ones the fault replaced)
+    # (may be the ones the fault replaced; a spare taking a rank had none)
+    old = [job.trainer_pid(r) for r in job.running if job.has_trainer(r)]
     now = job.wait_stepping(t_fault, epoch_before)
     # Every incarnation since the fault's: with two faults apart, the one between them may
     # have trained on and saved the checkpoint the mesh resumes from.
-    prior = [i for i in job.incarnations(0) if epoch_before <= i.epoch < now[0].epoch]
+    first = job.running[0]  # an agent that ran before the fault too
+    prior = [i for i in job.incarnations(first) if epoch_before <= i.epoch < now[0].epoch]
     before = Incarnation(epoch_before, prior[0].start, prior[0].resumed_at, {})
     for inc in prior:
         before.steps.update(inc.steps)  # a replayed step's values are the same in each
@@ -269,5 +287,5 @@ def resumed(job: MeshJob, name: str, t_fault: float, epoch_before: int) -> list[
         f"every rank stepping {max(back):.2f}s after the fault "
         f"({', '.join(f'{b:.2f}' for b in back)}); {len(replayed)} step(s) replayed identically"
     )
-    assert not left_behind([p for p in old if p not in {job.trainer_pid(r) for r in range(job.n)}])
+    assert not left_behind([p for p in old if p not in {job.trainer_pid(r) for r in job.running}])
     return now

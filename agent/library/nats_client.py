@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
@@ -178,7 +179,9 @@ class AsyncClient(CommandInbox):
         if reply.renew_interval > 0:
             self.renew_interval = reply.renew_interval
         if reply.command is not None:
-            self._note_membership(reply.command)
+            command = self._retired_here(reply.command)
+            reply = msgspec.structs.replace(reply, command=command)
+            self._note_membership(command)
         first = not self._registered_once
         self._registered_once = True
         if self.state != "closed":
@@ -256,8 +259,20 @@ class AsyncClient(CommandInbox):
         )
         if self._misdirected(command, msg.subject, to):
             return
+        command = self._retired_here(command)
         self._note_membership(command)
         self._accept(command)
+
+    def _retired_here(self, command: wire.Command) -> wire.Command:
+        """A command of the job that names this worker ``retired`` (the controller took it out
+        of the membership: a device out of service or past its budget, or it went silent; a
+        spare has its ranks now) is a ``fail`` here: the agent exits 71 and the pod goes back
+        to the scheduler, its replacement registering as a new spare."""
+        me = wire.WorkerRef(replica=self.opts.replica, worker=self.opts.worker)
+        if command.kind == "fail" or me not in command.retired:
+            return command
+        reason = f"retired from job {command.job}: {command.reason}"
+        return msgspec.structs.replace(command, kind="fail", reason=reason[:4000])
 
     def _note_membership(self, command: wire.Command) -> None:
         """Keep the newest membership (by its command's epoch), whatever the fence says of the

@@ -230,6 +230,15 @@ def run(
             show_default=str(LAUNCH.node_rank),
         ),
     ] = None,
+    spare: Annotated[
+        bool,
+        typer.Option(
+            "--spare",
+            envvar="MARDUK_SPARE",
+            help="A hot spare of a job whose ranks the controller assigns (--nnodes MIN:MAX): "
+            "register and start nothing until a member is lost, then take its ranks.",
+        ),
+    ] = False,
     master_addr: Annotated[
         str | None,
         typer.Option(

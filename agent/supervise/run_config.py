@@ -78,6 +78,7 @@ class RunArgs:
     nproc_per_node: str | None = None
     nnodes: str | None = None
     node_rank: int | None = None
+    spare: bool = False
     master_addr: str | None = None
     master_port: int | None = None
     local_addr: str | None = None
@@ -169,7 +170,10 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
                 node_rank=args.node_rank,
                 addr=args.local_addr or opts.host,
                 ports=look.free_ports(),
+                spare=args.spare,
             )
+        elif args.spare:
+            raise ConfigError("--spare needs --nnodes MIN:MAX without --node-rank (--scope job)")
         logs = _logs(args, launch, look)
     except (AgentError, LaunchError) as e:
         raise ConfigError(str(e)) from None

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.core import Metric
 
+from marduk.core.views import spares_by_job
 from marduk.shell.metrics import gauge
 from marduk.wire.protocol import (
     ControllerEvent,
@@ -29,6 +30,9 @@ _WARN_EVENTS = frozenset(
         "worker_stale",
         "worker_expired",
         "duplicate_worker",
+        "member_replaced",
+        "job_shrunk",
+        "job_held",
     }
 )
 
@@ -50,6 +54,13 @@ def gauges(ctl: Controller) -> Iterator[Metric]:
         "Devices in use, by health state.",
         {k: float(v) for k, v in devices.items()},
         "state",
+    )
+    spares = {job: float(n) for job, n in spares_by_job(p).items()}
+    yield gauge(
+        "marduk_spares",
+        "Live hot spares of jobs whose ranks the controller assigns.",
+        spares,
+        "job",
     )
     standbys = float(len(ctl.takeover.live_standbys()))
     yield gauge("marduk_standbys", "Hot standbys heard from.", {"all": standbys}, "scope")

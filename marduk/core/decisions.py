@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 
 from marduk.core.drmap import WorkerKey
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
-from marduk.wire.protocol import Action, Command, ControllerEvent, HealthReply, Registration, Scope
+from marduk.wire.protocol import (
+    Action,
+    Command,
+    ControllerEvent,
+    HealthReply,
+    Registration,
+    Report,
+    Scope,
+)
 
 
 class PolicyError(Exception):
@@ -129,3 +137,30 @@ def worker_key(reg: Registration) -> WorkerKey:
 
 def epoch_key_for(job: str, replica: str, scope: Scope) -> EpochKey:
     return EpochKey(job, None) if scope == "job" else EpochKey(job, replica)
+
+
+def worker_event(kind: str, key: WorkerKey, r: Report, now: float) -> ControllerEvent:
+    """The event of a supervisor's report about its trainer."""
+    parts = []
+    if r.exit_code is not None:
+        parts.append(f"exit code {r.exit_code}")
+    if r.signal:
+        parts.append(f"signal {r.signal}")
+    if r.step is not None:
+        parts.append(f"last step {r.step}")
+    if r.failure_class:
+        parts.append(f"{r.failure_class} ({r.action or '?'})")
+    if r.summary:
+        parts.append(r.summary)
+    detail = "; ".join(parts)
+    if r.lines:
+        detail += " | " + " | ".join(r.lines[-3:])
+    return ControllerEvent(
+        kind=kind,
+        ts=now,
+        job=key.job,
+        replica=key.replica,
+        worker=key.worker,
+        epoch=r.epoch,
+        detail=detail[:4000],
+    )

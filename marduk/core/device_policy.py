@@ -8,10 +8,8 @@ holds the state it works on.
 * **Flap damping.** A device that goes (back) to ``failed`` more than ``flap_limit`` times in
   ``flap_window_s`` is quarantined, even if it reported ``healthy`` in between (which clears the
   failure budget, so without damping it would be restarted on forever).
-* **Out of service** (quarantined, or drained by an operator): every scope using it gets
-  ``fail`` (the pods go back to the scheduler), further events about it send nothing, a worker
-  registering with it is told (``RegisterReply.unusable_devices``), and it is never forgotten
-  while out of service. ``undrain`` puts it back and clears its history.
+* **Out of service** (quarantined, or drained by an operator; ``marduk.core.service_policy``):
+  further events about it send nothing.
 """
 
 from __future__ import annotations
@@ -21,16 +19,15 @@ from collections import OrderedDict
 import msgspec
 
 from marduk.core.decisions import (
-    DrainResult,
     HealthResult,
     Outcome,
     PolicyConfig,
-    PolicyError,
     scope_order,
 )
 from marduk.core.drmap import DRMap, WorkerKey
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.core.scopes import Scopes
+from marduk.core.service_policy import ServicePolicy
 from marduk.wire.protocol import (
     Action,
     Command,
@@ -38,14 +35,13 @@ from marduk.wire.protocol import (
     ControllerEvent,
     DeviceHealth,
     HealthReply,
-    Registration,
 )
 
 MAX_MERGED_DEVICES = 64
 """Devices one command lists at most: a failure past it takes a new epoch instead of merging."""
 
 
-class DevicePolicy:
+class DevicePolicy(ServicePolicy):
     """The device half of ``Policy`` (state and helpers declared here, defined there)."""
 
     config: PolicyConfig
@@ -69,6 +65,9 @@ class DevicePolicy:
         raise NotImplementedError
 
     def _remember(self, reply: HealthReply) -> None:
+        raise NotImplementedError
+
+    def _in_play(self, workers: frozenset[WorkerKey]) -> frozenset[WorkerKey]:
         raise NotImplementedError
 
     def _issue(
@@ -144,8 +143,8 @@ class DevicePolicy:
                     detail=f"{event.reason} (out of service: {device.out_reason})".strip(),
                 )
             )
-        elif acts and workers:
-            self._restart_for_device(event, device, workers, now, out, reply)
+        elif acts and (playing := self._in_play(workers)):
+            self._restart_for_device(event, device, playing, now, out, reply)
         else:
             out.events.append(
                 ControllerEvent(
@@ -229,13 +228,18 @@ class DevicePolicy:
                 )
                 continue
             affected = sorted(w for w in workers if self._epoch_key(w) == ekey)
-            command = self._issue(ekey, kind, reason, [event.device], event.event_id, now, out)
+            issued = self._issue_or_replace(
+                ekey, kind, reason, [event.device], event.event_id, now, out
+            )
+            if issued is None:
+                continue
+            command = issued
             reply.actions.append(
-                Action(job=ekey.job, replica=ekey.replica, kind=kind, epoch=command.epoch)
+                Action(job=ekey.job, replica=ekey.replica, kind=command.kind, epoch=command.epoch)
             )
             out.events.append(
                 ControllerEvent(
-                    kind=f"{kind}_issued",
+                    kind=f"{command.kind}_issued",
                     ts=now,
                     job=ekey.job,
                     replica=ekey.replica,
@@ -343,151 +347,3 @@ class DevicePolicy:
                     detail=reason,
                 )
             )
-
-    # --- flap damping, quarantine, drain ----------------------------------------------------------
-
-    @staticmethod
-    def out_of_service(device: DeviceRecord) -> bool:
-        return device.quarantined or device.drained
-
-    def unusable(self, devices: list[str]) -> list[str]:
-        """The devices of a registration that are out of service."""
-        return [d for d in devices if (r := self.devices.get(d)) and self.out_of_service(r)]
-
-    def _note_flip(
-        self, device: DeviceRecord, now: float, out: Outcome, reply: HealthReply
-    ) -> None:
-        window = self.config.flap_window_s
-        device.flips = [t for t in device.flips if now - t < window] + [now]
-        if len(device.flips) <= self.config.flap_limit:
-            return
-        device.quarantined = True
-        device.out_reason = (
-            f"quarantined: failed {len(device.flips)} times within {window:g}s (flapping)"
-        )
-        out.events.append(
-            ControllerEvent(
-                kind="device_quarantined", ts=now, device=device.device, detail=device.out_reason
-            )
-        )
-        reply.actions.extend(
-            self._fail_scopes(
-                [device.device], device.out_reason, f"quarantine:{device.device}", now, out
-            )
-        )
-
-    def check_claims(self, reg: Registration, now: float) -> None:
-        """Refuse a worker claiming a device that a live worker of another job holds on another
-        host. Device ids are physical, so one of the two claims is false; the first stands
-        until its holder deregisters or goes silent. A job-scoped agent identity may register
-        only for its own job (the server enforces that), so it cannot claim another job's
-        devices, and so cannot get them drained or failed. Only with
-        ``exclusive_devices`` (the default with auth: PolicyConfig)."""
-        if not self.config.exclusive_devices:
-            return
-        for device in reg.devices:
-            for key in self.drmap.workers_for_device(device):
-                holder = self.workers.get(key)
-                if holder is None or key.job == reg.job or holder.registration.host == reg.host:
-                    continue
-                if key in self.stale or now - self.last_seen.get(key, 0.0) >= (
-                    self.config.worker_ttl_s
-                ):
-                    continue
-                raise PolicyError(
-                    "device_claimed",
-                    f"device {device} is held by worker {key} on "
-                    f"{holder.registration.host or '?'}; a worker of job {reg.job} on "
-                    f"{reg.host or '?'} may not claim it (forget that worker if it is gone)",
-                )
-
-    def _claims_elsewhere(self, device: str, host: str) -> list[str]:
-        """Workers on hosts other than ``host`` that claim ``device``."""
-        return sorted(
-            f"{key} on {self.workers[key].registration.host or '?'}"
-            for key in self.drmap.workers_for_device(device)
-            if key in self.workers and self.workers[key].registration.host != host
-        )
-
-    def drain(
-        self, devices: list[str], host: str, undrain: bool, reason: str, now: float
-    ) -> DrainResult:
-        """An operator takes devices (or every device of ``host``) out of service, or back.
-
-        By host: only devices that no worker on another host claims too. A conflicting claim
-        is reported (``conflicts``), not acted on: the operator names the device to drain it.
-        """
-        out = Outcome()
-        names = set(devices)
-        conflicts: list[str] = []
-        if host:
-            claimed: set[str] = set()
-            for key, worker in self.workers.items():
-                if worker.registration.host == host:
-                    claimed |= self.drmap.devices_for_worker(key)
-            for name in sorted(claimed - names):
-                elsewhere = self._claims_elsewhere(name, host)
-                if elsewhere:
-                    conflicts.append(
-                        f"{name}: also claimed by {', '.join(elsewhere)}; not drained by host "
-                        "(name it to drain it)"
-                    )
-                else:
-                    names.add(name)
-        changed: list[str] = []
-        for name in sorted(names):
-            rec = self.devices.get(name)
-            if undrain:
-                if rec is None or not self.out_of_service(rec):
-                    continue
-                rec.drained = rec.quarantined = False
-                rec.out_reason, rec.flips, rec.failures = "", [], []
-                kind = "device_undrained"
-            else:
-                if not self.drmap.has_device(name) and rec is None:
-                    continue  # a device nobody uses is not remembered
-                rec = rec or DeviceRecord(device=name, since=now)
-                if rec.drained:
-                    continue
-                rec.drained = True
-                rec.out_reason = f"drained by an operator{': ' + reason if reason else ''}"
-                kind = "device_drained"
-            self.devices[name] = rec
-            out.put_devices.append(rec)
-            changed.append(name)
-            out.events.append(ControllerEvent(kind=kind, ts=now, device=name, detail=reason))
-        actions: list[Action] = []
-        if changed and not undrain:
-            why = f"drained by an operator{': ' + reason if reason else ''}"
-            actions = self._fail_scopes(
-                changed, why, f"drain:{host or ','.join(changed)}", now, out
-            )
-        return DrainResult(out, changed, actions, conflicts)
-
-    def _fail_scopes(
-        self, devices: list[str], reason: str, cause: str, now: float, out: Outcome
-    ) -> list[Action]:
-        """``fail`` to every scope using one of ``devices``, once each, in flight or not."""
-        workers = {w for d in devices for w in self.drmap.workers_for_device(d)}
-        actions = []
-        for ekey in sorted({self._epoch_key(w) for w in workers}, key=scope_order):
-            used = sorted(
-                d
-                for d in devices
-                if any(self._epoch_key(w) == ekey for w in self.drmap.workers_for_device(d))
-            )
-            command = self._issue(ekey, "fail", reason, used, cause, now, out)
-            actions.append(
-                Action(job=ekey.job, replica=ekey.replica, kind="fail", epoch=command.epoch)
-            )
-            out.events.append(
-                ControllerEvent(
-                    kind="fail_issued",
-                    ts=now,
-                    job=ekey.job,
-                    replica=ekey.replica,
-                    epoch=command.epoch,
-                    detail=reason,
-                )
-            )
-        return actions

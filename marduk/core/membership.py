@@ -20,14 +20,20 @@ the job's coordinator, with a few free ports its agent picked.
   registered keeps its rank unless a live worker claims that rank (``--node-rank``): a
   replacement pod with another identity takes its place.
 
+* **A member out of service** (``replace``; docs/decisions.md #16): a free spare of its shape
+  (``--spare``, or a worker beyond MAX) takes its node rank and ranks; with none the others close
+  ranks (shrink); below MIN there is no membership (the job is held until it forms again).
+
 The membership is written ahead with its epoch record (``EpochRecord.membership``) and carried
 in every command of the job (``Command.membership``); docs/decisions.md #14.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+
+import msgspec
 
 from marduk.core.drmap import WorkerKey
 from marduk.wire.protocol import Member, Membership, Rendezvous
@@ -62,6 +68,8 @@ def check(new: Candidate, others: Iterable[Candidate], current: Membership | Non
     r = new.rendezvous
     if r.min_nodes > r.max_nodes:
         raise MembershipError("invalid", f"--nnodes {r.min_nodes}:{r.max_nodes}: MIN above MAX")
+    if r.spare and r.node_rank is not None:
+        raise MembershipError("invalid", "a spare (--spare) takes no --node-rank")
     if r.node_rank is not None and r.node_rank >= r.max_nodes:
         raise MembershipError(
             "invalid", f"node rank {r.node_rank} is not below the job's {r.max_nodes} nodes"
@@ -72,13 +80,15 @@ def check(new: Candidate, others: Iterable[Candidate], current: Membership | Non
             continue
         live[other.key] = other
         q = other.rendezvous
-        if q.nproc != r.nproc:
+        if r.spare or q.spare:
+            pass  # a spare of another shape may wait here: it is never chosen
+        elif q.nproc != r.nproc:
             raise MembershipError(
                 "shape_mismatch",
                 f"job {new.key.job!r} runs {q.nproc} local rank(s) per node (worker "
                 f"{_name(other.key)}); worker {_name(new.key)} has {r.nproc}",
             )
-        if (q.min_nodes, q.max_nodes) != (r.min_nodes, r.max_nodes):
+        elif (q.min_nodes, q.max_nodes) != (r.min_nodes, r.max_nodes):
             raise MembershipError(
                 "shape_mismatch",
                 f"job {new.key.job!r} has --nnodes {q.min_nodes}:{q.max_nodes} (worker "
@@ -110,10 +120,11 @@ def ready(
     timeout (``since``: when MIN were first here; None: not yet)."""
     if not candidates:
         return False
-    r = candidates[0].rendezvous
-    if len(candidates) >= r.max_nodes:
+    r = _bounds(candidates)
+    fit = [c for c in candidates if c.rendezvous.nproc == r.nproc]
+    if sum(not c.rendezvous.spare for c in fit) >= r.max_nodes:
         return True
-    return len(candidates) >= r.min_nodes and since is not None and now - since >= join_timeout
+    return len(fit) >= r.min_nodes and since is not None and now - since >= join_timeout
 
 
 def form(epoch: int, candidates: Sequence[Candidate]) -> Membership | None:
@@ -121,8 +132,11 @@ def form(epoch: int, candidates: Sequence[Candidate]) -> Membership | None:
     given node ranks do not fit the workers there are (a rank 3 among two workers: wait)."""
     if not candidates:
         return None
-    ordered = sorted(candidates, key=lambda c: (c.registered_at, c.key))
-    n = min(len(ordered), ordered[0].rendezvous.max_nodes)
+    # Spares last: they are members only when the job cannot form without them.
+    ordered = sorted(candidates, key=lambda c: (c.rendezvous.spare, c.registered_at, c.key))
+    shape = _bounds(ordered)
+    ordered = [c for c in ordered if c.rendezvous.nproc == shape.nproc]
+    n = min(len(ordered), shape.max_nodes)
     given = [c for c in ordered if c.rendezvous.node_rank is not None]
     if any(c.rendezvous.node_rank is not None and c.rendezvous.node_rank >= n for c in given):
         return None
@@ -158,6 +172,67 @@ def renew(
         else:
             by_rank[m.node_rank] = c
     return _membership(epoch, by_rank, previous)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A membership without some members (``replace``): ``membership`` is None when fewer than
+    MIN nodes would be left (the job is held until enough workers are back)."""
+
+    membership: Membership | None
+    replaced: tuple[tuple[Member, Candidate], ...] = ()  # a lost member, the spare in its place
+    dropped: tuple[Member, ...] = ()  # lost members no spare replaced (the job shrinks)
+
+
+def free_spares(current: Membership, job: str, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The live workers of ``job`` not in ``current``, in the order they are taken: declared
+    spares first (``--spare``), then workers beyond MAX, each by time of registration."""
+    members = {WorkerKey(job, m.replica, m.worker) for m in current.members}
+    free = [c for c in candidates if c.key not in members]
+    return sorted(free, key=lambda c: (not c.rendezvous.spare, c.registered_at, c.key))
+
+
+def replace(
+    previous: Membership,
+    epoch: int,
+    job: str,
+    lost: Collection[WorkerKey],
+    candidates: Sequence[Candidate],
+    min_nodes: int,
+) -> Change:
+    """The membership at ``epoch`` without the members ``lost``. Each lost member's node rank
+    and ranks go to a free spare of its shape (same world size: the checkpoint restores
+    unchanged); each spare takes one rank at most. A lost member no spare fits is dropped: the
+    others keep their order with node ranks contiguous again (the coordinator moves with
+    node 0); fewer than ``min_nodes`` left: no membership (held). ``candidates``: the live
+    workers of the job that may take part (the caller leaves out those out of service)."""
+    live = {c.key: c for c in candidates if c.key not in lost}
+    free = [c for c in free_spares(previous, job, candidates) if c.key not in lost]
+    by_rank: dict[int, Candidate | Member] = {}
+    replaced: list[tuple[Member, Candidate]] = []
+    dropped: list[Member] = []
+    for m in previous.members:
+        key = WorkerKey(job, m.replica, m.worker)
+        if key not in lost:
+            by_rank[m.node_rank] = live.get(key, m)
+            continue
+        spare = next((c for c in free if c.rendezvous.nproc == m.nproc), None)
+        if spare is None:
+            dropped.append(m)
+            continue
+        free.remove(spare)
+        by_rank[m.node_rank] = spare
+        replaced.append((m, spare))
+    if len(by_rank) < max(min_nodes, 1):
+        return Change(None, tuple(replaced), tuple(dropped))
+    if dropped:  # node ranks contiguous again, in the previous order
+        by_rank = {
+            new: held
+            if isinstance(held, Candidate)
+            else msgspec.structs.replace(held, node_rank=new)
+            for new, (_, held) in enumerate(sorted(by_rank.items()))
+        }
+    return Change(_membership(epoch, by_rank, previous), tuple(replaced), tuple(dropped))
 
 
 def coordinator_port(
@@ -219,6 +294,13 @@ def _membership(
         coordinator_addr=placed[0].addr,
         coordinator_port=coordinator_port(ports, placed[0].addr, previous, epoch),
         members=placed,
+    )
+
+
+def _bounds(candidates: Sequence[Candidate]) -> Rendezvous:
+    """The job's shape and MIN:MAX: a non-spare's (spares may have another shape)."""
+    return next(
+        (c.rendezvous for c in candidates if not c.rendezvous.spare), candidates[0].rendezvous
     )
 
 

@@ -10,16 +10,29 @@ which ranks, which coordinator port) is ``marduk.core.membership``'s.
   ``tick`` watches) the membership forms: a ``restart`` at a new epoch that carries it.
 * **Every restart** of such a job renews it (``_issue`` asks ``_next_membership``); a changed
   membership goes into the write-ahead with its epoch record.
+* **A member out of service** (the device policy would ``fail`` the job, or ``tick`` finds it
+  stale) is retired and leaves the membership in one restart: a spare takes its ranks, or the job
+  shrinks, or it is held below MIN (``_replace_members``; docs/decisions.md #16).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from marduk.core import membership as rdzv
 from marduk.core.decisions import Outcome, PolicyConfig, PolicyError, worker_key
 from marduk.core.drmap import WorkerKey
-from marduk.core.records import EpochKey, EpochRecord, WorkerRecord
+from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.core.scopes import Scopes
-from marduk.wire.protocol import Command, CommandKind, ControllerEvent, Membership, Registration
+from marduk.wire.protocol import (
+    Command,
+    CommandKind,
+    ControllerEvent,
+    Member,
+    Membership,
+    Registration,
+    WorkerRef,
+)
 
 
 class MembershipPolicy:
@@ -28,6 +41,7 @@ class MembershipPolicy:
     config: PolicyConfig
     scopes: Scopes
     workers: dict[WorkerKey, WorkerRecord]
+    devices: dict[str, DeviceRecord]
     stale: set[WorkerKey]
     _job_workers: dict[str, set[WorkerKey]]
     # Jobs with MIN workers but no membership yet: since when (the join timeout counts from
@@ -51,6 +65,9 @@ class MembershipPolicy:
         pending: bool = True,
         membership: Membership | None = None,
     ) -> Command:
+        raise NotImplementedError
+
+    def _epoch_key(self, key: WorkerKey) -> EpochKey:
         raise NotImplementedError
 
     def _rendezvous_tick(self, now: float, out: Outcome) -> None:
@@ -91,12 +108,12 @@ class MembershipPolicy:
             raise PolicyError(e.code, str(e)) from None
 
     def _candidates(self, job: str) -> list[rdzv.Candidate]:
-        """The live workers of ``job`` that brought a rendezvous."""
+        """The live workers of ``job`` that brought a rendezvous and were not retired."""
         out = []
         for key in sorted(self._job_workers.get(job, ())):
             rec = self.workers[key]
             r = rec.registration.rendezvous
-            if r is not None and key not in self.stale:
+            if r is not None and key not in self.stale and not rec.retired:
                 out.append(rdzv.Candidate(key, r, rec.registered_at))
         return out
 
@@ -144,3 +161,207 @@ class MembershipPolicy:
         if kind != "restart" or state.membership is None or ekey.replica is not None:
             return state.membership
         return rdzv.renew(state.membership, epoch, ekey.job, self._candidates(ekey.job))
+
+    # --- members out of service: a spare takes their ranks, or the job shrinks, or it is held --
+
+    def _in_play(self, workers: Iterable[WorkerKey]) -> frozenset[WorkerKey]:
+        """Of ``workers``, those whose failure concerns their scope: all of them, except in a
+        job with a membership, where spares and retired workers run nothing to restart."""
+        out = set()
+        for w in workers:
+            state = self.epochs.get(self._epoch_key(w))
+            if (
+                state is None
+                or state.membership is None
+                or state.membership.member(w.replica, w.worker)
+            ):
+                out.add(w)
+        return frozenset(out)
+
+    def _issue_or_replace(
+        self,
+        ekey: EpochKey,
+        kind: CommandKind,
+        reason: str,
+        devices: list[str],
+        cause: str,
+        now: float,
+        out: Outcome,
+    ) -> Command | None:
+        """``kind`` for the scope; but a ``fail`` (``devices`` out of service or past their
+        budget) of a job with a membership takes out only the members that use them
+        (``_replace_members``); None when no member does (only spares: nothing to send)."""
+        state = self.epochs.get(ekey)
+        if kind != "fail" or ekey.replica is not None or state is None or not state.membership:
+            return self._issue(ekey, kind, reason, devices, cause, now, out)
+        used = set(devices)
+        lost = {
+            key: reason
+            for key in self._member_keys(ekey.job, state.membership)
+            if used & set(self.workers[key].registration.devices)
+        }
+        if not lost:
+            return None
+        return self._replace_members(ekey, state, lost, devices, cause, now, out)
+
+    def _lose_silent(self, keys: Iterable[WorkerKey], now: float, out: Outcome) -> None:
+        """Members gone stale (their host is gone, or cut off) leave their job's membership."""
+        by_job: dict[EpochKey, dict[WorkerKey, str]] = {}
+        for key in keys:
+            ekey = self._epoch_key(key)
+            state = self.epochs.get(ekey)
+            m = state.membership if state is not None else None
+            if ekey.replica is None and m and m.member(key.replica, key.worker) is not None:
+                why = f"member {key.replica}/{key.worker} silent past the worker TTL"
+                by_job.setdefault(ekey, {})[key] = why
+        for ekey, lost in by_job.items():
+            self._replace_members(ekey, self.epochs[ekey], lost, [], "stale", now, out)
+
+    def _replace_members(
+        self,
+        ekey: EpochKey,
+        state: EpochRecord,
+        lost: dict[WorkerKey, str],
+        devices: list[str],
+        cause: str,
+        now: float,
+        out: Outcome,
+    ) -> Command:
+        """One restart of the job at a new epoch without the members ``lost`` (retired: told
+        to exit 71): a free spare of each one's shape takes its ranks; with none, the job
+        shrinks; below MIN it is held (no membership) until enough workers are back and it
+        forms again. Written ahead with its epoch, as every membership."""
+        previous = state.membership
+        assert previous is not None
+        for key, why in lost.items():
+            rec = self.workers.get(key)
+            if rec is not None and not rec.retired:
+                rec.retired, rec.updated_at = why, now
+                out.put_workers.append(rec)
+        candidates = [c for c in self._candidates(ekey.job) if not self._unfit(c.key, now)]
+        lowest = self._min_nodes(ekey.job)
+        change = rdzv.replace(
+            previous, self.scopes.next_epoch_peek(ekey), ekey.job, lost, candidates, lowest
+        )
+        why = "; ".join(sorted(set(lost.values())))
+        m = change.membership
+        if m is None:
+            left = len(previous.members) - len(change.dropped)
+            what = (
+                f"job held: {left} node(s) left, below MIN {lowest}; its trainers wait until "
+                f"{lowest} workers are registered, then the membership forms again"
+            )
+            state.membership = None
+            if state not in out.write_ahead:
+                out.write_ahead.append(state)
+        else:
+            what = (
+                f"{len(m.members)} node(s), world size {m.world_size}, coordinator "
+                f"{m.coordinator_addr}:{m.coordinator_port}"
+            )
+        command = self._issue(
+            ekey,
+            "restart",
+            f"{why}: {what}",
+            devices,
+            cause,
+            now,
+            out,
+            membership=m,
+            pending=m is not None,
+        )
+        for lost_member, spare in change.replaced:
+            self._event(
+                out,
+                "member_replaced",
+                ekey.job,
+                lost_member,
+                command.epoch,
+                now,
+                f"node rank {lost_member.node_rank} (ranks {_span(lost_member)}) to spare "
+                f"{spare.key.replica}/{spare.key.worker}: {lost[_key(ekey.job, lost_member)]}",
+            )
+        for gone in change.dropped if m is not None else ():
+            self._event(
+                out,
+                "job_shrunk",
+                ekey.job,
+                gone,
+                command.epoch,
+                now,
+                f"no free spare of {gone.nproc} rank(s): the job goes on without node rank "
+                f"{gone.node_rank} ({lost[_key(ekey.job, gone)]}); {what}",
+            )
+        if m is None:
+            self._event(out, "job_held", ekey.job, None, command.epoch, now, f"{why}; {what}")
+            self._rendezvous(ekey, now, out)
+        return command
+
+    @staticmethod
+    def _event(
+        out: Outcome,
+        kind: str,
+        job: str,
+        member: Member | None,
+        epoch: int,
+        now: float,
+        detail: str,
+    ) -> None:
+        out.events.append(
+            ControllerEvent(
+                kind=kind,
+                ts=now,
+                job=job,
+                replica=member.replica if member else None,
+                worker=member.worker if member else None,
+                epoch=epoch,
+                detail=detail,
+            )
+        )
+
+    def _member_keys(self, job: str, membership: Membership) -> list[WorkerKey]:
+        """The registered workers of ``membership``."""
+        keys = (_key(job, m) for m in membership.members)
+        return [k for k in keys if k in self.workers]
+
+    def _min_nodes(self, job: str) -> int:
+        """The job's MIN (a non-spare's ``--nnodes``)."""
+        for c in self._candidates(job):
+            if not c.rendezvous.spare:
+                return c.rendezvous.min_nodes
+        keys = sorted(self._job_workers.get(job, ()))
+        found = [self.workers[k].registration.rendezvous for k in keys]
+        return min((r.min_nodes for r in found if r is not None), default=1)
+
+    def _unfit(self, key: WorkerKey, now: float) -> str:
+        """Why the worker may not take a rank ("" if it may): a device of it out of service or
+        past its failure budget."""
+        window, budget = self.config.device_failure_window_s, self.config.device_max_failures
+        for device in self.workers[key].registration.devices:
+            rec = self.devices.get(device)
+            if rec is None:
+                continue
+            if rec.quarantined or rec.drained:
+                return f"device {device} out of service"
+            if rec.state == "failed":
+                return f"device {device} failed"
+            if sum(now - t < window for t in rec.failures) > budget:
+                return f"device {device} failed past its budget"
+        return ""
+
+    def _retired(self, ekey: EpochKey) -> list[WorkerRef]:
+        """The job's retired workers still registered (``Command.retired``)."""
+        if ekey.replica is not None:
+            return []
+        keys = sorted(self._job_workers.get(ekey.job, ()))
+        return [
+            WorkerRef(replica=k.replica, worker=k.worker) for k in keys if self.workers[k].retired
+        ]
+
+
+def _key(job: str, m: Member) -> WorkerKey:
+    return WorkerKey(job, m.replica, m.worker)
+
+
+def _span(m: Member) -> str:
+    return f"{m.first_rank}-{m.first_rank + m.nproc - 1}"

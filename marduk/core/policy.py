@@ -46,6 +46,7 @@ from marduk.core.decisions import (
     Registered,
     ReportResult,
     epoch_key_for,
+    worker_event,
     worker_key,
 )
 from marduk.core.device_policy import DevicePolicy
@@ -103,7 +104,7 @@ MAX_ADOPTED_JUMP = 10_000
 FAILURE_STATUSES = frozenset({"crashed", "hung", "gave_up", "preempted"})
 
 
-class Policy(DevicePolicy, MembershipPolicy):
+class Policy(MembershipPolicy, DevicePolicy):
     """Controller state and decisions. One instance per controller."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
@@ -241,6 +242,10 @@ class Policy(DevicePolicy, MembershipPolicy):
             registered_at=old.registered_at if old else now,
             updated_at=now,
             applied_epoch=applied,
+            # Retired stays retired; a new process under its name starts afresh.
+            retired=old.retired
+            if old and (old.registration.host, old.registration.pid) == (reg.host, reg.pid)
+            else "",
         )
         self.workers[key] = rec
         self._job_workers.setdefault(key.job, set()).add(key)
@@ -513,13 +518,13 @@ class Policy(DevicePolicy, MembershipPolicy):
         if report.status == "running":
             out = self.ack(key, report.epoch, now)
             if started:  # not a progress update of a trainer already announced
-                out.events.append(self._worker_event("trainer_started", key, report, now))
+                out.events.append(worker_event("trainer_started", key, report, now))
             return ReportResult(out, [])
         if report.status not in FAILURE_STATUSES:
-            out.events.append(self._worker_event(f"trainer_{report.status}", key, report, now))
+            out.events.append(worker_event(f"trainer_{report.status}", key, report, now))
             return ReportResult(out, [])
 
-        out.events.append(self._worker_event(f"worker_{report.status}", key, report, now))
+        out.events.append(worker_event(f"worker_{report.status}", key, report, now))
         ekey = self._epoch_key_of(rec)
         state = self.epochs.get(ekey)
         current = state.epoch if state else 0
@@ -553,32 +558,6 @@ class Policy(DevicePolicy, MembershipPolicy):
         )
         action = Action(job=key.job, replica=ekey.replica, kind="restart", epoch=command.epoch)
         return ReportResult(out, [action])
-
-    @staticmethod
-    def _worker_event(kind: str, key: WorkerKey, r: Report, now: float) -> ControllerEvent:
-        parts = []
-        if r.exit_code is not None:
-            parts.append(f"exit code {r.exit_code}")
-        if r.signal:
-            parts.append(f"signal {r.signal}")
-        if r.step is not None:
-            parts.append(f"last step {r.step}")
-        if r.failure_class:
-            parts.append(f"{r.failure_class} ({r.action or '?'})")
-        if r.summary:
-            parts.append(r.summary)
-        detail = "; ".join(parts)
-        if r.lines:
-            detail += " | " + " | ".join(r.lines[-3:])
-        return ControllerEvent(
-            kind=kind,
-            ts=now,
-            job=key.job,
-            replica=key.replica,
-            worker=key.worker,
-            epoch=r.epoch,
-            detail=detail[:4000],
-        )
 
     def _issue(
         self,
@@ -620,6 +599,7 @@ class Policy(DevicePolicy, MembershipPolicy):
             event_id=cause,
             issued_at=now,
             membership=state.membership,
+            retired=self._retired(ekey),
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
         self.scopes.put(ekey, state)
@@ -676,6 +656,7 @@ class Policy(DevicePolicy, MembershipPolicy):
                 # worker heard from just after is found silent when those ahead of it are.)
                 break
             silent_ones.append((key, seen))
+        newly_stale: list[WorkerKey] = []
         for key, seen in silent_ones:
             silent = now - seen
             if silent >= expiry:
@@ -704,6 +685,8 @@ class Policy(DevicePolicy, MembershipPolicy):
                         detail=f"no renewal for {silent:.0f}s (TTL {ttl:g}s)",
                     )
                 )
+                newly_stale.append(key)
+        self._lose_silent(newly_stale, now, out)
         self._drop_vacant_epochs(now, out)
         self._rendezvous_tick(now, out)
         for ekey in self.scopes.due(now, self.config.resend_interval_s):

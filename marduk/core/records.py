@@ -29,6 +29,9 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     registered_at: float
     updated_at: float
     applied_epoch: int = 0
+    # Taken out of its job's membership (why): never a member or a spare again; its agent is
+    # told to exit 71 (``Command.retired``). A new process under the same name starts afresh.
+    retired: str = ""
 
 
 class EpochRecord(msgspec.Struct, kw_only=True):

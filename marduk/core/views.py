@@ -40,9 +40,35 @@ def worker_infos(policy: Policy, job: str | None = None) -> list[WorkerInfo]:
                 registered_at=rec.registered_at,
                 updated_at=rec.updated_at,
                 **_report_fields(policy, key),
+                **_part(policy, key),
             )
         )
     return infos
+
+
+def spares_by_job(policy: Policy) -> dict[str, int]:
+    """Live hot spares per job (``marduk_spares``): only workers that brought a rendezvous."""
+    out: dict[str, int] = {}
+    for key, rec in policy.workers.items():
+        live = rec.registration.rendezvous is not None and key not in policy.stale
+        if live and _part(policy, key).get("part") == "spare":
+            out[key.job] = out.get(key.job, 0) + 1
+    return out
+
+
+def _part(policy: Policy, key: WorkerKey) -> dict[str, Any]:
+    """Member (at which node rank), spare or retired, in a job with a membership."""
+    rec = policy.workers[key]
+    if rec.registration.rendezvous is None:
+        return {}
+    if rec.retired:
+        return {"part": "retired"}
+    state = policy.epochs.get(policy._epoch_key_of(rec))
+    m = state.membership if state is not None else None
+    me = m.member(key.replica, key.worker) if m is not None else None
+    if me is not None:
+        return {"part": "member", "node_rank": me.node_rank}
+    return {"part": "spare" if m is not None or rec.registration.rendezvous.spare else ""}
 
 
 def _report_fields(policy: Policy, key: WorkerKey) -> dict[str, Any]:

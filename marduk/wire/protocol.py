@@ -90,6 +90,9 @@ class Rendezvous(msgspec.Struct, kw_only=True):
     addr: ShortText
     # Free ports on ``addr``; the controller never names the previous epoch's port again.
     ports: Annotated[list[Port], msgspec.Meta(max_length=8)] = []
+    # A hot spare (``--spare``): registered, no trainer, never in the first membership; it
+    # takes the ranks of a member that goes out of service. Workers beyond MAX are spares too.
+    spare: bool = False
 
 
 class Member(msgspec.Struct, kw_only=True, frozen=True):
@@ -101,6 +104,13 @@ class Member(msgspec.Struct, kw_only=True, frozen=True):
     first_rank: NonNegInt
     nproc: PosInt = 1
     addr: ShortText = ""
+
+
+class WorkerRef(msgspec.Struct, kw_only=True, frozen=True):
+    """One worker of a job, by name."""
+
+    replica: Token
+    worker: NonNegInt = 0
 
 
 class Membership(msgspec.Struct, kw_only=True, frozen=True):
@@ -179,6 +189,10 @@ class Command(Message, tag="command", kw_only=True):
     # A job whose ranks the controller assigns: the membership in force at ``epoch`` (for a
     # restart, the one the trainers start with). Older agents ignore it.
     membership: Membership | None = None
+    # Members the controller took out of the job (a device out of service or spent, or silent)
+    # and that are still registered: their agents act as on ``fail`` (exit 71). Every command
+    # of the job lists them until they deregister, so one that missed it converges.
+    retired: Annotated[list[WorkerRef], msgspec.Meta(max_length=MAX_MEMBERS)] = []
 
 
 class RegisterReply(Message, tag="register_reply", kw_only=True):
@@ -321,6 +335,9 @@ EventKind = Literal[
     "worker_on_unusable_device",
     "epochs_dropped",
     "membership_formed",
+    "member_replaced",
+    "job_shrunk",
+    "job_held",
     # decisions
     "restart_issued",
     "fail_issued",
@@ -441,6 +458,10 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     step: int | None = None
     step_at: float = 0.0
     failure_class: str = ""  # of the last failure reported
+    # A job whose ranks the controller assigns: "member" (node_rank set), "spare" (registered,
+    # no trainer), "retired" (taken out of the job, told to exit 71); "" otherwise.
+    part: str = ""
+    node_rank: int | None = None
 
 
 class DeviceInfo(msgspec.Struct, kw_only=True):

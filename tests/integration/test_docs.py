@@ -175,9 +175,14 @@ def _emitted_kinds() -> set[str]:
             if node.id in {a.arg for a in func.args.args}:
                 index = [a.arg for a in func.args.args].index(node.id)
                 index -= 1 if func.args.args[0].arg == "self" else 0
-                for call in ast.walk(tree):
-                    if isinstance(call, ast.Call) and getattr(call.func, "attr", "") == func.name:
-                        values(call.args[index], None, tree)
+                for other in trees:  # callers anywhere in the package
+                    for call in ast.walk(other):
+                        name = getattr(call, "func", None)
+                        if isinstance(call, ast.Call) and func.name in (
+                            getattr(name, "attr", ""),
+                            getattr(name, "id", ""),
+                        ):
+                            values(call.args[index], None, other)
             else:
                 for stmt in ast.walk(func):
                     if isinstance(stmt, ast.Assign) and any(
@@ -187,8 +192,8 @@ def _emitted_kinds() -> set[str]:
         else:
             raise AssertionError(f"an event kind the test cannot read: {ast.dump(node)}")
 
-    for path in sorted((ROOT / "marduk").rglob("*.py")):
-        tree = ast.parse(path.read_text())
+    trees = [ast.parse(path.read_text()) for path in sorted((ROOT / "marduk").rglob("*.py"))]
+    for tree in trees:
         for func in [
             n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
         ]:

@@ -1,0 +1,204 @@
+"""Devices out of service: flap damping, quarantine, drain, and claims of devices across jobs.
+
+Part of the pure policy (no I/O, ``now`` passed in); ``marduk.core.device_policy.DevicePolicy``
+builds on it and ``marduk.core.policy.Policy`` holds the state it works on.
+
+* **Flap damping.** A device that goes (back) to ``failed`` more than ``flap_limit`` times in
+  ``flap_window_s`` is quarantined, even if it reported ``healthy`` in between.
+* **Out of service** (quarantined, or drained by an operator): every scope using it gets
+  ``fail`` (the pods go back to the scheduler) -- in a job with a membership only the members
+  using it leave, and a spare takes their ranks (``marduk.core.membership_policy``); a worker
+  registering with it is told (``RegisterReply.unusable_devices``), and it is never forgotten
+  while out of service. ``undrain`` puts it back and clears its history.
+"""
+
+from __future__ import annotations
+
+from marduk.core.decisions import DrainResult, Outcome, PolicyConfig, PolicyError, scope_order
+from marduk.core.drmap import DRMap, WorkerKey
+from marduk.core.records import DeviceRecord, EpochKey, WorkerRecord
+from marduk.wire.protocol import (
+    Action,
+    Command,
+    CommandKind,
+    ControllerEvent,
+    HealthReply,
+    Registration,
+)
+
+
+class ServicePolicy:
+    """Quarantine and drain, a base of ``DevicePolicy`` (state declared here, defined in
+    ``Policy``)."""
+
+    config: PolicyConfig
+    drmap: DRMap
+    devices: dict[str, DeviceRecord]
+    workers: dict[WorkerKey, WorkerRecord]
+    last_seen: dict[WorkerKey, float]
+    stale: set[WorkerKey]
+
+    def _epoch_key(self, key: WorkerKey) -> EpochKey:
+        raise NotImplementedError
+
+    def _issue_or_replace(
+        self,
+        ekey: EpochKey,
+        kind: CommandKind,
+        reason: str,
+        devices: list[str],
+        cause: str,
+        now: float,
+        out: Outcome,
+    ) -> Command | None:
+        raise NotImplementedError
+
+    # --- flap damping, quarantine, drain ----------------------------------------------------------
+
+    @staticmethod
+    def out_of_service(device: DeviceRecord) -> bool:
+        return device.quarantined or device.drained
+
+    def unusable(self, devices: list[str]) -> list[str]:
+        """The devices of a registration that are out of service."""
+        return [d for d in devices if (r := self.devices.get(d)) and self.out_of_service(r)]
+
+    def _note_flip(
+        self, device: DeviceRecord, now: float, out: Outcome, reply: HealthReply
+    ) -> None:
+        window = self.config.flap_window_s
+        device.flips = [t for t in device.flips if now - t < window] + [now]
+        if len(device.flips) <= self.config.flap_limit:
+            return
+        device.quarantined = True
+        device.out_reason = (
+            f"quarantined: failed {len(device.flips)} times within {window:g}s (flapping)"
+        )
+        out.events.append(
+            ControllerEvent(
+                kind="device_quarantined", ts=now, device=device.device, detail=device.out_reason
+            )
+        )
+        reply.actions.extend(
+            self._fail_scopes(
+                [device.device], device.out_reason, f"quarantine:{device.device}", now, out
+            )
+        )
+
+    def check_claims(self, reg: Registration, now: float) -> None:
+        """Refuse a worker claiming a device that a live worker of another job holds on another
+        host. Device ids are physical, so one of the two claims is false; the first stands
+        until its holder deregisters or goes silent. A job-scoped agent identity may register
+        only for its own job (the server enforces that), so it cannot claim another job's
+        devices, and so cannot get them drained or failed. Only with
+        ``exclusive_devices`` (the default with auth: PolicyConfig)."""
+        if not self.config.exclusive_devices:
+            return
+        for device in reg.devices:
+            for key in self.drmap.workers_for_device(device):
+                holder = self.workers.get(key)
+                if holder is None or key.job == reg.job or holder.registration.host == reg.host:
+                    continue
+                if key in self.stale or now - self.last_seen.get(key, 0.0) >= (
+                    self.config.worker_ttl_s
+                ):
+                    continue
+                raise PolicyError(
+                    "device_claimed",
+                    f"device {device} is held by worker {key} on "
+                    f"{holder.registration.host or '?'}; a worker of job {reg.job} on "
+                    f"{reg.host or '?'} may not claim it (forget that worker if it is gone)",
+                )
+
+    def _claims_elsewhere(self, device: str, host: str) -> list[str]:
+        """Workers on hosts other than ``host`` that claim ``device``."""
+        return sorted(
+            f"{key} on {self.workers[key].registration.host or '?'}"
+            for key in self.drmap.workers_for_device(device)
+            if key in self.workers and self.workers[key].registration.host != host
+        )
+
+    def drain(
+        self, devices: list[str], host: str, undrain: bool, reason: str, now: float
+    ) -> DrainResult:
+        """An operator takes devices (or every device of ``host``) out of service, or back.
+
+        By host: only devices that no worker on another host claims too. A conflicting claim
+        is reported (``conflicts``), not acted on: the operator names the device to drain it.
+        """
+        out = Outcome()
+        names = set(devices)
+        conflicts: list[str] = []
+        if host:
+            claimed: set[str] = set()
+            for key, worker in self.workers.items():
+                if worker.registration.host == host:
+                    claimed |= self.drmap.devices_for_worker(key)
+            for name in sorted(claimed - names):
+                elsewhere = self._claims_elsewhere(name, host)
+                if elsewhere:
+                    conflicts.append(
+                        f"{name}: also claimed by {', '.join(elsewhere)}; not drained by host "
+                        "(name it to drain it)"
+                    )
+                else:
+                    names.add(name)
+        changed: list[str] = []
+        for name in sorted(names):
+            rec = self.devices.get(name)
+            if undrain:
+                if rec is None or not self.out_of_service(rec):
+                    continue
+                rec.drained = rec.quarantined = False
+                rec.out_reason, rec.flips, rec.failures = "", [], []
+                kind = "device_undrained"
+            else:
+                if not self.drmap.has_device(name) and rec is None:
+                    continue  # a device nobody uses is not remembered
+                rec = rec or DeviceRecord(device=name, since=now)
+                if rec.drained:
+                    continue
+                rec.drained = True
+                rec.out_reason = f"drained by an operator{': ' + reason if reason else ''}"
+                kind = "device_drained"
+            self.devices[name] = rec
+            out.put_devices.append(rec)
+            changed.append(name)
+            out.events.append(ControllerEvent(kind=kind, ts=now, device=name, detail=reason))
+        actions: list[Action] = []
+        if changed and not undrain:
+            why = f"drained by an operator{': ' + reason if reason else ''}"
+            actions = self._fail_scopes(
+                changed, why, f"drain:{host or ','.join(changed)}", now, out
+            )
+        return DrainResult(out, changed, actions, conflicts)
+
+    def _fail_scopes(
+        self, devices: list[str], reason: str, cause: str, now: float, out: Outcome
+    ) -> list[Action]:
+        """``fail`` to every scope using one of ``devices``, once each, in flight or not."""
+        workers = {w for d in devices for w in self.drmap.workers_for_device(d)}
+        actions = []
+        for ekey in sorted({self._epoch_key(w) for w in workers}, key=scope_order):
+            used = sorted(
+                d
+                for d in devices
+                if any(self._epoch_key(w) == ekey for w in self.drmap.workers_for_device(d))
+            )
+            command = self._issue_or_replace(ekey, "fail", reason, used, cause, now, out)
+            if command is None:
+                continue
+            actions.append(
+                Action(job=ekey.job, replica=ekey.replica, kind=command.kind, epoch=command.epoch)
+            )
+            out.events.append(
+                ControllerEvent(
+                    kind=f"{command.kind}_issued",
+                    ts=now,
+                    job=ekey.job,
+                    replica=ekey.replica,
+                    epoch=command.epoch,
+                    detail=reason,
+                )
+            )
+        return actions

@@ -1,0 +1,272 @@
+"""Hot spares and shrink, pure: the rule (``membership.replace``) and the policy that applies it
+when a member goes out of service (failure budget spent, quarantine or drain, silence)."""
+
+from __future__ import annotations
+
+import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
+
+from marduk.core import membership as rdzv
+from marduk.core.drmap import WorkerKey
+from marduk.core.policy import Policy, PolicyConfig, PolicyError
+from marduk.core.records import EpochKey, EpochRecord
+from marduk.wire.protocol import Command, DeviceHealth, Registration, Rendezvous, Report, WorkerRef
+
+JOB = EpochKey("j", None)
+
+
+def rz(*, nproc: int = 2, lo: int = 1, hi: int = 2, spare: bool = False, port: int = 40001):
+    return Rendezvous(
+        nproc=nproc,
+        min_nodes=lo,
+        max_nodes=hi,
+        addr="10.0.0.1",
+        ports=[port, port + 1],
+        spare=spare,
+    )
+
+
+def cand(replica: str, at: float = 0.0, **kw) -> rdzv.Candidate:
+    return rdzv.Candidate(WorkerKey("j", replica, 0), rz(**kw), at)
+
+
+def key(replica: str) -> WorkerKey:
+    return WorkerKey("j", replica, 0)
+
+
+def reg(replica: str, *, pid: int = 1, **kw) -> Registration:
+    return Registration(
+        job="j",
+        replica=replica,
+        host=replica,
+        devices=[f"{replica}-d0"],
+        scope="job",
+        pid=pid,
+        rendezvous=rz(**kw),
+    )
+
+
+def ranks(cmd: Command | None) -> list[tuple[str, int, int]]:
+    assert cmd is not None and cmd.membership is not None
+    return [(m.replica, m.node_rank, m.first_rank) for m in cmd.membership.members]
+
+
+# --- the rule -------------------------------------------------------------------------------------
+
+
+def three() -> tuple[rdzv.Candidate, ...]:
+    return cand("a", 1, hi=3), cand("b", 2, hi=3), cand("c", 3, hi=3)
+
+
+def test_a_spare_of_the_same_shape_takes_the_lost_members_ranks() -> None:
+    m = rdzv.form(1, three())
+    assert m is not None
+    s = cand("s", 4, hi=3, spare=True, port=41000)
+    change = rdzv.replace(m, 2, "j", {key("b")}, [*three(), s], min_nodes=1)
+    assert change.membership is not None and not change.dropped
+    assert [(x.replica, x.node_rank, x.first_rank) for x in change.membership.members] == [
+        ("a", 0, 0),
+        ("s", 1, 2),
+        ("c", 2, 4),
+    ]
+    assert change.membership.world_size == m.world_size
+    assert [(lost.replica, c.key.replica) for lost, c in change.replaced] == [("b", "s")]
+
+
+def test_a_spare_of_another_shape_is_never_chosen_and_the_job_shrinks() -> None:
+    m = rdzv.form(1, three())
+    assert m is not None
+    odd = cand("s", 4, nproc=1, hi=3, spare=True)
+    change = rdzv.replace(m, 2, "j", {key("a")}, [*three(), odd], min_nodes=1)
+    assert change.membership is not None and not change.replaced
+    # Contiguous again, and the coordinator moved to the new node 0 (b's address and port).
+    assert [(x.replica, x.node_rank, x.first_rank) for x in change.membership.members] == [
+        ("b", 0, 0),
+        ("c", 1, 2),
+    ]
+    assert change.membership.world_size == 4 and [d.replica for d in change.dropped] == ["a"]
+
+
+def test_below_min_there_is_no_membership() -> None:
+    m = rdzv.form(1, three())
+    assert m is not None
+    change = rdzv.replace(m, 2, "j", {key("a"), key("b")}, three(), min_nodes=2)
+    assert change.membership is None and len(change.dropped) == 2
+
+
+def test_two_lost_members_take_two_spares_never_one() -> None:
+    m = rdzv.form(1, three())
+    assert m is not None
+    spares = [cand("s", 5, hi=3, spare=True), cand("t", 4, hi=3, spare=True)]
+    change = rdzv.replace(m, 2, "j", {key("a"), key("c")}, [*three(), *spares], min_nodes=1)
+    assert change.membership is not None
+    # Spares by time of registration: t came first.
+    assert [(x.replica, x.node_rank) for x in change.membership.members] == [
+        ("t", 0),
+        ("b", 1),
+        ("s", 2),
+    ]
+
+
+@given(
+    n=st.integers(1, 6),
+    lost=st.sets(st.integers(0, 5)),
+    spares=st.lists(st.integers(1, 2), max_size=4),
+    lo=st.integers(1, 6),
+)
+def test_no_rank_is_given_twice_after_a_change(
+    n: int, lost: set[int], spares: list[int], lo: int
+) -> None:
+    members = [cand(f"m{i}", i, hi=6) for i in range(n)]
+    m = rdzv.form(1, members)
+    assert m is not None
+    pool = [cand(f"s{i}", 10 + i, nproc=p, hi=6, spare=True) for i, p in enumerate(spares)]
+    gone = {key(f"m{i}") for i in lost if i < n}
+    change = rdzv.replace(m, 2, "j", gone, [*members, *pool], min_nodes=lo)
+    new = change.membership
+    if new is None:
+        assert n - len(change.dropped) < lo
+        return
+    assert [x.node_rank for x in new.members] == list(range(len(new.members)))
+    flat = [r for x in new.members for r in range(x.first_rank, x.first_rank + x.nproc)]
+    assert flat == list(range(new.world_size))
+    names = [(x.replica, x.worker) for x in new.members]
+    assert len(set(names)) == len(names)
+    assert not {key(r) for r, _ in names} & gone
+    assert all(x.nproc == 2 for x in new.members)  # a 1-rank spare never took a 2-rank place
+
+
+# --- the policy ---------------------------------------------------------------------------------
+
+
+def formed(p: Policy, *, hi: int = 2, lo: int = 1, spares: int = 1) -> Command:
+    p.register(reg("a", pid=1, lo=lo, hi=hi), now=0)
+    cmd = p.register(reg("b", pid=2, lo=lo, hi=hi), now=0).command
+    for i in range(spares):
+        p.register(reg(f"s{i}", pid=10 + i, lo=lo, hi=hi, spare=True), now=1)
+    assert cmd is not None and cmd.membership is not None
+    for w in ("a", "b"):
+        p.on_report(Report(job="j", replica=w, status="running", epoch=cmd.epoch), now=2)
+    return cmd
+
+
+def fail(device: str, n: int) -> DeviceHealth:
+    return DeviceHealth(device=device, state="failed", event_id=f"{device}-{n}", reason="ecc")
+
+
+def test_spares_never_form_the_first_membership_nor_restart_the_job() -> None:
+    p = Policy()
+    p.register(reg("s0", pid=10, spare=True), now=0)
+    p.register(reg("a", pid=1), now=0)
+    assert p.epochs[JOB].membership is None  # one non-spare of MAX 2: not yet
+    first = p.register(reg("b", pid=2), now=0).command
+    assert ranks(first) == [("a", 0, 0), ("b", 1, 2)]
+    # A spare's device failing restarts nothing: it runs no trainer.
+    r = p.on_health(fail("s0-d0", 1), now=1)
+    assert not r.outcome.commands
+
+
+def test_a_device_past_its_budget_hands_its_members_ranks_to_a_spare() -> None:
+    p = Policy(PolicyConfig(device_max_failures=1))
+    first = formed(p)
+    [again] = p.on_health(fail("b-d0", 1), now=3).outcome.commands  # within the budget
+    assert again.kind == "restart" and ranks(again) == ranks(first)
+    for w in ("a", "b"):
+        p.on_report(Report(job="j", replica=w, status="running", epoch=again.epoch), now=3)
+    r = p.on_health(fail("b-d0", 2), now=4)
+    [cmd] = r.outcome.commands
+    assert cmd.kind == "restart" and cmd.epoch > first.epoch
+    assert ranks(cmd) == [("a", 0, 0), ("s0", 1, 2)]
+    assert cmd.retired == [WorkerRef(replica="b")]
+    assert p.epochs[JOB] in r.outcome.write_ahead  # the membership is durable first
+    assert {e.kind for e in r.outcome.events} >= {"member_replaced", "restart_issued"}
+    assert p.workers[key("b")].retired and p.workers[key("b")] in r.outcome.put_workers
+    # The spare is awaited now; the retired member is not.
+    assert p.awaiting(JOB) == {key("a"), key("s0")}
+    # The retired member re-registering (same process) is still told; a new pod is a spare.
+    again = p.register(reg("b", pid=2), now=5)
+    assert again.command is not None and again.command.retired == [WorkerRef(replica="b")]
+    with_new_pod = p.register(reg("b", pid=99), now=100)
+    assert not p.workers[key("b")].retired and with_new_pod.outcome.put_workers
+
+
+def test_without_a_spare_the_job_shrinks_and_the_coordinator_moves() -> None:
+    p = Policy(PolicyConfig(device_max_failures=0))
+    formed(p, spares=0)
+    r = p.on_health(fail("a-d0", 1), now=3)
+    [cmd] = r.outcome.commands
+    assert ranks(cmd) == [("b", 0, 0)]
+    assert cmd.membership is not None and cmd.membership.world_size == 2
+    assert cmd.membership.coordinator_addr == "10.0.0.1" and cmd.retired == [WorkerRef(replica="a")]
+    assert "job_shrunk" in {e.kind for e in r.outcome.events}
+
+
+def test_below_min_the_job_is_held_then_forms_again() -> None:
+    p = Policy(PolicyConfig(device_max_failures=0, join_timeout_s=0))
+    formed(p, lo=2, spares=0)
+    r = p.on_health(fail("a-d0", 1), now=3)
+    [cmd] = r.outcome.commands
+    assert cmd.kind == "restart" and cmd.membership is None and p.epochs[JOB].membership is None
+    assert p.epochs[JOB] in r.outcome.write_ahead
+    assert "job_held" in {e.kind for e in r.outcome.events}
+    # The retired member is no candidate; a new worker brings the job back to MIN.
+    back = p.register(reg("c", pid=3, lo=2), now=4)
+    assert ranks(back.command) == [("b", 0, 0), ("c", 1, 2)]
+
+
+def test_a_quarantine_or_drain_takes_out_only_the_member_using_it() -> None:
+    p = Policy()
+    first = formed(p)
+    d = p.drain(["a-d0"], "", False, "bad host", now=3)
+    [cmd] = d.outcome.commands
+    assert [a.kind for a in d.actions] == ["restart"]
+    assert ranks(cmd) == [("s0", 0, 0), ("b", 1, 2)]
+    assert first.membership is not None and cmd.membership is not None
+    assert cmd.membership.coordinator_port != first.membership.coordinator_port
+    # A drained spare is not chosen: the next loss shrinks.
+    p.register(reg("s1", pid=11, spare=True), now=3)
+    p.drain(["s1-d0"], "", False, "", now=4)
+    assert not p.epochs[JOB].command or p.epochs[JOB].command.epoch == cmd.epoch
+    [shrink] = p.drain(["b-d0"], "", False, "", now=5).outcome.commands
+    assert ranks(shrink) == [("s0", 0, 0)]
+
+
+def test_a_silent_member_is_replaced_at_the_next_tick() -> None:
+    p = Policy(PolicyConfig(worker_ttl_s=10))
+    formed(p)
+    for w, pid in (("a", 1), ("s0", 10)):
+        p.register(reg(w, pid=pid, spare=w == "s0"), now=9)
+    out = p.tick(now=13)  # b last heard at 2
+    [cmd] = out.commands
+    assert ranks(cmd) == [("a", 0, 0), ("s0", 1, 2)]
+    assert "member_replaced" in {e.kind for e in out.events}
+
+
+def test_a_spare_of_another_shape_registers_but_is_never_chosen() -> None:
+    p = Policy(PolicyConfig(device_max_failures=0))
+    formed(p, spares=0)
+    p.register(reg("odd", pid=7, nproc=1, spare=True), now=2)
+    [cmd] = p.on_health(fail("b-d0", 1), now=3).outcome.commands
+    assert ranks(cmd) == [("a", 0, 0)]
+    # Only spares may bring another shape.
+    try:
+        p.register(reg("z", pid=8, nproc=1), now=4)
+    except PolicyError as e:
+        assert e.code == "shape_mismatch"
+    else:
+        raise AssertionError("a member of another shape was admitted")
+
+
+def test_the_change_survives_a_restore_and_the_retired_stay_retired() -> None:
+    p = Policy(PolicyConfig(device_max_failures=0))
+    formed(p)
+    [cmd] = p.on_health(fail("b-d0", 1), now=3).outcome.commands
+    stored = msgspec.json.decode(msgspec.json.encode(p.epochs[JOB]), type=EpochRecord)
+    workers = [
+        msgspec.json.decode(msgspec.json.encode(w), type=type(w)) for w in p.workers.values()
+    ]
+    q = Policy.restore(PolicyConfig(), workers, [stored], list(p.devices.values()), now=5)
+    assert q.epochs[JOB].membership == cmd.membership and q.workers[key("b")].retired
+    again = q.register(reg("s0", pid=10, spare=True), now=6)
+    assert again.command == cmd
