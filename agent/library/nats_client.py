@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 
@@ -36,6 +37,19 @@ from marduk.wire import protocol as wire
 from marduk.wire.subjects import Subjects
 
 log = logging.getLogger("agent")
+
+
+_instance: tuple[int, str] = (0, "")
+
+
+def process_instance() -> str:
+    """A random token for this process, made at its first registration (a forked child makes
+    its own): the controller tells a new process from the one before it by it where host name
+    and pid repeat (a container's PID 1 in a StatefulSet pod that was replaced)."""
+    global _instance
+    if _instance[0] != os.getpid():
+        _instance = (os.getpid(), secrets.token_hex(8))
+    return _instance[1]
 
 
 class AsyncClient(CommandInbox):
@@ -124,6 +138,7 @@ class AsyncClient(CommandInbox):
             devices=o.devices,
             scope=o.scope,
             pid=os.getpid(),
+            instance=process_instance(),
             incarnation=o.incarnation,
             epoch=self.fence.acked,
             seen_epoch=self.fence.received,

@@ -67,6 +67,7 @@ from marduk.wire.protocol import (
     Registration,
     Report,
     WorkerInfo,
+    same_process,
 )
 
 
@@ -205,10 +206,11 @@ class Policy(MembershipPolicy, DevicePolicy):
         was_stale = key in self.stale
         self._heard(key, now)
         self.stale.discard(key)
-        fresh_process = old is None or (
-            old.registration.pid,
-            old.registration.incarnation,
-        ) != (reg.pid, reg.incarnation)
+        fresh_process = (
+            old is None
+            or not same_process(old.registration, reg)
+            or old.registration.incarnation != reg.incarnation
+        )
         if state is None:
             # Reserve the first block now, off the failure path. Written ahead: a command under
             # this ceiling needs no write of its own, so the ceiling must be durable first.
@@ -243,9 +245,7 @@ class Policy(MembershipPolicy, DevicePolicy):
             updated_at=now,
             applied_epoch=applied,
             # Retired stays retired; a new process under its name starts afresh.
-            retired=old.retired
-            if old and (old.registration.host, old.registration.pid) == (reg.host, reg.pid)
-            else "",
+            retired=old.retired if old and same_process(old.registration, reg) else "",
         )
         self.workers[key] = rec
         self._job_workers.setdefault(key.job, set()).add(key)
@@ -322,8 +322,10 @@ class Policy(MembershipPolicy, DevicePolicy):
     ) -> None:
         """Refuse a second live process claiming a worker identity another live process holds.
 
-        The same (host, pid) is the same process; a higher incarnation is a supervisor's next
-        trainer. A holder silent for the worker TTL is presumed dead and may be replaced.
+        Two live processes never share a host and pid, so the same (host, pid) takes over
+        whatever its instance (the holder is gone: a container restarted as PID 1); a higher
+        incarnation is a supervisor's next trainer. A holder silent for the worker TTL is
+        presumed dead and may be replaced.
         """
         prev = old.registration
         if (prev.host, prev.pid) == (reg.host, reg.pid) or reg.incarnation > prev.incarnation:

@@ -143,6 +143,9 @@ class Registration(Message, tag="register", kw_only=True):
     devices: Annotated[list[DeviceId], msgspec.Meta(max_length=MAX_DEVICES_PER_WORKER)]
     scope: Scope = "replica"
     pid: NonNegInt = 0
+    # Random per process start: with ``host`` and ``pid``, tells a new process from the one before
+    # it where both have the same host name and pid (a StatefulSet pod's PID 1). "": not sent.
+    instance: ShortText = ""
     # Counts trainer starts under one supervisor; a library alone sends MARDUK_RESTART_COUNT or 0.
     incarnation: NonNegInt = 0
     # The restart epoch this worker has applied (acknowledged); 0: none yet.
@@ -155,6 +158,11 @@ class Registration(Message, tag="register", kw_only=True):
     peer_notices: bool = False
     # A job whose ranks the controller assigns (``Membership``); null: ranks are the agent's.
     rendezvous: Rendezvous | None = None
+
+
+def same_process(a: Registration, b: Registration) -> bool:
+    """Whether two registrations come from one process (the same host, pid and instance)."""
+    return (a.host, a.pid, a.instance) == (b.host, b.pid, b.instance)
 
 
 class PeerFailure(msgspec.Struct, kw_only=True):

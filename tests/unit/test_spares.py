@@ -191,6 +191,24 @@ def test_a_device_past_its_budget_hands_its_members_ranks_to_a_spare() -> None:
     assert not p.workers[key("b")].retired and with_new_pod.outcome.put_workers
 
 
+def test_a_replaced_container_with_the_same_host_and_pid_is_not_retired() -> None:
+    """A StatefulSet pod's agent is PID 1 on the same host name after every replacement: its
+    instance token tells the new process from the retired one, and it takes over at once."""
+    p = Policy(PolicyConfig(device_max_failures=1))
+    formed(p)
+    p.on_health(fail("b-d0", 1), now=3)
+    for w in ("a", "b"):
+        p.on_report(Report(job="j", replica=w, status="running", epoch=p.epochs[JOB].epoch), now=3)
+    p.on_health(fail("b-d0", 2), now=4)
+    assert p.workers[key("b")].retired
+    old = p.workers[key("b")].registration
+    same = msgspec.structs.replace(old, instance=old.instance)
+    assert p.register(same, now=5).command is not None and p.workers[key("b")].retired
+    replaced = msgspec.structs.replace(old, instance="new-container")
+    r = p.register(replaced, now=6)  # no duplicate_worker: the old process is gone
+    assert not p.workers[key("b")].retired and r.outcome.put_workers
+
+
 def test_without_a_spare_the_job_shrinks_and_the_coordinator_moves() -> None:
     p = Policy(PolicyConfig(device_max_failures=0))
     formed(p, spares=0)
