@@ -58,7 +58,7 @@ from marduk.transport import bus
 from marduk.transport.embedded import find_binary
 from marduk.wire import protocol as wire
 from marduk.wire.subjects import Subjects
-from monitor_cli.client import publish_durably, store, watch_stored
+from monitor_cli.health import publish_durably, store, watch_stored
 
 PREFIX = "marduk"
 JOB = "bench"

@@ -245,7 +245,7 @@ class Marduk(Contender):
         ]
 
     def device_event(self, f: Failure) -> float:
-        from monitor_cli.client import publish_health
+        from monitor_cli.health import publish_health
 
         t = time.time()
         reply = asyncio.run(

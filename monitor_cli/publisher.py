@@ -28,7 +28,7 @@ from marduk.transport import bus
 from marduk.transport.credentials import redact
 from marduk.wire.protocol import DeviceHealth, HealthReply
 from marduk.wire.subjects import Subjects
-from monitor_cli.client import UndecidedError, publish_durably
+from monitor_cli.health import UndecidedError, publish_durably
 
 log = logging.getLogger("monitor_cli.publisher")
 

@@ -131,7 +131,7 @@ async def health_event(  # type: ignore[no-untyped-def]
     """Publish a health event durably (as monitors do) and return the controller's HealthReply."""
     from marduk.wire.protocol import DeviceHealth
     from marduk.wire.subjects import Subjects
-    from monitor_cli.client import publish_durably
+    from monitor_cli.health import publish_durably
 
     event = DeviceHealth(device=device, state=state, event_id=event_id)  # type: ignore[arg-type]
     return await publish_durably(nc, Subjects(), event, timeout=timeout)
@@ -141,7 +141,7 @@ async def store_health(nc, payload: bytes, inbox: str = "") -> int:  # type: ign
     """Publish to the health stream and wait until it stored the event (it sends no ack);
     the controller's answer, if any, goes to ``inbox``. Returns the stream sequence."""
     from marduk.wire.subjects import Subjects
-    from monitor_cli.client import store, watch_stored
+    from monitor_cli.health import store, watch_stored
 
     stored = await watch_stored(nc, Subjects())
     try:

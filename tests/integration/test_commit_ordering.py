@@ -38,7 +38,7 @@ from marduk.store.state import epoch_kv_key, handled_kv_key, worker_kv_key
 from marduk.wire import protocol as wire
 from marduk.wire.protocol import decode, encode
 from marduk.wire.subjects import Subjects
-from monitor_cli.client import UndecidedError
+from monitor_cli.health import UndecidedError
 from tests.conftest import (
     NatsServer,
     controller_settings,
