@@ -127,10 +127,9 @@ class AsyncClient(CommandInbox):
 
     # --- registration ----------------------------------------------------------------------------
 
-    async def _register(self, *, timeout: float, retry: bool = False) -> None:
-        """Register (again). With ``retry``, keep trying until ``timeout`` runs out."""
+    def _registration(self) -> wire.Registration:
         o = self.opts
-        reg = wire.Registration(
+        return wire.Registration(
             job=o.job,
             replica=o.replica,
             worker=o.worker,
@@ -146,6 +145,16 @@ class AsyncClient(CommandInbox):
             peer_notices=o.peer_notices,
             rendezvous=o.rendezvous,
         )
+
+    async def _register(self, *, timeout: float, retry: bool = False) -> None:
+        """Register (again). With ``retry``, keep trying until ``timeout`` runs out."""
+        reply = await self._ask_to_register(self._registration(), timeout=timeout, retry=retry)
+        self._registered(reply)
+
+    async def _ask_to_register(
+        self, reg: wire.Registration, *, timeout: float, retry: bool
+    ) -> wire.RegisterReply:
+        o = self.opts
         deadline = time.monotonic() + timeout
         waiting_said = time.monotonic()
         if retry:
@@ -183,6 +192,12 @@ class AsyncClient(CommandInbox):
                             deadline - time.monotonic(),
                         )
                     await asyncio.sleep(0.2 if not isinstance(e, RequestRejected) else 1.0)
+        return reply
+
+    def _registered(self, reply: wire.RegisterReply) -> None:
+        """What the controller's answer to a registration tells: devices out of service, the
+        renewal interval, the command of the current epoch (a fresh process is past it)."""
+        o = self.opts
         self.stats["registrations"] += 1
         if reply.unusable_devices != self.unusable_devices:
             self.unusable_devices = list(reply.unusable_devices)
