@@ -76,6 +76,15 @@ def controller(env: dict[str, str]) -> Proc:
     return p
 
 
+def external_controller(env: dict[str, str], state_dir: str) -> Proc:
+    """``marduk controller`` against the NATS at MARDUK_ADDR (no embedded server), so that
+    several run side by side (one leads, the others stand by) and one can die alone."""
+    return Proc(
+        [sys.executable, "-m", "marduk", "controller", "--no-embedded", "--state-dir", state_dir],
+        env,
+    )
+
+
 def trainer(env: dict[str, str], replica: str, devices: str) -> Proc:
     p = Proc(
         [

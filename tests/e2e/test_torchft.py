@@ -4,6 +4,8 @@ replica groups (examples/torchft_ddp.py, gloo on CPU), each under ``marduk agent
 A device failure of one group: the controller restarts that group only; the other two keep
 committing steps; the restarted group rejoins the quorum and heals from a peer (its step and
 weights equal the others'). Then a trainer crash of another group: the same, through the agent.
+The leader controller SIGKILLed mid-way: torchft never notices (Marduk is not on its data
+path), no group restarts, and the standby that takes over restarts the next failed group.
 And a standalone group (no agent): the command makes the Manager abandon its step and the
 process exit with ``RESTART_EXIT``. Figures are printed, never asserted (``pytest -s``).
 """
@@ -22,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
-from tests.processes import Proc, agent_run, controller, inject
+from tests.conftest import NatsServer, eventually_sync, free_port
+from tests.processes import Proc, agent_run, controller, external_controller, inject, status
 
 pytestmark = pytest.mark.e2e
 
@@ -202,6 +204,56 @@ def test_device_failure_and_crash_cost_the_healthy_groups_no_restart(
             p.stop()
         lh.stop()
         ctl.stop()
+
+
+def test_the_leader_killed_mid_way_costs_torchft_nothing_and_the_standby_takes_over(
+    ft_env: dict[str, str], nats_server: NatsServer, tmp_path: Path
+) -> None:
+    env = {**ft_env, "MARDUK_ADDR": nats_server.url}
+    a = external_controller(env, str(tmp_path / "a"))
+    b = external_controller(env, str(tmp_path / "b"))
+    lh, addr = lighthouse(env, min_replicas=2)
+    groups = {r: group(env, r, addr) for r in ("g1", "g2", "g3")}
+    every = [*groups.values(), lh, a, b]
+    try:
+        until(
+            "all three groups commit in one quorum",
+            lambda: all(any(c.groups == 3 for c in commits(g)) for g in groups.values()),
+            every,
+            timeout=90,
+        )
+        eventually_sync(lambda: len(status(env)["standbys"]) == 1, timeout=20)
+        leader = {a.proc.pid: a, b.proc.pid: b}[int(status(env)["controller"]["pid"])]
+        standby = b if leader is a else a
+        t_kill = time.time()
+        leader.proc.send_signal(signal.SIGKILL)
+        leader.proc.wait(10)
+        standby.expect("serving prefix", timeout=30)
+        print(f"the standby serves {time.time() - t_kill:.2f} s after the leader's SIGKILL")
+        # torchft never noticed: every group kept committing, none restarted.
+        until(
+            "the groups keep committing with the leader dead",
+            lambda: survivors_kept_committing(list(groups.values()), t_kill, 10),
+            every,
+        )
+        starts = {r: sum(" joining at step " in ln for ln in g.all) for r, g in groups.items()}
+        assert starts == {"g1": 1, "g2": 1, "g3": 1}, starts
+        # The new leader has the map (from the agents' registrations and the store): a device
+        # failure restarts exactly its group, which heals from a peer.
+        t0 = time.time()
+        out = inject(env, f"{JOB}-g2-d0")
+        assert "g2" in out, out
+        heals(
+            "device failure after a takeover", groups["g2"], [groups["g1"], groups["g3"]], t0, every
+        )
+        starts = {r: sum(" joining at step " in ln for ln in g.all) for r, g in groups.items()}
+        assert starts == {"g1": 1, "g2": 2, "g3": 1}, starts
+    finally:
+        for p in groups.values():
+            p.stop()
+        lh.stop()
+        a.stop()
+        b.stop()
 
 
 def test_a_command_makes_a_standalone_group_abandon_its_step_and_exit(
