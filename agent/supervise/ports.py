@@ -4,9 +4,14 @@ MASTER_PORT, and whether a rank listens on it yet. Kept apart from the launch co
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import socket
+import time
 
 from agent.supervise.launch import LaunchError, LaunchSpec
+
+log = logging.getLogger("agent.supervisor")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -62,3 +67,31 @@ def port_for_incarnation(spec: LaunchSpec, epoch: int) -> int:
     (``LaunchSpec.fixed_port``), else a free one on ``master_addr``."""
     port = spec.fixed_port(epoch)
     return port if port is not None else free_port(spec.master_addr)
+
+
+MASTER_WAIT_S = 2.0  # at most, for rank 0 to listen on MASTER_PORT before the others start
+
+
+class MasterFirst:
+    """Rank 0 hosts the rendezvous store at MASTER_PORT (torch's env://) on one node: once it
+    listened there after stepping, the next incarnations start the other ranks once it
+    listens, instead of them trying it too early and backing off for up to a second."""
+
+    def __init__(self, applies: bool) -> None:
+        self.applies = applies  # several local ranks, one node
+        self.port = 0  # MASTER_PORT of the current incarnation
+        self.wanted = False  # start rank 0 first, the others once it listens
+
+    def stepped(self, rank: int) -> None:
+        if rank == 0 and self.applies:
+            self.wanted = listening(self.port)
+
+    async def wait(self) -> None:
+        """Until rank 0 listens, ``MASTER_WAIT_S`` at most (then no more waiting for it)."""
+        deadline = time.monotonic() + MASTER_WAIT_S
+        while not listening(self.port):
+            if time.monotonic() > deadline:
+                log.info("rank 0 did not listen on MASTER_PORT within %gs", MASTER_WAIT_S)
+                self.wanted = False
+                return
+            await asyncio.sleep(0.002)

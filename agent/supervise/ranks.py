@@ -1,10 +1,11 @@
 """What ``marduk agent run`` keeps of each local rank, and the facts its shell feeds to the
-supervision core (agent/supervise/supervision.py)."""
+supervision core (agent/supervise/supervision.py): ``decide`` gives the core each one."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections import deque
 from dataclasses import dataclass
@@ -12,7 +13,10 @@ from typing import IO
 
 from agent.library.client import Command
 from agent.supervise.launch import LogSpec, Std
+from agent.supervise.supervision import Decision, Supervision
 from agent.supervise.zygote import TrainerProcess
+
+log = logging.getLogger("agent.supervisor")
 
 # --- what the shell observes (facts for the core) ------------------------------------------------
 
@@ -81,3 +85,26 @@ class Rank:
             with contextlib.suppress(OSError):
                 f.close()
         self.files = []
+
+
+def decide(core: Supervision, fact: Fact, now: float) -> Decision | None:
+    """The core's decision on one fact (None: nothing yet; a command's ``Forward`` and
+    ``Ignore`` are the caller's). A rank of an incarnation already stopped, and a
+    ``peer_failed`` notice (forwarded at once, never queued), are not its business."""
+    if isinstance(fact, RankExited):
+        if fact.incarnation != core.incarnation:
+            return None
+        decision = core.exited(fact.rank, fact.returncode, now)
+        if fact.returncode == 0 and decision is None:
+            log.info("local rank %d finished (exit 0)", fact.rank)
+        return decision
+    if isinstance(fact, Tick):
+        return core.tick(now)
+    if isinstance(fact, Preempted):
+        return core.preempted(fact.signal)
+    if isinstance(fact, Joined):
+        return core.joined(fact.epoch, fact.unusable_devices)
+    command = fact.command
+    if command.kind == "peer_failed":
+        return None
+    return core.command(command.kind, command.epoch, command.reason)

@@ -137,6 +137,12 @@ class Supervision:
         self.failures: deque[float] = deque()  # local failures within the window, oldest first
         self.ranks = [RankState() for _ in range(nproc)]
 
+    @property
+    def step(self) -> int | None:
+        """The lowest step of the ranks that stepped (the node's progress)."""
+        steps = [r.step for r in self.ranks if r.step is not None]
+        return min(steps) if steps else None
+
     # --- the shell's observations ---------------------------------------------------------------
 
     def started(self, now: float) -> int:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from agent.channel.messages import (
     MAX_LINE,
@@ -93,3 +94,32 @@ class TrainerChannel:
         self._bad_lines.log(
             "bad", logging.WARNING, "bad message from the trainer's library, skipped: %s", why
         )
+
+
+class TrainerChannels:
+    """One channel per local rank (its index passed to ``on_message``), opened, forwarded to
+    and closed together."""
+
+    def __init__(self) -> None:
+        self.channels: list[TrainerChannel] = []
+
+    async def open(
+        self,
+        paths: Sequence[str],
+        on_message: Callable[[int, ToAgent], Awaitable[None]],
+        epoch: Callable[[], int],
+        stats: Counter[str],
+    ) -> None:
+        for index, path in enumerate(paths):
+            channel = TrainerChannel(path, functools.partial(on_message, index), epoch, stats)
+            await channel.start()
+            self.channels.append(channel)
+
+    async def forward(self, command: wire.Command) -> None:
+        """To every trainer connected, rank by rank."""
+        for channel in self.channels:
+            await channel.forward(command)
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
