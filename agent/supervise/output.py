@@ -23,12 +23,16 @@ from agent.supervise.ranks import Rank
 log = logging.getLogger("agent.supervisor")
 
 
+CONSOLE_HOLD_BYTES = 1 << 20
+"""The most of one unfinished line a rank's console output holds back to show it whole."""
+
+
 async def read_output(stream: asyncio.StreamReader) -> bytes:
     """The next line of a trainer's output, its newline kept; b"" at the end.
 
     A line longer than the reader's limit (a progress bar redrawn with \\r, a big tensor
-    printed, a JSON blob) comes back in pieces of at most the limit, without a newline until
-    the last: passed through whole, never an error. (``readline()`` raises ValueError there,
+    printed, a JSON blob) comes back in pieces, without a newline until the last: passed
+    through whole, never an error. (``readline()`` raises ValueError there,
     and a pump that stops reading blocks its trainer on a full pipe: a healthy trainer "hangs".)
     """
     try:
@@ -94,13 +98,26 @@ class RankOutput:
         show = self.logs.to_console(rank.index, which)
         file = rank.files[0 if which == Std.OUT else 1] if rank.files else None
         at_start = True  # of a line: a long line's later pieces get no prefix
+        held: list[bytes] = []  # the pieces of a long line not yet shown
+        held_bytes = 0
         while True:
             line = await read_output(stream)
             if not line:
+                if show and held:
+                    out.write(b"".join(held))
+                    out.flush()
                 return
             if show:
-                out.write(prefix + line if at_start else line)
-                out.flush()
+                # A long line is shown whole, in one write, so that the other ranks' lines
+                # never land inside it on the shared console (up to CONSOLE_HOLD_BYTES; a
+                # longer one goes out in pieces).
+                held.append(prefix + line if at_start else line)
+                held_bytes += len(held[-1])
+                if line.endswith(b"\n") or held_bytes >= CONSOLE_HOLD_BYTES:
+                    out.write(b"".join(held))
+                    out.flush()
+                    held.clear()
+                    held_bytes = 0
             at_start = line.endswith(b"\n")
             if file is not None and not file.closed:
                 file.write(line)
