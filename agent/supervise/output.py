@@ -23,7 +23,7 @@ from agent.supervise.ranks import Rank
 log = logging.getLogger("agent.supervisor")
 
 
-CONSOLE_HOLD_BYTES = 1 << 20
+CONSOLE_HOLD_BYTES = 256 * 1024
 """The most of one unfinished line a rank's console output holds back to show it whole."""
 
 
