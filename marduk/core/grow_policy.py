@@ -52,10 +52,14 @@ class GrowPolicy(MembershipPolicy):
 
     def _grow_registered(self, key: WorkerKey, afresh: bool, now: float, out: Outcome) -> None:
         """A worker of a rendezvous job registered (``afresh``: new, a new process, or back
-        from stale: its live time starts over); the job may grow now."""
+        from stale: its live time starts over). A worker that is not a member may make the job
+        grow (a member's renewals, by the thousand, need no look)."""
         if afresh or key not in self._live_since:
             self._live_since[key] = now
-        self._grow_step(key.job, now, out)
+        state = self.epochs.get(EpochKey(key.job, None))
+        m = state.membership if state is not None else None
+        if m is not None and m.member(key.replica, key.worker) is None:
+            self._grow_step(key.job, now, out)
 
     def _grow_checkpointed(self, key: WorkerKey, now: float, out: Outcome) -> None:
         """A worker's trainer saved the checkpoint asked for: one confirmation of a grow."""

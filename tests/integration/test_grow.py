@@ -35,11 +35,16 @@ async def report(nc, replica: str, status: str, epoch: int) -> None:  # type: ig
     await nc.request(S.report(JOB), encode(msg), timeout=5)
 
 
-async def next_kind(sent: asyncio.Queue, kind: str, timeout: float = 10) -> wire.Command:  # type: ignore[type-arg]
-    """The next command of ``kind`` (resends of earlier ones skipped)."""
+async def next_kind(
+    sent: asyncio.Queue,  # type: ignore[type-arg]
+    kind: str,
+    above: int = 0,
+    timeout: float = 10,
+) -> wire.Command:
+    """The next command of ``kind`` above epoch ``above`` (resends of earlier ones skipped)."""
     while True:
         cmd = await asyncio.wait_for(sent.get(), timeout)
-        if cmd.kind == kind:
+        if cmd.kind == kind and cmd.epoch > above:
             return cmd
 
 
@@ -51,7 +56,7 @@ async def shrunk(nc, sent) -> wire.Command:  # type: ignore[no-untyped-def]
     for member in ("a", "b"):
         await report(nc, member, "running", formed.epoch)
     await health_event(nc, "a-d0", event_id="ecc-a")
-    shrink = await next_kind(sent, "restart")
+    shrink = await next_kind(sent, "restart", formed.epoch)
     assert ranks(shrink) == [("b", 0, 0)]
     await report(nc, "b", "running", shrink.epoch)
     return shrink
@@ -80,7 +85,7 @@ async def test_a_new_worker_grows_the_job_after_a_checkpoint(
         waiting = await record(nc)
         assert waiting.grow is not None and waiting.grow.epoch == ask.epoch
         await report(nc, "b", "checkpointed", shrink.epoch)
-        grow = await next_kind(sent, "restart")
+        grow = await next_kind(sent, "restart", ask.epoch)
         assert grow.epoch > ask.epoch and ranks(grow) == [("b", 0, 0), ("c", 1, 2)]
         assert grow.membership is not None and grow.membership.world_size == 4
         seen = await kinds(events, "member_added")
@@ -119,10 +124,18 @@ async def test_a_leader_killed_mid_grow_the_next_finishes_it_and_the_membership_
         await shrunk(nc, sent)
         await register(nc, "c", 3)
         ask = await next_kind(sent, "checkpoint")
+        # The grow is persisted just after its command goes out: kill the leader once it is
+        # (killed before, the next leader starts the grow over, as the first would).
+        for _ in range(100):
+            rec = await record(nc)
+            if rec.grow is not None:
+                break
+            await asyncio.sleep(0.02)
+        assert rec.grow is not None and rec.grow.epoch == ask.epoch
         first.stop(signal.SIGKILL)  # mid-change: the grow waits for b's checkpoint
         # The standby takes over and finishes the grow once the bound (from the checkpoint
         # request) is past: it never saw a report.
-        grow = await next_kind(sent, "restart", timeout=20)
+        grow = await next_kind(sent, "restart", ask.epoch, timeout=20)
         assert grow.epoch > ask.epoch and ranks(grow) == [("b", 0, 0), ("c", 1, 2)]
         assert "no checkpoint confirmed by b/0" in grow.reason
         second.stop(signal.SIGKILL)  # and killed at once: what it wrote ahead must stand
