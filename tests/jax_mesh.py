@@ -128,27 +128,40 @@ class MeshJob:
                 ]
                 for i in range(n)
             ]
-        self.agents = [
-            TimedProc(
-                [
-                    sys.executable,
-                    "-m",
-                    "marduk",
-                    "agent",
-                    "run",
-                    *("--job", job, "--scope", "job", "--devices", self.device(i)),
-                    *placement[i],
-                    *agent_args,
-                    "--",
-                    sys.executable,
-                    EXAMPLE,
-                    *("--steps", "1000000", "--ckpt-every", "5"),
-                    *("--step-seconds", str(step_seconds)),
-                ],
-                env,
-            )
-            for i in range(len(placement))
-        ]
+        self.agent_args = agent_args
+        self.nnodes = nnodes
+        self.step_seconds = step_seconds
+        self.agents = [self._agent(i, placement[i]) for i in range(len(placement))]
+
+    def _agent(self, i: int, placement: list[str]) -> TimedProc:
+        return TimedProc(
+            [
+                sys.executable,
+                "-m",
+                "marduk",
+                "agent",
+                "run",
+                *("--job", self.job, "--scope", "job", "--devices", self.device(i)),
+                *placement,
+                *self.agent_args,
+                "--",
+                sys.executable,
+                EXAMPLE,
+                *("--steps", "1000000", "--ckpt-every", "5"),
+                *("--step-seconds", str(self.step_seconds)),
+            ],
+            self.env,
+        )
+
+    def join(self, name: str) -> int:
+        """Start one more agent of a job whose ranks the controller assigns (not a spare); its
+        index in ``agents``."""
+        assert self.ranks_from_controller
+        self.devices.append(f"{self.job}-{name}")
+        i = len(self.agents)
+        placement = ["--replica", name, "--nnodes", self.nnodes, "--local-addr", "127.0.0.1"]
+        self.agents.append(self._agent(i, placement))
+        return i
 
     def device(self, rank: int) -> str:
         return self.devices[rank]

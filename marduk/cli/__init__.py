@@ -91,6 +91,36 @@ def controller(
             "workers once this many seconds passed without MAX registering.",
         ),
     ] = 30.0,
+    resize_interval: Annotated[
+        float,
+        typer.Option(
+            "--resize-interval",
+            envvar="MARDUK_RESIZE_INTERVAL",
+            min=0.0,
+            help="Seconds a job below MAX waits after its last resize (grow, shrink, forming) "
+            "before it grows again; a lost member is taken out at once.",
+        ),
+    ] = 60.0,
+    grow_checkpoint_timeout: Annotated[
+        float,
+        typer.Option(
+            "--grow-checkpoint-timeout",
+            envvar="MARDUK_GROW_CHECKPOINT_TIMEOUT",
+            min=0.0,
+            help="Seconds a grow waits for every member to confirm the checkpoint it asked "
+            "for before it restarts with the new workers anyway.",
+        ),
+    ] = 120.0,
+    grow_settle: Annotated[
+        float,
+        typer.Option(
+            "--grow-settle",
+            envvar="MARDUK_GROW_SETTLE",
+            min=0.0,
+            help="Seconds a new worker must stay live (never stale) before it joins a job "
+            "below MAX; keep it above --worker-ttl.",
+        ),
+    ] = 30.0,
     restart_on_degraded: Annotated[
         bool,
         typer.Option(
@@ -233,6 +263,9 @@ def controller(
         policy=PolicyConfig(
             pending_timeout_s=pending_timeout,
             join_timeout_s=join_timeout,
+            resize_interval_s=resize_interval,
+            grow_checkpoint_timeout_s=grow_checkpoint_timeout,
+            grow_settle_s=grow_settle,
             restart_on_degraded=restart_on_degraded,
             device_max_failures=device_max_failures,
             device_failure_window_s=device_failure_window,

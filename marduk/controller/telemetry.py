@@ -33,6 +33,7 @@ _WARN_EVENTS = frozenset(
         "member_replaced",
         "job_shrunk",
         "job_held",
+        "grow_abandoned",
     }
 )
 

@@ -61,6 +61,15 @@ class PolicyConfig:
     join_timeout_s: float = 30.0
     """A job whose ranks the controller assigns (``--nnodes MIN:MAX``) forms its first
     membership once MAX workers registered, or MIN did and this long has passed since."""
+    resize_interval_s: float = 60.0
+    """At most one resize (grow, shrink, hold, forming) of such a job per this long: a grow
+    waits for it; a shrink forced by a lost member never does (docs/decisions.md #17)."""
+    grow_checkpoint_timeout_s: float = 120.0
+    """A grow waits this long at most for every member to confirm the checkpoint it asked for
+    (``checkpointed``), then restarts with the larger membership anyway."""
+    grow_settle_s: float = 30.0
+    """A worker joins a job below MAX only once it has been live this long without going stale
+    in between (a worker that flaps never does); keep it above ``worker_ttl_s``."""
     exclusive_devices: bool | None = None
     """Refuse a registration claiming a device a live worker of another job holds on another
     host (``device_claimed``). None: on when the controller runs with auth (identities bound

@@ -23,6 +23,8 @@ the job's coordinator, with a few free ports its agent picked.
 * **A member out of service** (``replace``; docs/decisions.md #16): a free spare of its shape
   (``--spare``, or a worker beyond MAX) takes its node rank and ranks; with none the others close
   ranks (shrink); below MIN there is no membership (the job is held until it forms again).
+* **Workers joining a job below MAX** (``grow``; docs/decisions.md #17): the members keep their
+  node ranks, the new ones take the next, in the order given.
 
 The membership is written ahead with its epoch record (``EpochRecord.membership``) and carried
 in every command of the job (``Command.membership``); docs/decisions.md #14.
@@ -233,6 +235,30 @@ def replace(
             for new, (_, held) in enumerate(sorted(by_rank.items()))
         }
     return Change(_membership(epoch, by_rank, previous), tuple(replaced), tuple(dropped))
+
+
+def grow(
+    previous: Membership,
+    epoch: int,
+    job: str,
+    candidates: Sequence[Candidate],
+    joining: Sequence[Candidate],
+) -> Membership:
+    """The membership at ``epoch`` with the workers ``joining`` added (checked: not members,
+    of the members' shape, no more than MAX allows): the members keep their node ranks, the
+    new ones take the next ones in the given order, ranks contiguous; a coordinator port not
+    the previous one. ``candidates``: the job's live workers (rank 0's fresh ports)."""
+    live = {c.key: c for c in candidates}
+    by_rank: dict[int, Candidate | Member] = {
+        m.node_rank: live.get(WorkerKey(job, m.replica, m.worker), m) for m in previous.members
+    }
+    taken = {WorkerKey(job, m.replica, m.worker) for m in previous.members}
+    for c in joining:
+        if c.key in taken:
+            raise ValueError(f"worker {_name(c.key)} is a member already")
+        taken.add(c.key)
+        by_rank[len(by_rank)] = c  # node ranks are contiguous: the next one is the count
+    return _membership(epoch, by_rank, previous)
 
 
 def coordinator_port(

@@ -47,6 +47,9 @@ class MembershipPolicy:
     # Jobs with MIN workers but no membership yet: since when (the join timeout counts from
     # there). In memory: a new leader starts the timeout over.
     _quorum_since: dict[str, float]
+    # When each job's membership last changed size (formed, shrank, held, grew): a grow waits
+    # ``resize_interval_s`` after it (marduk/core/grow_policy.py).
+    _last_resize: dict[str, float]
 
     @property
     def epochs(self) -> dict[EpochKey, EpochRecord]:
@@ -68,6 +71,11 @@ class MembershipPolicy:
         raise NotImplementedError
 
     def _epoch_key(self, key: WorkerKey) -> EpochKey:
+        raise NotImplementedError
+
+    def _grow_abandon(
+        self, ekey: EpochKey, state: EpochRecord, why: str, now: float, out: Outcome
+    ) -> None:
         raise NotImplementedError
 
     def _rendezvous_tick(self, now: float, out: Outcome) -> None:
@@ -135,6 +143,7 @@ class MembershipPolicy:
         if membership is None:
             return  # given node ranks that the workers here cannot fill yet
         self._quorum_since.pop(ekey.job, None)
+        self._last_resize[ekey.job] = now
         reason = (
             f"membership formed: {len(membership.members)} node(s), world size "
             f"{membership.world_size}, coordinator {membership.coordinator_addr}:"
@@ -245,6 +254,10 @@ class MembershipPolicy:
         )
         why = "; ".join(sorted(set(lost.values())))
         m = change.membership
+        if change.dropped or m is None:
+            self._last_resize[ekey.job] = now  # never delayed itself; a grow waits after it
+        if state.grow is not None:  # its new workers were candidates for the lost ranks
+            self._grow_abandon(ekey, state, f"{why}: a member lost during the wait", now, out)
         if m is None:
             left = len(previous.members) - len(change.dropped)
             what = (
@@ -326,12 +339,18 @@ class MembershipPolicy:
 
     def _min_nodes(self, job: str) -> int:
         """The job's MIN (a non-spare's ``--nnodes``)."""
+        return self._nnodes(job)[0]
+
+    def _nnodes(self, job: str) -> tuple[int, int]:
+        """The job's MIN:MAX: a live non-spare's ``--nnodes``, else the lowest MIN and the
+        highest MAX any registered worker brought."""
         for c in self._candidates(job):
             if not c.rendezvous.spare:
-                return c.rendezvous.min_nodes
+                return c.rendezvous.min_nodes, c.rendezvous.max_nodes
         keys = sorted(self._job_workers.get(job, ()))
-        found = [self.workers[k].registration.rendezvous for k in keys]
-        return min((r.min_nodes for r in found if r is not None), default=1)
+        found = [r for k in keys if (r := self.workers[k].registration.rendezvous) is not None]
+        lo = min((r.min_nodes for r in found), default=1)
+        return lo, max((r.max_nodes for r in found), default=lo)
 
     def _unfit(self, key: WorkerKey, now: float) -> str:
         """Why the worker may not take a rank ("" if it may): a device of it out of service or

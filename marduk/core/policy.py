@@ -51,7 +51,7 @@ from marduk.core.decisions import (
 )
 from marduk.core.device_policy import DevicePolicy
 from marduk.core.drmap import DRMap, ReplicaKey, WorkerKey
-from marduk.core.membership_policy import MembershipPolicy
+from marduk.core.grow_policy import GrowPolicy
 from marduk.core.notices import failed_peers, peer_notices
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.core.scopes import Scopes
@@ -105,7 +105,7 @@ MAX_ADOPTED_JUMP = 10_000
 FAILURE_STATUSES = frozenset({"crashed", "hung", "gave_up", "preempted"})
 
 
-class Policy(MembershipPolicy, DevicePolicy):
+class Policy(GrowPolicy, DevicePolicy):
     """Controller state and decisions. One instance per controller."""
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
@@ -125,6 +125,10 @@ class Policy(MembershipPolicy, DevicePolicy):
         self.last_seen: dict[WorkerKey, float] = {}
         self.stale: set[WorkerKey] = set()
         self._quorum_since: dict[str, float] = {}  # marduk/core/membership_policy.py
+        self._last_resize: dict[str, float] = {}  # and marduk/core/grow_policy.py:
+        self._grow_watch: set[str] = set()
+        self._grow_confirmed: dict[str, set[WorkerKey]] = {}
+        self._live_since: dict[WorkerKey, float] = {}
 
     # --- restore ---------------------------------------------------------------------------------
 
@@ -154,6 +158,7 @@ class Policy(MembershipPolicy, DevicePolicy):
             self.last_seen[key] = now  # in place: the order (last heard) stays
         # Vacant scopes' retention counts from now: when they were vacated was not stored.
         self.scopes.vacant_all({self._epoch_key(k) for k in self.workers}, now)
+        self._grow_resume(now)
 
     @classmethod
     def from_records(
@@ -285,6 +290,7 @@ class Policy(MembershipPolicy, DevicePolicy):
             )
         if reg.rendezvous is not None:
             self._rendezvous(ekey, now, out)
+            self._grow_registered(key, fresh_process or was_stale, now, out)
         unusable = self.unusable(reg.devices)
         if unusable and result != "unchanged":
             out.events.append(
@@ -524,6 +530,8 @@ class Policy(MembershipPolicy, DevicePolicy):
             return ReportResult(out, [])
         if report.status not in FAILURE_STATUSES:
             out.events.append(worker_event(f"trainer_{report.status}", key, report, now))
+            if report.status == "checkpointed":
+                self._grow_checkpointed(key, now, out)
             return ReportResult(out, [])
 
         out.events.append(worker_event(f"worker_{report.status}", key, report, now))
@@ -691,6 +699,7 @@ class Policy(MembershipPolicy, DevicePolicy):
         self._lose_silent(newly_stale, now, out)
         self._drop_vacant_epochs(now, out)
         self._rendezvous_tick(now, out)
+        self._grow_tick(newly_stale, now, out)
         for ekey in self.scopes.due(now, self.config.resend_interval_s):
             state = self.epochs.get(ekey)
             if state is None or state.command is None or not self._pending(ekey, now):

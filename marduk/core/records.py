@@ -11,7 +11,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from marduk.wire.protocol import Command, HealthState, Membership, Registration
+from marduk.wire.protocol import Command, HealthState, Membership, Registration, WorkerRef
 
 
 class EpochKey(NamedTuple):
@@ -34,6 +34,16 @@ class WorkerRecord(msgspec.Struct, kw_only=True):
     retired: str = ""
 
 
+class GrowRecord(msgspec.Struct, kw_only=True):
+    """A grow of a job waiting for its checkpoint (marduk/core/grow_policy.py): the
+    ``checkpoint`` command it sent (``epoch``), when, and the workers it takes in. Persisted
+    with the epoch, so a new leader finishes it rather than starting it over."""
+
+    epoch: int
+    started_at: float
+    joining: list[WorkerRef] = []
+
+
 class EpochRecord(msgspec.Struct, kw_only=True):
     job: str
     replica: str | None
@@ -47,6 +57,8 @@ class EpochRecord(msgspec.Struct, kw_only=True):
     # A job whose ranks the controller assigns: the membership in force (set by the restart
     # that began it). Written ahead with the epoch, so a new leader starts from it.
     membership: Membership | None = None
+    # A grow waiting for the checkpoint it asked for; void once another command follows.
+    grow: GrowRecord | None = None
 
 
 class DeviceRecord(msgspec.Struct, kw_only=True):

@@ -346,6 +346,9 @@ EventKind = Literal[
     "member_replaced",
     "job_shrunk",
     "job_held",
+    "grow_started",
+    "member_added",
+    "grow_abandoned",
     # decisions
     "restart_issued",
     "fail_issued",

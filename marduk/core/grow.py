@@ -1,0 +1,76 @@
+"""Growing a job back towards MAX: who joins and when (docs/decisions.md #17). Pure: no I/O,
+no clock (``now`` is an argument). ``marduk.core.grow_policy`` applies it.
+
+* **Who** (``free_workers``, ``joining``): a live worker of the job that is not a member, was
+  not started with ``--spare`` (a declared spare stays one: it is kept to take a lost member's
+  ranks at once), has the members' shape and no device out of service, has been live for
+  ``settle`` seconds without going stale in between, and renews on time (heard from within two
+  renewal intervals): a worker that flaps (registers, goes silent, registers again) starts
+  over each time and never joins, and one already silent is not taken while it is not yet
+  stale. Oldest registration first, as many as MAX leaves room for, all in one restart.
+* **When** (``wait_reason``): no restart in flight (it settles first), and ``interval`` since
+  the job's last resize (a grow, a shrink, a hold, the membership forming). Only grows wait: a
+  member lost is taken out at once, whenever the last resize was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from marduk.core.drmap import WorkerKey
+from marduk.core.membership import Candidate
+from marduk.wire.protocol import Membership
+
+
+def free_workers(current: Membership, job: str, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The workers of ``candidates`` (live, usable) that could join ``current``: not members,
+    not declared spares, of the members' shape; oldest registration first."""
+    members = {WorkerKey(job, m.replica, m.worker) for m in current.members}
+    shape = current.members[0].nproc if current.members else None
+    free = [
+        c
+        for c in candidates
+        if c.key not in members
+        and not c.rendezvous.spare
+        and (shape is None or c.rendezvous.nproc == shape)
+    ]
+    return sorted(free, key=lambda c: (c.registered_at, c.key))
+
+
+def joining(
+    current: Membership,
+    job: str,
+    candidates: Sequence[Candidate],
+    live_since: Mapping[WorkerKey, float],
+    heard: Mapping[WorkerKey, float],
+    now: float,
+    settle: float,
+    fresh: float,
+    max_nodes: int,
+) -> list[Candidate]:
+    """Those of ``free_workers`` live for ``settle`` seconds (``live_since``: since when each
+    has been live without a break; absent: not live) and heard from within ``fresh`` seconds
+    (``heard``: when last), as many as ``max_nodes`` has room for."""
+    room = max_nodes - len(current.members)
+    if room <= 0:
+        return []
+    settled = [
+        c
+        for c in free_workers(current, job, candidates)
+        if now - live_since.get(c.key, now + 1) >= settle and on_time(c.key, heard, now, fresh)
+    ]
+    return settled[:room]
+
+
+def on_time(key: WorkerKey, heard: Mapping[WorkerKey, float], now: float, fresh: float) -> bool:
+    """Was ``key`` heard from within ``fresh`` seconds (its renewals arrive)?"""
+    return key in heard and now - heard[key] <= fresh
+
+
+def wait_reason(now: float, last_resize: float | None, interval: float, in_flight: bool) -> str:
+    """Why a grow that could start must wait ("" if it may start now)."""
+    if in_flight:
+        return "a restart is in flight"
+    if last_resize is not None and now - last_resize < interval:
+        return f"the last resize was {now - last_resize:.0f}s ago (interval {interval:g}s)"
+    return ""

@@ -1,0 +1,323 @@
+"""Growing a job back towards MAX, pure: the rules (``membership.grow``, ``marduk.core.grow``)
+and the policy that applies them: a checkpoint first, then one restart with the new workers
+(after a shrink, after forming at MIN), the wait bounded, damping, flapping workers, a member
+lost mid-grow, a restart in flight, a new leader finishing it."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from marduk.core import grow as rule
+from marduk.core import membership as rdzv
+from marduk.core.policy import Outcome, Policy, PolicyConfig
+from marduk.core.records import EpochKey, EpochRecord
+from marduk.wire.protocol import Command, DeviceHealth, Registration, Report
+from tests.unit.test_spares import cand, key, rz
+from tests.unit.test_spares import reg as spares_reg
+
+JOB = EpochKey("j", None)
+PIDS = {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "s": 9}
+
+
+def reg(replica: str, *, pid: int = 0, **kw) -> Registration:
+    return spares_reg(replica, pid=pid or PIDS[replica], **kw)
+
+
+def ranks(cmd: Command | None) -> list[tuple[str, int, int]]:
+    assert cmd is not None and cmd.membership is not None
+    return [(m.replica, m.node_rank, m.first_rank) for m in cmd.membership.members]
+
+
+def kinds(out: Outcome) -> list[str]:
+    return [e.kind for e in out.events]
+
+
+def config(**kw) -> PolicyConfig:
+    base = {
+        "worker_ttl_s": 1000.0,
+        "worker_expiry_s": 10_000.0,
+        "device_max_failures": 0,
+        "join_timeout_s": 5.0,
+        "resize_interval_s": 20.0,
+        "grow_settle_s": 5.0,
+        "grow_checkpoint_timeout_s": 30.0,
+    }
+    return PolicyConfig(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def running(p: Policy, now: float, *names: str) -> None:
+    for w in names:
+        p.on_report(Report(job="j", replica=w, status="running", epoch=p.epochs[JOB].epoch), now)
+
+
+def checkpointed(p: Policy, w: str, now: float) -> Outcome:
+    report = Report(job="j", replica=w, status="checkpointed", epoch=p.epochs[JOB].epoch, step=40)
+    return p.on_report(report, now).outcome
+
+
+def shrunk(p: Policy, *, lo: int = 1, hi: int = 2) -> Command:
+    """``a`` .. at MAX, stepping; then ``a``'s device is spent at 3: the others go on."""
+    names = "abc"[:hi]
+    for w in names:
+        p.register(reg(w, lo=lo, hi=hi), now=0)
+    running(p, 1, *names)
+    [cmd] = p.on_health(
+        DeviceHealth(device="a-d0", state="failed", event_id="x"), now=3
+    ).outcome.commands
+    assert ranks(cmd) == [(w, i, 2 * i) for i, w in enumerate(names[1:])]
+    return cmd
+
+
+# --- the rules ---------------------------------------------------------------------------------
+
+
+def test_new_workers_take_the_next_node_ranks_and_the_port_moves() -> None:
+    m = rdzv.form(1, [cand("a", 1, hi=4), cand("b", 2, hi=4)])
+    assert m is not None
+    grown = rdzv.grow(m, 2, "j", [cand("a", 1, hi=4, port=41000)], [cand("d", 4), cand("c", 3)])
+    assert [(x.replica, x.node_rank, x.first_rank) for x in grown.members] == [
+        ("a", 0, 0),
+        ("b", 1, 2),
+        ("d", 2, 4),
+        ("c", 3, 6),
+    ]
+    assert grown.world_size == 8 and grown.epoch == 2
+    assert grown.coordinator_port == 41000 != m.coordinator_port
+    with pytest.raises(ValueError, match="member already"):
+        rdzv.grow(m, 3, "j", [], [cand("a")])
+
+
+@given(n=st.integers(1, 5), free=st.lists(st.floats(0, 100), max_size=6), hi=st.integers(1, 8))
+def test_a_grow_never_gives_a_rank_twice_nor_passes_max(n: int, free: list[float], hi: int) -> None:
+    members = [cand(f"m{i}", i, hi=8) for i in range(n)]
+    m = rdzv.form(1, members)
+    assert m is not None
+    pool = [cand(f"f{i}", 10 + i, hi=8) for i in range(len(free))]
+    since = {c.key: t for c, t in zip(pool, free, strict=True)}
+    heard = dict.fromkeys(since, 99.0)
+    joining = rule.joining(m, "j", [*members, *pool], since, heard, 100, 50, 5, hi)
+    assert len(m.members) + len(joining) <= max(hi, n)
+    assert all(100 - since[c.key] >= 50 for c in joining)
+    grown = rdzv.grow(m, 2, "j", members, joining)
+    assert [x.node_rank for x in grown.members] == list(range(len(grown.members)))
+    flat = [r for x in grown.members for r in range(x.first_rank, x.first_rank + x.nproc)]
+    assert flat == list(range(grown.world_size))
+    assert len({(x.replica, x.worker) for x in grown.members}) == len(grown.members)
+
+
+def test_declared_spares_and_other_shapes_never_join() -> None:
+    m = rdzv.form(1, [cand("a", hi=3)])
+    assert m is not None
+    odd = rdzv.Candidate(key("o"), msgspec.structs.replace(rz(hi=3), nproc=1), 1)
+    free = rule.free_workers(m, "j", [cand("a", hi=3), cand("s", 2, spare=True), odd, cand("c", 3)])
+    assert [c.key.replica for c in free] == ["c"]
+
+
+def test_a_grow_waits_for_a_restart_in_flight_and_the_resize_interval() -> None:
+    assert rule.wait_reason(10, None, 60, in_flight=True) == "a restart is in flight"
+    assert "interval 60s" in rule.wait_reason(10, 0, 60, in_flight=False)
+    assert rule.wait_reason(60, 0, 60, in_flight=False) == ""
+
+
+# --- the policy --------------------------------------------------------------------------------
+
+
+def test_a_new_worker_grows_a_shrunk_job_back_after_a_checkpoint() -> None:
+    p = Policy(config())
+    shrink = shrunk(p)
+    running(p, 4, "b")
+    p.register(reg("c"), now=5)  # the replacement pod, not a spare
+    assert not p.tick(now=22).commands  # settled, but the shrink was 19s ago
+    out = p.tick(now=23)
+    [ask] = out.commands
+    assert ask.kind == "checkpoint" and ask.epoch > shrink.epoch and ranks(ask) == [("b", 0, 0)]
+    assert {"grow_started", "checkpoint_issued"} <= set(kinds(out))
+    grow = p.epochs[JOB].grow
+    assert grow is not None and [w.replica for w in grow.joining] == ["c"]
+    assert p.epochs[JOB] in out.put_epochs  # a new leader finishes it
+    assert not p.awaiting(JOB)  # a checkpoint holds nothing in flight
+    assert not p.tick(now=24).commands
+    done = checkpointed(p, "b", now=25)
+    [restart] = done.commands
+    assert restart.kind == "restart" and restart.epoch > ask.epoch
+    assert ranks(restart) == [("b", 0, 0), ("c", 1, 2)]
+    assert restart.membership is not None and restart.membership.world_size == 4
+    assert "every member saved the checkpoint" in restart.reason
+    assert p.epochs[JOB] in done.write_ahead and p.epochs[JOB].grow is None
+    added = [e for e in done.events if e.kind == "member_added"]
+    assert [(e.replica, e.epoch) for e in added] == [("c", restart.epoch)]
+    assert p.awaiting(JOB) == {key("b"), key("c")}
+    # At MAX now: nothing more.
+    running(p, 26, "b", "c")
+    assert not p.tick(now=100).commands
+
+
+def test_a_job_formed_at_min_grows_when_another_worker_comes() -> None:
+    p = Policy(config(join_timeout_s=5))
+    p.register(reg("a"), now=0)
+    [first] = p.tick(now=6).commands  # MIN for the join timeout
+    assert ranks(first) == [("a", 0, 0)]
+    running(p, 7, "a")
+    p.register(reg("b"), now=8)
+    assert not p.tick(now=25).commands  # formed 19s ago
+    [ask] = p.tick(now=26).commands
+    assert ask.kind == "checkpoint"
+    [restart] = checkpointed(p, "a", now=27).commands
+    assert ranks(restart) == [("a", 0, 0), ("b", 1, 2)]
+
+
+def test_the_checkpoint_wait_is_bounded() -> None:
+    p = Policy(config(grow_checkpoint_timeout_s=30))
+    shrunk(p, hi=3)
+    running(p, 4, "b", "c")
+    p.register(reg("d", hi=3), now=5)
+    assert [c.kind for c in p.tick(now=23).commands] == ["checkpoint"]
+    checkpointed(p, "b", now=24)  # c never confirms
+    assert not p.tick(now=52).commands
+    [restart] = p.tick(now=53).commands
+    assert ranks(restart) == [("b", 0, 0), ("c", 1, 2), ("d", 2, 4)]
+    assert "no checkpoint confirmed by c/0 within 30s" in restart.reason
+
+
+def test_one_resize_per_interval_but_a_lost_member_is_taken_out_at_once() -> None:
+    p = Policy(config(resize_interval_s=20))
+    shrunk(p, hi=3)  # at 3
+    running(p, 4, "b", "c")
+    p.register(reg("d", hi=3), now=5)
+    p.tick(now=23)
+    [grow] = checkpointed(p, "b", now=24).commands + checkpointed(p, "c", now=24).commands
+    assert ranks(grow) == [("b", 0, 0), ("c", 1, 2), ("d", 2, 4)]
+    running(p, 25, "b", "c", "d")
+    # A lost member right after the grow: no waiting.
+    [shrink] = p.on_health(
+        DeviceHealth(device="d-d0", state="failed", event_id="y"), now=26
+    ).outcome.commands
+    assert ranks(shrink) == [("b", 0, 0), ("c", 1, 2)]
+    running(p, 27, "b", "c")
+    p.register(reg("e", hi=3), now=28)
+    assert not p.tick(now=45).commands  # settled at 33; the shrink was at 26
+    [ask] = p.tick(now=46).commands
+    assert ask.kind == "checkpoint"
+
+
+def test_a_flapping_worker_does_not_bounce_the_job() -> None:
+    p = Policy(config(worker_ttl_s=10, grow_settle_s=15))
+
+    def at(now: float, *live: str) -> Outcome:
+        outs = [p.register(reg(w), now=now).outcome for w in live]  # renewals
+        out = p.tick(now)
+        for o in outs:
+            out.commands += o.commands
+            out.events += o.events
+        return out
+
+    shrunk(p)
+    running(p, 4, "b")
+    for t in (4, 24):  # c comes and goes: it registers, goes silent, comes back ...
+        at(t, "b", "c")
+        assert not at(t + 8, "b").commands
+        assert "worker_stale" in kinds(at(t + 16, "b"))
+    assert not at(44, "b", "c").commands  # live again, for less than 15s
+    for t in (50, 55):
+        assert not at(t, "b", "c").commands
+    [ask] = at(59, "b", "c").commands  # live since 44
+    assert ask.kind == "checkpoint"
+
+
+def test_a_worker_gone_during_the_wait_is_left_out() -> None:
+    p = Policy(config(worker_ttl_s=10, grow_settle_s=5, grow_checkpoint_timeout_s=30))
+    shrunk(p)
+    running(p, 4, "b")
+    for t in (5, 12, 19):
+        p.register(reg("b"), now=t)
+        p.register(reg("c"), now=t)
+        p.tick(t)
+    [ask] = p.tick(now=23).commands
+    assert ask.kind == "checkpoint"
+    p.register(reg("b"), now=30)
+    out = p.tick(now=31)  # c silent since 19: stale
+    assert "worker_stale" in kinds(out) and not out.commands
+    out = checkpointed(p, "b", now=32)
+    assert not out.commands and "grow_abandoned" in kinds(out)
+    assert p.epochs[JOB].grow is None
+
+
+def test_a_member_lost_mid_grow_hands_its_ranks_to_the_new_worker() -> None:
+    p = Policy(config())
+    shrunk(p, lo=2, hi=3)  # [b, c], MIN 2
+    running(p, 4, "b", "c")
+    p.register(reg("d", lo=2, hi=3), now=5)
+    [ask] = p.tick(now=23).commands
+    assert ask.kind == "checkpoint"
+    r = p.on_health(DeviceHealth(device="b-d0", state="failed", event_id="z"), now=24)
+    [swap] = r.outcome.commands
+    assert ranks(swap) == [("d", 0, 0), ("c", 1, 2)]  # d takes b's ranks: never below MIN
+    assert {"grow_abandoned", "member_replaced"} <= set(kinds(r.outcome))
+    assert p.epochs[JOB].grow is None
+    assert not checkpointed(p, "c", now=25).commands
+    running(p, 26, "c", "d")
+    assert not p.tick(now=200).commands  # nobody left to join
+
+
+def test_a_grow_waits_for_a_restart_in_flight_to_settle() -> None:
+    p = Policy(config())
+    shrunk(p)  # b has not confirmed the shrink's restart
+    p.register(reg("c"), now=5)
+    assert not p.tick(now=30).commands
+    running(p, 31, "b")
+    [ask] = p.tick(now=32).commands
+    assert ask.kind == "checkpoint"
+    # A crash during the checkpoint wait comes first: the grow starts again once it settles.
+    crash = Report(job="j", replica="b", status="crashed", epoch=ask.epoch)
+    r = p.on_report(crash, now=33)
+    [restart] = r.outcome.commands
+    assert restart.kind == "restart" and ranks(restart) == [("b", 0, 0)]
+    out = p.tick(now=34)
+    assert "grow_abandoned" in kinds(out) and not out.commands
+    assert not checkpointed(p, "b", now=35).commands
+    running(p, 36, "b")
+    [again] = p.tick(now=37).commands
+    assert again.kind == "checkpoint" and again.epoch > restart.epoch
+
+
+def test_a_spare_stays_a_spare_in_a_job_below_max() -> None:
+    p = Policy(config())
+    shrunk(p)
+    running(p, 4, "b")
+    p.register(reg("s", spare=True), now=5)
+    assert not p.tick(now=500).commands
+    # ... kept for the next loss.
+    [swap] = p.on_health(
+        DeviceHealth(device="b-d0", state="failed", event_id="w"), now=501
+    ).outcome.commands
+    assert ranks(swap) == [("s", 0, 0)]
+
+
+def test_a_new_leader_finishes_a_grow_and_keeps_the_membership() -> None:
+    p = Policy(config(grow_checkpoint_timeout_s=30))
+    shrunk(p)
+    running(p, 4, "b")
+    p.register(reg("c"), now=5)
+    [ask] = p.tick(now=23).commands
+
+    def reborn(now: float) -> Policy:
+        epochs = [
+            msgspec.json.decode(msgspec.json.encode(e), type=EpochRecord) for e in p.epochs.values()
+        ]
+        return Policy.restore(
+            config(), list(p.workers.values()), epochs, list(p.devices.values()), now=now
+        )
+
+    q = reborn(24)
+    assert q.epochs[JOB].grow == p.epochs[JOB].grow
+    assert not q.tick(now=40).commands  # the reports it never saw: it waits out the bound
+    [restart] = q.tick(now=53).commands
+    assert restart.kind == "restart" and restart.epoch > ask.epoch
+    assert ranks(restart) == [("b", 0, 0), ("c", 1, 2)]
+    p = q
+    r = reborn(54)  # killed right after: the membership written ahead stands
+    assert r.epochs[JOB].membership == restart.membership and r.epochs[JOB].grow is None
+    assert r.register(reg("c"), now=55).command == restart
