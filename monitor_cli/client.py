@@ -37,6 +37,7 @@ from marduk.wire.protocol import (
     decode,
 )
 from marduk.wire.subjects import Subjects
+from monitor_cli.health import STATS as STATS
 from monitor_cli.health import NoHealthStreamError as NoHealthStreamError
 from monitor_cli.health import UndecidedError as UndecidedError
 from monitor_cli.health import connect as connect

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from typing import Literal
 
 import msgspec
 
@@ -54,9 +55,16 @@ from marduk.core.drmap import DRMap, ReplicaKey, WorkerKey
 from marduk.core.grow_policy import GrowPolicy
 from marduk.core.notices import failed_peers, peer_notices
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.core.registration import (
+    check_adoptable,
+    check_duplicate,
+    check_scope,
+    event_of,
+    is_fresh_process,
+    registration_events,
+)
 from marduk.core.scopes import Scopes
 from marduk.wire.protocol import (
-    MAX_EPOCH,
     Action,
     Command,
     CommandKind,
@@ -96,10 +104,6 @@ __all__ = [
     "Registered",
     "ReportResult",
 ]
-
-# An agent may have seen epochs a lost write never recorded; it may not claim more than this
-# above what was reserved (the agents' own MAX_EPOCH_JUMP is the same bound).
-MAX_ADOPTED_JUMP = 10_000
 
 # Reports that make the controller restart the worker's restart scope.
 FAILURE_STATUSES = frozenset({"crashed", "hung", "gave_up", "preempted"})
@@ -196,40 +200,25 @@ class Policy(GrowPolicy, DevicePolicy):
 
     def register(self, reg: Registration, now: float) -> Registered:
         key = worker_key(reg)
-        self._check_scope(reg)
+        check_scope(reg, (self.workers[k] for k in self._job_workers.get(reg.job, ())))
         self.check_claims(reg, now)
         out = Outcome()
         old = self.workers.get(key)
         if old is not None:
-            self._check_duplicate(key, old, reg, now)
+            check_duplicate(
+                key, old, reg, now - self.last_seen.get(key, 0.0), key in self.stale, self.config
+            )
         ekey = epoch_key_for(reg.job, reg.replica, reg.scope)
         state = self.epochs.get(ekey)
         # Every check before the first change: a refused registration leaves no trace (a
         # worker heard from but never recorded would expire, and fail, forever).
-        self._check_adoptable(max(reg.epoch, reg.seen_epoch), state)
+        check_adoptable(max(reg.epoch, reg.seen_epoch), state, self.config.epoch_block)
         self._check_rendezvous(reg, state)
         was_stale = key in self.stale
         self._heard(key, now)
         self.stale.discard(key)
-        fresh_process = (
-            old is None
-            or not same_process(old.registration, reg)
-            or old.registration.incarnation != reg.incarnation
-        )
-        if state is None:
-            # Reserve the first block now, off the failure path. Written ahead: a command under
-            # this ceiling needs no write of its own, so the ceiling must be durable first.
-            state = EpochRecord(job=ekey.job, replica=ekey.replica, ceiling=self.config.epoch_block)
-            self.scopes.put(ekey, state)
-            out.write_ahead.append(state)
-        seen = max(reg.epoch, reg.seen_epoch)
-        if seen > state.epoch:
-            # The agent saw an epoch we do not know (a lost write, state restored from an older
-            # copy): adopt it, so the next command is above anything agents have seen.
-            state.epoch = seen
-            state.ceiling = max(state.ceiling, seen + self.config.epoch_block)
-            if state not in out.write_ahead:
-                out.write_ahead.append(state)
+        fresh_process = old is None or is_fresh_process(old.registration, reg)
+        state = self._scope_state(ekey, state, max(reg.epoch, reg.seen_epoch), out)
         current = state.epoch
         if fresh_process:
             # A new process starts after every restart commanded so far: it is current.
@@ -238,12 +227,13 @@ class Policy(GrowPolicy, DevicePolicy):
             assert old is not None
             applied = max(reg.epoch, old.applied_epoch)
 
-        if old is None:
-            result = "new"
-        elif old.registration == reg and applied == old.applied_epoch:
-            result = "unchanged"
-        else:
-            result = "updated"
+        result: Literal["new", "updated", "unchanged"] = (
+            "new"
+            if old is None
+            else "unchanged"
+            if old.registration == reg and applied == old.applied_epoch
+            else "updated"
+        )
         rec = WorkerRecord(
             registration=reg,
             registered_at=old.registered_at if old else now,
@@ -265,41 +255,17 @@ class Policy(GrowPolicy, DevicePolicy):
             # Agents re-register every 30 s to converge; an unchanged one is neither written
             # nor announced.
             out.put_workers.append(rec)
-            out.events.append(
-                ControllerEvent(
-                    kind="registered" if result == "new" else "reregistered",
-                    ts=now,
-                    job=reg.job,
-                    replica=reg.replica,
-                    worker=reg.worker,
-                    epoch=current,
-                    detail=f"{reg.role} pid {reg.pid} on {reg.host or '?'}: "
-                    f"{len(reg.devices)} device(s), scope {reg.scope}",
-                )
-            )
-        elif was_stale:
-            out.events.append(
-                ControllerEvent(
-                    kind="worker_live",
-                    ts=now,
-                    job=reg.job,
-                    replica=reg.replica,
-                    worker=reg.worker,
-                    detail="renewed again after being stale",
-                )
-            )
+        out.events.extend(registration_events(reg, result, was_stale, current, now))
         if reg.rendezvous is not None:
             self._rendezvous(ekey, now, out)
             self._grow_registered(key, fresh_process or was_stale, now, out)
         unusable = self.unusable(reg.devices)
         if unusable and result != "unchanged":
             out.events.append(
-                ControllerEvent(
-                    kind="worker_on_unusable_device",
-                    ts=now,
-                    job=reg.job,
-                    replica=reg.replica,
-                    worker=reg.worker,
+                event_of(
+                    reg,
+                    "worker_on_unusable_device",
+                    now,
                     detail=f"registered with out-of-service device(s) {', '.join(unusable)}",
                 )
             )
@@ -307,57 +273,25 @@ class Policy(GrowPolicy, DevicePolicy):
             out, result, state.epoch, state.command, self.config.renew_interval_s, unusable
         )
 
-    def _check_adoptable(self, seen: int, state: EpochRecord | None) -> None:
-        """Refuse (before changing anything) an epoch no controller of ours could have issued."""
-        reserved = max(state.ceiling, state.epoch) if state else self.config.epoch_block
-        if seen > reserved + MAX_ADOPTED_JUMP:
-            # A forged or corrupted claim that would push the scope's epochs towards 2**53.
-            raise PolicyError(
-                "invalid",
-                f"epoch {seen} is far beyond this scope's (reserved up to {reserved}); "
-                "refusing to adopt it",
-            )
-        if seen > MAX_EPOCH - self.config.epoch_block:
-            # Adopting it would leave no epoch to issue that JSON peers can read.
-            raise PolicyError(
-                "invalid", f"epoch {seen} is beyond what this controller could have issued"
-            )
-
-    def _check_duplicate(
-        self, key: WorkerKey, old: WorkerRecord, reg: Registration, now: float
-    ) -> None:
-        """Refuse a second live process claiming a worker identity another live process holds.
-
-        Two live processes never share a host and pid, so the same (host, pid) takes over
-        whatever its instance (the holder is gone: a container restarted as PID 1); a higher
-        incarnation is a supervisor's next trainer. A holder silent for the worker TTL is
-        presumed dead and may be replaced.
-        """
-        prev = old.registration
-        if (prev.host, prev.pid) == (reg.host, reg.pid) or reg.incarnation > prev.incarnation:
-            return
-        if key in self.stale or now - self.last_seen.get(key, 0.0) >= self.config.worker_ttl_s:
-            return
-        raise PolicyError(
-            "duplicate_worker",
-            f"worker {key} is held by pid {prev.pid} on {prev.host or '?'}, which renewed "
-            f"{now - self.last_seen.get(key, now):.0f}s ago; pid {reg.pid} on {reg.host or '?'} "
-            f"may take it over once that one deregisters or is silent for "
-            f"{self.config.worker_ttl_s:g}s",
-        )
-
-    def _check_scope(self, reg: Registration) -> None:
-        for key in self._job_workers.get(reg.job, ()):
-            if key == worker_key(reg):
-                continue
-            rec = self.workers[key]
-            if rec.registration.scope != reg.scope:
-                raise PolicyError(
-                    "scope_conflict",
-                    f"job {reg.job!r} is registered with scope {rec.registration.scope!r} "
-                    f"(worker {key}); this worker asked for {reg.scope!r}",
-                )
-            return
+    def _scope_state(
+        self, ekey: EpochKey, state: EpochRecord | None, seen: int, out: Outcome
+    ) -> EpochRecord:
+        """The scope's epoch record, made on its first worker's registration, and ahead of any
+        epoch the registering agent has seen."""
+        if state is None:
+            # Reserve the first block now, off the failure path. Written ahead: a command under
+            # this ceiling needs no write of its own, so the ceiling must be durable first.
+            state = EpochRecord(job=ekey.job, replica=ekey.replica, ceiling=self.config.epoch_block)
+            self.scopes.put(ekey, state)
+            out.write_ahead.append(state)
+        if seen > state.epoch:
+            # The agent saw an epoch we do not know (a lost write, state restored from an older
+            # copy): adopt it, so the next command is above anything agents have seen.
+            state.epoch = seen
+            state.ceiling = max(state.ceiling, seen + self.config.epoch_block)
+            if state not in out.write_ahead:
+                out.write_ahead.append(state)
+        return state
 
     def deregister(self, key: WorkerKey, reason: str, now: float) -> tuple[Outcome, bool]:
         out = Outcome()
