@@ -1,4 +1,4 @@
-"""Issue 2's acceptance scenario with real processes, as a new user would run it.
+"""The acceptance scenario with real processes, as a new user would run it.
 
 ``marduk controller`` on its embedded NATS; two demo trainers register r1 on d1,d2 and r2 on
 d2,d3; the real ``marduk monitor`` CLI injects failures; then the controller is SIGKILLed and

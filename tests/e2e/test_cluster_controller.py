@@ -1,4 +1,4 @@
-"""Marduk on a real 3-node NATS JetStream cluster (issue 6, item 8).
+"""Marduk on a real 3-node NATS JetStream cluster.
 
 Buckets and the health stream with 3 replicas, two controllers (leader and hot standby). Killing
 any node, the one the leader is connected to included, loses nothing that was accepted, and

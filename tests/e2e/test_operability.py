@@ -1,4 +1,4 @@
-"""Issue 10 end to end: /metrics and probes on the controller and an agent, NATS micro
+"""Operability end to end: /metrics and probes on the controller and an agent, NATS micro
 discovery, and JSON log fields; real processes, real server."""
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def test_metrics_and_probes_move_as_events_happen(env: dict[str, str]) -> None:
             scrape(cport)[1], "marduk_commands_total", kind="restart"
         )
         assert scrape(cport, "/nope")[0] == 404
-        # Every metric either serves is in operations.md (issue 15 item 6).
+        # Every metric either serves is in operations.md.
         undocumented = [
             fam.name
             for text in (scrape(cport)[1], scrape(aport)[1])

@@ -1,4 +1,4 @@
-"""A partition of the leader during a storm of failures (issue 15), against a real nats-server.
+"""A partition of the leader during a storm of failures, against a real nats-server.
 
 The leader's NATS connection goes through a TCP proxy the test controls; a standby connects
 directly. During a storm of failure events over many replicas (simulated agents: real NATS
@@ -16,7 +16,7 @@ reconnect) or slowed. The standby takes over. After the heal:
   ``term`` key): every stored write carries the fence of the latest term claimed before it;
 * one controller leads.
 
-Checked against the bugs of issue 15 by putting them back by hand: with blind puts, the held
+Checked against the bugs it pins by putting them back by hand: with blind puts, the held
 writes land after the successor's claim (every mode) and, holding only what the leader sends,
 events are left decided by a command the agents dropped as stale (item 2); without the
 inherited-restart rule (item 1), the new leader coalesces backlog failures into restarts the

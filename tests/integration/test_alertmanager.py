@@ -236,7 +236,7 @@ async def test_firing_restarts_the_replica_once_and_resolved_marks_healthy(
 async def test_an_event_no_controller_decided_is_counted_undecided(
     nats_server: NatsServer,
 ) -> None:
-    """Issue 15 item 6: this counter was marduk_alertmanager_events_stored_total, which read like
+    """This counter was marduk_alertmanager_events_stored_total, which read like
     every event stored; it counts only those stored and not decided in time."""
     import nats
 

@@ -335,7 +335,7 @@ async def test_startup_failure_still_stops_the_embedded_server(
 async def test_a_refused_registration_leaves_no_phantom_worker(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    """Issue 15 item 5: a registration refused as `invalid` (an epoch far beyond the scope)
+    """A registration refused as `invalid` (an epoch far beyond the scope)
     once left the worker 'heard from': a worker TTL later every tick raised KeyError
     (errors.internal) and announced worker_expired for a worker that never registered."""
     c = await start_serving(

@@ -1,4 +1,4 @@
-"""Issue 6 on a real server, in one process: notices that join a restart, resends, liveness."""
+"""Delivery on a real server, in one process: notices that join a restart, resends, liveness."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ async def serve(server: NatsServer, tmp_path: Path, **policy: object) -> Control
 async def test_a_failure_joining_a_restart_in_flight_reaches_every_replica(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
-    """Issue 6's scenario: r1 on d1,d2, r2 on d2,d3; trainers that wait() and do not ack."""
+    """The scenario: r1 on d1,d2, r2 on d2,d3; trainers that wait() and do not ack."""
     c = await serve(nats_server, tmp_path)
     r1 = await agent(nats_server, "r1", ["d1", "d2"])
     r2 = await agent(nats_server, "r2", ["d2", "d3"])

@@ -98,7 +98,7 @@ def test_every_subject_in_code_is_documented() -> None:
 async def test_every_served_subject_is_in_the_subject_table(
     controller: Controller, nats_server: NatsServer
 ) -> None:
-    """What the leader serves, as NATS micro lists it, against the table (issue 15: drain was
+    """What the leader serves, as NATS micro lists it, against the table (drain was
     served but not documented)."""
     rows = _table_rows(_section(PROTOCOL_MD.read_text(), "## Subjects"))
     documented = {row[0].strip("`") for row in rows}
@@ -273,7 +273,7 @@ def test_docker_compose_parses_and_wires_the_services() -> None:
         routes = set(flag(cmd, "--routes").split(","))
         assert routes == {f"nats://{peer}:6222" for peer in nodes if peer != node}
         store = flag(cmd, "--store_dir")
-        # Auth: every node enforces the roles `marduk auth init` generated (issue 7).
+        # Auth: every node enforces the roles `marduk auth init` generated.
         assert flag(cmd, "--config") == "/auth/nats-server.conf"
         assert "marduk-auth:/auth:ro" in svc["volumes"]
         assert svc["depends_on"]["auth-init"]["condition"] == "service_completed_successfully"
@@ -315,7 +315,7 @@ OPERATIONS_MD = ROOT / "docs" / "operations.md"
     ],
 )
 def test_every_option_is_in_its_commands_table(command: list[str], heading: str) -> None:
-    """Issue 15 item 6: `agent run --metrics-addr` (and `monitor run --dcgm-url`) were served
+    """`agent run --metrics-addr` (and `monitor run --dcgm-url`) were served
     but missing from their tables. torchrun's underscore spellings are aliases, not listed."""
     import typer.main
 
@@ -357,7 +357,7 @@ def _registered_metric_names() -> set[str]:
 
 
 def test_the_metrics_table_lists_every_family_gauge_and_histogram() -> None:
-    """Issue 15 item 6: the controller's and the agent's metric names were documented nowhere."""
+    """The controller's and the agent's metric names were documented nowhere."""
     table = _metrics_table()
     assert set(table) == _registered_metric_names()
     for name, row in table.items():
@@ -392,7 +392,7 @@ def _seconds(duration: str) -> float:
 
 
 def test_the_alertmanager_config_is_whole_and_routes_to_the_receiver() -> None:
-    """Issue 15 item 6: the documented alertmanager.yml had no default receiver on its root
+    """The documented alertmanager.yml had no default receiver on its root
     route (amtool check-config: "root route must specify a default receiver"), and its
     group_interval of 30 s held a device's next alert or resolve back up to 30 s."""
     config = _yaml_block(OPERATIONS_MD.read_text(), "# alertmanager.yml")

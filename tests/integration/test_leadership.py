@@ -1,4 +1,4 @@
-"""Leadership and takeover, pinned down (issue 15: seven hand-made mutants survived the suite).
+"""Leadership and takeover, pinned down: each test kills a hand-made mutant that once survived the suite.
 
 A fake clock (``time.monotonic`` as ``marduk.controller.leadership`` sees it) and a real lease bucket: two
 candidates racing for an expired lease, the key overwritten under a leader, a renewal whose
@@ -267,7 +267,7 @@ async def test_a_step_down_decided_in_one_term_does_not_end_a_later_one(
 ) -> None:
     """A step-down decided in term N (a slow drain, a refused write) that runs once the
     controller was deposed and re-elected (term N+1) neither stops serving nor resigns the
-    new term's lease (issue 15 item 7).
+    new term's lease.
 
     Kills: a step-down not tied to its term."""
     c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))

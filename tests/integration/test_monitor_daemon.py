@@ -469,7 +469,7 @@ def test_no_probe_can_run(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_probe_url_alone_enables_its_probe(
     monkeypatch: pytest.MonkeyPatch, args: list[str], probe: str
 ) -> None:
-    """Issue 15 item 6: `monitor run --dcgm-url URL` exited 1, "no probe can run here ... no
+    """`monitor run --dcgm-url URL` exited 1, "no probe can run here ... no
     --dcgm-url"; only --probe dcgm or the variable enabled it."""
     monkeypatch.setattr(run_cli, "detect_probes", lambda: [])
     built: list[Any] = []

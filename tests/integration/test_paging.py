@@ -1,4 +1,4 @@
-"""Every reply fits (DESIGN.md decision 12): the pager, pure, and status at scale, real."""
+"""Every reply fits (docs/decisions.md #12): the pager, pure, and status at scale, real."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Fencing by the store (DESIGN.md decision 13), against a real nats-server.
+"""Fencing by the store (docs/decisions.md #13), against a real nats-server.
 
 A leader claims its term in the state bucket's ``term`` key; every write of its term carries
 the key's revision in ``Nats-Expected-Last-Subject-Sequence(-Subject)`` headers, so once a
@@ -133,7 +133,7 @@ async def test_a_leader_whose_writes_are_refused_neither_answers_nor_acks(
     refused by the store, so it does not answer, does not acknowledge the event (it stays in
     the stream for whoever leads) and steps down.
 
-    Catches: the ack sent after the records were given up (issue 15 item 2), retrying a
+    Catches: the ack sent after the records were given up, retrying a
     refused write until the budget runs out and then answering anyway."""
     nc: NATS = await nats.connect(nats_server.url)
     c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))

@@ -1,4 +1,4 @@
-"""Flap damping, quarantine, drain and host storms (issue 9, item 2), pure: time passed in."""
+"""Flap damping, quarantine, drain and host storms, pure: time passed in."""
 
 from __future__ import annotations
 

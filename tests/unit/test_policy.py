@@ -304,7 +304,7 @@ def restored(p: Policy) -> Policy:
 
 
 def test_a_restart_in_flight_read_from_the_store_does_not_swallow_a_failure() -> None:
-    """Issue 15 item 1: r1 applied epoch 1 and acked it, but acks are not persisted, so the
+    """R1 applied epoch 1 and acked it, but acks are not persisted, so the
     new leader's records say r1 has not applied it. A failure of r1's device after the
     takeover must reach r1 as a new epoch: a resend of epoch 1 (merged devices) would be
     dropped by an agent that applied it. Once this term issued its own restart, further
@@ -329,7 +329,7 @@ def test_a_restart_in_flight_read_from_the_store_does_not_swallow_a_failure() ->
 
 
 def test_a_command_lists_a_bounded_number_of_merged_devices() -> None:
-    """Issue 15 item 7: failures merged into a restart in flight stop growing its command past
+    """Failures merged into a restart in flight stop growing its command past
     MAX_MERGED_DEVICES; the next one takes a new epoch."""
     from marduk.core.device_policy import MAX_MERGED_DEVICES
 

@@ -1,4 +1,4 @@
-"""The policy's delivery and liveness rules (issue 6), pure: no server, time passed in."""
+"""The policy's delivery and liveness rules, pure: no server, time passed in."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def test_forget_removes_a_job_a_replica_or_a_worker() -> None:
 
 @pytest.mark.parametrize("replica", ["pod-abc", None])
 def test_forgetting_keeps_the_epochs_so_they_never_go_backwards(replica: str | None) -> None:
-    """Issue 15 item 5: forgetting a replica (or its job) deleted its epoch record, so the id
+    """Forgetting a replica (or its job) deleted its epoch record, so the id
     coming back (or a forgotten worker still alive, a fresh process) restarted at epoch 1."""
     p = Policy()
     p.register(reg("pod-abc", ["d1"]), now=0)
@@ -172,7 +172,7 @@ def test_an_epoch_far_beyond_what_was_reserved_is_not_adopted() -> None:
 
 @pytest.mark.parametrize("epoch", [2**31, 2**53])
 def test_a_refused_registration_leaves_no_trace(epoch: int) -> None:
-    """Issue 15 item 5: an epoch refused as ``invalid`` once left the worker "heard from" but
+    """An epoch refused as ``invalid`` once left the worker "heard from" but
     never recorded: a TTL later the tick raised KeyError and worker_expired repeated forever."""
     p = Policy(PolicyConfig(worker_ttl_s=15, worker_expiry_s=40))
     with pytest.raises(PolicyError) as e:

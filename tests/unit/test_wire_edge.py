@@ -278,7 +278,7 @@ def _v2(*members: bytes) -> bytes:
 @pytest.mark.parametrize(
     "data",
     [
-        # The first bad field holds JSON too deep to parse after it (issue 15 item 5: this
+        # The first bad field holds JSON too deep to parse after it (this
         # was `invalid`), or a field the decoder skips is too deep (it was `malformed`).
         _v2(b'"devices":' + _deep_list(1_000)),
         _v2(b'"devices":' + _deep_list(100_000)),

@@ -1,4 +1,4 @@
-"""Issue 16 on a real nats-server with the configuration `marduk auth` generates: revocation on
+"""Auth holes closed, on a real nats-server with the configuration `marduk auth` generates: revocation on
 the embedded server, writes through JetStream acknowledgements, device claims across jobs,
 commands moved to another destination, and permission errors as one line."""
 
@@ -388,7 +388,7 @@ async def test_marduk_auth_revoke_on_a_running_controller_closes_the_open_connec
 async def test_a_rotation_keeps_the_holder_working_until_it_is_finished_then_says_so(
     tmp_path: Path, auth_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Review of issue 16: a rotated holder reconnected with the old public key signed by the
+    """A rotated holder reconnected with the old public key signed by the
     new seed (nats-py re-reads the file), refused forever and silently."""
     server = NatsServer(tmp_path / "js", args=["-c", str(auth_dir / auth.CONFIG_FILE)]).start()
     closed, back = asyncio.Event(), asyncio.Event()
@@ -440,7 +440,7 @@ async def test_a_rotation_keeps_the_holder_working_until_it_is_finished_then_say
 async def test_a_monitor_cannot_forge_another_monitors_decision(
     secure: tuple[NatsServer, Controller], auth_dir: Path
 ) -> None:
-    """Review of issue 16: health.stored shows every inbox; an event naming the victim's inbox
+    """Health.stored shows every inbox; an event naming the victim's inbox
     made the controller answer there, and the victim took the first answer it got."""
     server, _ = secure
     attacker = await bus.connect(
@@ -478,7 +478,7 @@ async def test_a_monitor_cannot_forge_another_monitors_decision(
 async def test_publishes_in_flight_on_one_connection_share_one_stored_subscription(
     nats_server: NatsServer,
 ) -> None:
-    """Review of issue 16: each publish in flight subscribed to every stored notice, so 32 in
+    """Each publish in flight subscribed to every stored notice, so 32 in
     flight received each one 32 times."""
     from marduk.store.health_stream import ensure_stream
 
@@ -508,7 +508,7 @@ async def test_publishes_in_flight_on_one_connection_share_one_stored_subscripti
 async def test_a_credential_that_cannot_see_health_stored_publishes_nothing(
     tmp_path: Path,
 ) -> None:
-    """Review of issue 16: a monitor credential of an older config (health only) stored its
+    """A monitor credential of an older config (health only) stored its
     event, then was told it may not subscribe to health.stored."""
     from marduk.store.health_stream import ensure_stream, stream_name
 
@@ -547,7 +547,7 @@ async def _publish_as(url: str, credentials: Credentials) -> None:
 async def test_without_auth_device_claims_are_not_exclusive_across_jobs(
     controller: Controller, nats_server: NatsServer
 ) -> None:
-    """Review of issue 16: on Kubernetes the agent's host is its pod's name, so two pods of
+    """On Kubernetes the agent's host is its pod's name, so two pods of
     different jobs time-slicing one GPU were refused; without auth nothing binds a claim's
     host or job anyway. The drain-by-host conflict is still reported."""
     assert controller.policy.config.exclusive_devices is False
@@ -584,7 +584,7 @@ def test_exclusive_devices_defaults_to_on_with_auth_and_an_operator_may_turn_it_
 async def test_a_new_monitor_against_an_older_stream_says_the_event_may_be_stored(
     nats_server: NatsServer,
 ) -> None:
-    """Review of issue 16: with an older controller's stream (acks, no republish) a new
+    """With an older controller's stream (acks, no republish) a new
     monitor said the stream "did not store the event", though it had."""
     from marduk.store.health_stream import ensure_stream, stream_name
 

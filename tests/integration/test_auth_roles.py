@@ -1,4 +1,4 @@
-"""Issue 7 on a real nats-server running the configuration `marduk auth init` generates.
+"""Roles and signed commands on a real nats-server running the configuration `marduk auth init` generates.
 
 Each role tries what it may and may not do; forged commands, epochs, hellos and registrations
 change nothing for the trainers; secrets never reach an output.
