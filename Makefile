@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest pytest-fast test-unit test-integration test-e2e bench bench-restart bench-goodput clean
+.PHONY: run test lint typecheck pytest pytest-fast test-unit test-integration test-e2e bench bench-restart bench-goodput bench-torchft clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,12 @@ bench-restart: $(STAMP)
 bench-goodput: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) bench/bench_goodput.py --plot docs/img/goodput.png
+
+## torchft alone (torchrun restart loop) against torchft under Marduk, two lighthouse heartbeat
+## timeouts, device failures and crashes (~20 min; torch and torchft come with the dev extra).
+bench-torchft: $(STAMP)
+	$(PY) bench/bench_torchft.py --trials 3 --quiet 120 --goodput 120 --goodput-every 25 \
+		--out bench/results/torchft.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -72,13 +72,13 @@ def events(bench_dir: Path) -> list[dict]:  # type: ignore[type-arg]
     return out
 
 
-def wait_for(pred: Callable[[], object], timeout: float, what: str) -> object:
+def wait_for(pred: Callable[[], object], timeout: float, what: str, every: float = 0.005) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = pred()
         if value:
             return value
-        time.sleep(0.005)
+        time.sleep(every)
     raise TimeoutError(f"timed out waiting for {what}")
 
 
