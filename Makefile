@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint typecheck pytest pytest-fast test-unit test-integration test-e2e bench bench-restart bench-goodput bench-torchft clean
+.PHONY: run test lint typecheck pytest pytest-fast test-unit test-integration test-e2e bench bench-restart bench-goodput bench-torchft bench-membership clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,6 +63,12 @@ bench-goodput: $(STAMP)
 bench-torchft: $(STAMP)
 	$(PY) bench/bench_torchft.py --trials 3 --quiet 120 --goodput 120 --goodput-every 25 \
 		--out bench/results/torchft.json
+
+## A member out of service -> every rank stepping again: in-place restart, spare swap and shrink
+## of the 2-process jax.distributed mesh; shrink and grow of a torch gloo job, Marduk against
+## torchrun --nnodes 1:2 (~6 min; torch and jax come with the dev extra).
+bench-membership: $(STAMP)
+	$(PY) bench/bench_membership.py --trials 3 --out bench/results/membership.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
