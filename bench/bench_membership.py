@@ -36,7 +36,8 @@ on two nodes of loopback, one process each, a membership change each way:
 
 The nats-server and the rendezvous endpoint use a port picked free just before (bound, then
 released: the one short race of the run); every other port is bound by its user. Every process
-started is stopped at the end (torchrun nodes run in sessions of their own, ended whole).
+started is stopped at the end (a torchrun node with its worker, which runs in a session of its
+own).
 
     .venv/bin/python bench/bench_membership.py --trials 3 --out bench/results/membership.json
 """
@@ -51,12 +52,13 @@ import re
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -215,6 +217,7 @@ class MardukGloo:
         }
         self.ctl: Proc = controller(self.env)
         self.nodes: dict[int, TimedProc] = {}
+        self.every: list[tuple[int, TimedProc]] = []
         self.count = 0
 
     def add(self) -> TimedProc:
@@ -229,6 +232,7 @@ class MardukGloo:
             ],
             self.env,
         )
+        self.every.append((i, self.nodes[i]))
         return self.nodes[i]
 
     def lose(self, i: int) -> float:
@@ -248,6 +252,7 @@ class TorchrunGloo:
         self.port = free_port()
         self.last_call = last_call
         self.nodes: dict[int, TimedProc] = {}
+        self.every: list[tuple[int, TimedProc]] = []
         self.count = 0
         self.torchrun = str(Path(sys.executable).parent / "torchrun")
 
@@ -261,7 +266,6 @@ class TorchrunGloo:
         )
         self.nodes[i] = TimedProc(
             [
-                "setsid",
                 *(self.torchrun, "--nnodes", "1:2", "--nproc-per-node", "1"),
                 *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}"),
                 *("--rdzv-id", "gloo", "--max-restarts", "100", *conf),
@@ -269,38 +273,54 @@ class TorchrunGloo:
             ],
             {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
         )
+        self.every.append((i, self.nodes[i]))
         return self.nodes[i]
 
     def lose(self, i: int) -> float:
+        """SIGKILL node ``i`` whole: its torchrun and its worker (torchrun starts each worker in
+        a session of its own, so the node's process group alone would leave it running)."""
         node = self.nodes.pop(i)
+        procs = kill_tree(node.proc.pid, signal.SIGKILL)
         t = time.time()
-        os.killpg(node.proc.pid, signal.SIGKILL)  # setsid: its own session, pgid = its pid
+        psutil.wait_procs(procs, timeout=10)
         node.proc.wait()
+        Proc.live.discard(node)
         return t
 
     def stop(self) -> None:
-        for p in self.nodes.values():
-            try:
-                os.killpg(p.proc.pid, signal.SIGTERM)
-                p.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.proc.pid, signal.SIGKILL)
-                p.proc.wait()
-            except ProcessLookupError:
-                pass
-            Proc.live.discard(p)
+        for node in self.nodes.values():
+            psutil.wait_procs(kill_tree(node.proc.pid, signal.SIGTERM), timeout=20)
+            psutil.wait_procs(kill_tree(node.proc.pid, signal.SIGKILL), timeout=5)
+            node.proc.wait()
+            Proc.live.discard(node)
+
+
+def kill_tree(pid: int, sig: int) -> list[psutil.Process]:
+    """Send ``sig`` to ``pid`` and every descendant of it; the processes signalled."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
 
 
 def back(cluster: MardukGloo | TorchrunGloo, t: float, world: int) -> float:
     """Seconds from ``t`` to every node's first step at world size ``world``."""
     nodes = list(cluster.nodes.values())
-    ready = wait_for(lambda: gloo_ready(nodes, t, world), 180, f"world size {world}")
+    ready = wait_for(lambda: gloo_ready(nodes, t, world), 90, f"world size {world}")
     return float(ready) - t  # type: ignore[arg-type]
 
 
 def gloo_run(name: str, cluster: MardukGloo | TorchrunGloo, trials: int, settle: float) -> dict:  # type: ignore[type-arg]
     """Two nodes, then ``trials`` times: lose the newest node (shrink), add one (grow)."""
     out: dict[str, list[float]] = {"shrink": [], "grow": []}
+    error = ""
     try:
         t0 = time.time()
         cluster.add()
@@ -320,9 +340,15 @@ def gloo_run(name: str, cluster: MardukGloo | TorchrunGloo, trials: int, settle:
                 f"grow {out['grow'][-1]:.2f}s",
                 flush=True,
             )
+    except (TimeoutError, AssertionError) as e:
+        # Kept in the report with each node's last lines: why this contender did not get there.
+        error = f"{e}: " + " | ".join(
+            f"node {i} (exit {n.proc.poll()}): {''.join(n.all[-8:])}" for i, n in cluster.every
+        )
+        print(f"{name}: {error}", flush=True)
     finally:
         cluster.stop()
-    return out
+    return {**out, **({"error": error} if error else {})}
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -388,7 +414,11 @@ def main() -> None:
                 name = f"torchrun last_call={lc}"
                 torch[name] = gloo_run(name, TorchrunGloo(lc), args.trials, args.settle)
             report["torch"] = {
-                name: {k: {**summary(v), "trials": [round(x, 3) for x in v]} for k, v in r.items()}  # type: ignore[attr-defined]
+                name: {
+                    k: v if k == "error" else {**summary(v), "trials": [round(x, 3) for x in v]}
+                    for k, v in r.items()  # type: ignore[attr-defined]
+                    if k == "error" or v
+                }
                 for name, r in torch.items()
             }
     finally:
@@ -416,6 +446,9 @@ def print_table(report: dict) -> None:  # type: ignore[type-arg]
     if "torch" in report:
         print("\ntorch gloo trainer, 2 nodes: a node lost / a node added -> every rank stepping")
         for name, r in report["torch"].items():
+            if "shrink" not in r or "grow" not in r:
+                print(f"{name:26s} did not complete: {r.get('error', '')[:300]}")
+                continue
             print(
                 f"{name:26s} shrink median {r['shrink']['median_s']:.2f}s "
                 f"(max {r['shrink']['max_s']:.2f}), grow median {r['grow']['median_s']:.2f}s "
