@@ -116,6 +116,7 @@ class Starter:
         self.slots = [RankSlot() for _ in range(nproc)]
         self.zygote: Zygote | None = None
         self._zygote_task: asyncio.Task[None] | None = None
+        self._warming: asyncio.Task[None] | None = None  # warm_up's fork server start
         # Processes of ours being made (a fork, a standby's or the zygote's exec): their pids
         # are not known yet, so a sweep of leftovers must wait for them (``settle``).
         self._in_flight: set[asyncio.Future[Any]] = set()
@@ -157,6 +158,21 @@ class Starter:
             self._prepare(rank, self._prepare_standby(rank, env))
         return proc
 
+    def warm_up(self, base_env: dict[str, str]) -> None:
+        """Start the fork server now, before any trainer is asked for: an agent that waits for
+        its place (a spare, or a worker waiting for its job's membership) then forks its first
+        trainers at once instead of waiting for the framework's import on the way to its first
+        step. ``base_env`` as for ``start``; a second call, or a cold start mode, does nothing."""
+        if self._warming is None and self.zygote is None:
+            self._warming = self._spawn(self._warm(base_env), "fork-server-warm-up")
+
+    async def _warm(self, env: dict[str, str]) -> None:
+        if needs_import_check(self.facts):
+            await self._check_warm_starts(env)
+        if self.mode() is StartMode.ZYGOTE and self.zygote is None:
+            # Shielded: cancelled mid-exec (the agent stops), the process must not be orphaned.
+            await asyncio.shield(self._install_zygote(env))
+
     def mode(self) -> StartMode:
         """How the next trainer starts (logged when the choice or its reason changes)."""
         chosen = choose(self.facts)
@@ -185,6 +201,9 @@ class Starter:
 
     async def close(self) -> None:
         """Stop every waiting trainer and the zygote (not the running trainers)."""
+        if self._warming is not None:  # a fork server being started: it is ours to stop too
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._warming), SETTLE_TIMEOUT_S)
         for rank in range(len(self.slots)):
             await self._discard_standby(rank)
         await self._discard_zygote()
@@ -200,8 +219,13 @@ class Starter:
         slot = self.slots[rank]
         if self.zygote is None and first and rank == 0:
             # The first trainers wait for the zygote's import, as they would wait for their
-            # own; every later start, the first fault's included, is a fork.
-            self.zygote = await self._start_zygote(base_env)
+            # own (or for the rest of it, if warm_up began it); every later start, the first
+            # fault's included, is a fork.
+            if self._warming is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._warming)
+            if self.zygote is None:
+                self.zygote = await self._start_zygote(base_env)
         try:
             proc = await self._take_forked(rank)
             await proc.activate({**env, handoff.WARM_START: "zygote"})

@@ -401,6 +401,9 @@ class Supervisor:
         """Start every rank. A signal meanwhile: the ranks not started yet are not (the loop
         then stops those that are)."""
         if self.launch is not None and self.launch.from_controller:
+            # The fork server imports the framework while this node waits for its place (a
+            # spare may wait for hours): its first trainers are then forked, as a restart's are.
+            self.starter.warm_up(self._trainer_env())
             placed = await self.signals.or_signal(self._placement())
             if placed is None:
                 log.warning("%s before this node had its ranks: not starting", self.signals.name)
