@@ -28,6 +28,9 @@ def test_a_spare_takes_the_rank_of_a_member_whose_device_is_past_its_budget(
     try:
         now = job.wait_stepping(0, -1, timeout=180, steps=12)
         assert not job.has_trainer(spare)  # registered, holding: no trainer
+        # ... but its fork server is started (and imports jax) while it holds, so that the swap
+        # forks the spare's first trainer as a restart forks one.
+        job.agents[spare].expect("fork server started", timeout=60)
         rank_lost = placements(job, lost)[-1][1]
 
         def inject() -> float:
