@@ -259,19 +259,26 @@ class TorchrunGloo:
     def add(self) -> TimedProc:
         i = self.count
         self.count += 1
-        conf = (
-            []
-            if self.last_call == "default"
-            else ["--rdzv-conf", f"last_call_timeout={self.last_call}"]
-        )
+        # On one host the c10d backend's own guess (does the endpoint name this machine?) says
+        # "host the store" to every node; node 0 (never the one lost) hosts it, the others join.
+        conf = [f"is_host={'true' if i == 0 else 'false'}"]
+        if self.last_call != "default":
+            conf.append(f"last_call_timeout={self.last_call}")
         self.nodes[i] = TimedProc(
             [
                 *(self.torchrun, "--nnodes", "1:2", "--nproc-per-node", "1"),
                 *("--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}"),
-                *("--rdzv-id", "gloo", "--max-restarts", "100", *conf),
+                *("--rdzv-id", "gloo", "--max-restarts", "100", "--rdzv-conf", ",".join(conf)),
                 *(GLOO, "--step-seconds", "0.05"),
             ],
-            {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+            # torch >= 2.4 shares the rendezvous TCPStore for the workers' bootstrap, but a rank 0
+            # that kept its place never writes the new round's master address, so a node joining
+            # later waits on it and the round's rank assignment times out (role_info/0, /1).
+            {
+                "PYTHONUNBUFFERED": "1",
+                "OMP_NUM_THREADS": "1",
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+            },
         )
         self.every.append((i, self.nodes[i]))
         return self.nodes[i]
