@@ -7,6 +7,7 @@ Pure data (no I/O). ``marduk.core.policy`` decides about membership and epochs,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from marduk.core.drmap import WorkerKey
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
@@ -146,6 +147,16 @@ def worker_key(reg: Registration) -> WorkerKey:
 
 def epoch_key_for(job: str, replica: str, scope: Scope) -> EpochKey:
     return EpochKey(job, None) if scope == "job" else EpochKey(job, replica)
+
+
+def event_at(
+    where: WorkerKey | EpochKey | Registration, kind: str, now: float, **fields: Any
+) -> ControllerEvent:
+    """An event about a worker (its job, replica and worker) or a scope (its job, and its
+    replica unless it is job-wide); ``fields``: the event's others (``worker`` for a scope's)."""
+    if not isinstance(where, EpochKey):
+        fields["worker"] = where.worker
+    return ControllerEvent(kind=kind, ts=now, job=where.job, replica=where.replica, **fields)
 
 
 def worker_event(kind: str, key: WorkerKey, r: Report, now: float) -> ControllerEvent:

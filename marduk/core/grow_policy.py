@@ -30,7 +30,7 @@ from marduk.core.decisions import Outcome
 from marduk.core.drmap import WorkerKey
 from marduk.core.membership_policy import MembershipPolicy
 from marduk.core.records import EpochKey, EpochRecord, GrowRecord
-from marduk.wire.protocol import Member, WorkerRef
+from marduk.wire.protocol import WorkerRef
 
 
 class GrowPolicy(MembershipPolicy):
@@ -216,7 +216,7 @@ class GrowPolicy(MembershipPolicy):
                     member,
                     command.epoch,
                     now,
-                    f"node rank {member.node_rank} (ranks {_span(member)}): {reason}",
+                    f"node rank {member.node_rank} (ranks {rdzv.span(member)}): {reason}",
                 )
 
     def _grow_abandon(
@@ -231,7 +231,3 @@ class GrowPolicy(MembershipPolicy):
 
 def _name(key: WorkerKey) -> str:
     return f"{key.replica}/{key.worker}"
-
-
-def _span(m: Member) -> str:
-    return f"{m.first_rank}-{m.first_rank + m.nproc - 1}"

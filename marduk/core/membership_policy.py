@@ -291,7 +291,7 @@ class MembershipPolicy:
                 lost_member,
                 command.epoch,
                 now,
-                f"node rank {lost_member.node_rank} (ranks {_span(lost_member)}) to spare "
+                f"node rank {lost_member.node_rank} (ranks {rdzv.span(lost_member)}) to spare "
                 f"{spare.key.replica}/{spare.key.worker}: {lost[_key(ekey.job, lost_member)]}",
             )
         for gone in change.dropped if m is not None else ():
@@ -380,7 +380,3 @@ class MembershipPolicy:
 
 def _key(job: str, m: Member) -> WorkerKey:
     return WorkerKey(job, m.replica, m.worker)
-
-
-def _span(m: Member) -> str:
-    return f"{m.first_rank}-{m.first_rank + m.nproc - 1}"

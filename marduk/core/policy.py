@@ -47,6 +47,7 @@ from marduk.core.decisions import (
     Registered,
     ReportResult,
     epoch_key_for,
+    event_at,
     worker_event,
     worker_key,
 )
@@ -59,7 +60,6 @@ from marduk.core.registration import (
     check_adoptable,
     check_duplicate,
     check_scope,
-    event_of,
     is_fresh_process,
     registration_events,
 )
@@ -262,7 +262,7 @@ class Policy(GrowPolicy, DevicePolicy):
         unusable = self.unusable(reg.devices)
         if unusable and result != "unchanged":
             out.events.append(
-                event_of(
+                event_at(
                     reg,
                     "worker_on_unusable_device",
                     now,

@@ -6,12 +6,12 @@ the events it announces. Pure; ``Policy.register`` applies them.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Literal
 
-from marduk.core.decisions import PolicyConfig, PolicyError, worker_key
+from marduk.core.decisions import PolicyConfig, PolicyError, event_at, worker_key
 from marduk.core.drmap import WorkerKey
 from marduk.core.records import EpochRecord, WorkerRecord
-from marduk.wire.protocol import MAX_EPOCH, ControllerEvent, EventKind, Registration, same_process
+from marduk.wire.protocol import MAX_EPOCH, ControllerEvent, Registration, same_process
 
 # An agent may have seen epochs a lost write never recorded; it may not claim more than this
 # above what was reserved (the agents' own MAX_EPOCH_JUMP is the same bound).
@@ -84,12 +84,6 @@ def is_fresh_process(old: Registration, reg: Registration) -> bool:
     return not same_process(old, reg) or old.incarnation != reg.incarnation
 
 
-def event_of(reg: Registration, kind: EventKind, now: float, **fields: Any) -> ControllerEvent:
-    return ControllerEvent(
-        kind=kind, ts=now, job=reg.job, replica=reg.replica, worker=reg.worker, **fields
-    )
-
-
 def registration_events(
     reg: Registration,
     result: Literal["new", "updated", "unchanged"],
@@ -105,8 +99,8 @@ def registration_events(
         )
         new = result == "new"
         return [
-            event_of(reg, "registered" if new else "reregistered", now, epoch=epoch, detail=detail)
+            event_at(reg, "registered" if new else "reregistered", now, epoch=epoch, detail=detail)
         ]
     if was_stale:
-        return [event_of(reg, "worker_live", now, detail="renewed again after being stale")]
+        return [event_at(reg, "worker_live", now, detail="renewed again after being stale")]
     return []
