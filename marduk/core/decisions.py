@@ -1,7 +1,6 @@
 """The policy's vocabulary: its settings, its refusals and the outcomes the shell carries out.
 
-Pure data (no I/O). ``marduk.core.policy`` decides about membership and epochs,
-``marduk.core.device_policy`` about device health; both return these.
+Pure data (no I/O). ``marduk.core.policy`` and the rule sets it is made of return these.
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecor
 from marduk.wire.protocol import (
     Action,
     Command,
+    CommandKind,
     ControllerEvent,
     HealthReply,
     Registration,
@@ -157,6 +157,12 @@ def event_at(
     if not isinstance(where, EpochKey):
         fields["worker"] = where.worker
     return ControllerEvent(kind=kind, ts=now, job=where.job, replica=where.replica, **fields)
+
+
+def action_of(ekey: EpochKey, kind: CommandKind, epoch: int, coalesced: bool = False) -> Action:
+    """What a decision did to a scope, as the caller is answered (``coalesced``: joined the
+    command in flight at ``epoch`` instead of a new one)."""
+    return Action(job=ekey.job, replica=ekey.replica, kind=kind, epoch=epoch, coalesced=coalesced)
 
 
 def worker_event(kind: str, key: WorkerKey, r: Report, now: float) -> ControllerEvent:
