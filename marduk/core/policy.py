@@ -206,9 +206,11 @@ class Policy:
     # --- inputs, each to its rules ---------------------------------------------------------------
 
     def register(self, reg: Registration, now: float) -> Registered:
+        """A worker registers or renews (refused with ``PolicyError`` before any change)."""
         return self._registration.register(reg, now)
 
     def deregister(self, key: WorkerKey, reason: str, now: float) -> tuple[Outcome, bool]:
+        """A worker leaves; False if it was not registered."""
         return self._registration.deregister(key, reason, now)
 
     def forget(self, job: str, replica: str | None, worker: int | None, now: float) -> Outcome:
@@ -242,13 +244,16 @@ class Policy:
     # --- queries ---------------------------------------------------------------------------------
 
     def epoch_of(self, ekey: EpochKey) -> int:
+        """The scope's current epoch (0 before its first command)."""
         return self.fleet.epoch_of(ekey)
 
     def epoch_of_worker(self, key: WorkerKey) -> int:
+        """The current epoch of the worker's scope (0 for a worker not registered)."""
         rec = self.fleet.workers.get(key)
         return self.fleet.epoch_of(self.fleet.epoch_key_of(rec)) if rec else 0
 
     def awaiting(self, ekey: EpochKey) -> frozenset[WorkerKey]:
+        """The scope's live workers that have not confirmed its epoch."""
         return self.fleet.scopes.awaiting(ekey)
 
     def worker_infos(self, job: str | None = None) -> list[WorkerInfo]:

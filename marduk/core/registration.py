@@ -141,6 +141,9 @@ class RegistrationRules:
         self.service = service
 
     def register(self, reg: Registration, now: float) -> Registered:
+        """Check, then record the worker: its scope's epoch (adopting one it saw), whether it
+        must still confirm it, and what the registration announces or starts (a membership
+        forming, a grow)."""
         fleet, key = self.fleet, worker_key(reg)
         check_scope(reg, (fleet.workers[k] for k in fleet.job_workers.get(reg.job, ())))
         self.service.check_claims(reg, now)
@@ -231,6 +234,7 @@ class RegistrationRules:
             fleet.scopes.wait_for(ekey, key)
 
     def deregister(self, key: WorkerKey, reason: str, now: float) -> tuple[Outcome, bool]:
+        """The worker leaves (its scope's epoch record stays); False if it was unknown."""
         out = Outcome()
         if not self.fleet.remove_worker(key, out, now):
             return out, False
