@@ -1,18 +1,19 @@
 """The policy's vocabulary: its settings, its refusals and the outcomes the shell carries out.
 
-Pure data (no I/O). ``marduk.core.policy`` decides about membership and epochs,
-``marduk.core.device_policy`` about device health; both return these.
+Pure data (no I/O). ``marduk.core.policy`` and the rule sets it is made of return these.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from marduk.core.drmap import WorkerKey
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.wire.protocol import (
     Action,
     Command,
+    CommandKind,
     ControllerEvent,
     HealthReply,
     Registration,
@@ -146,6 +147,22 @@ def worker_key(reg: Registration) -> WorkerKey:
 
 def epoch_key_for(job: str, replica: str, scope: Scope) -> EpochKey:
     return EpochKey(job, None) if scope == "job" else EpochKey(job, replica)
+
+
+def event_at(
+    where: WorkerKey | EpochKey | Registration, kind: str, now: float, **fields: Any
+) -> ControllerEvent:
+    """An event about a worker (its job, replica and worker) or a scope (its job, and its
+    replica unless it is job-wide); ``fields``: the event's others (``worker`` for a scope's)."""
+    if not isinstance(where, EpochKey):
+        fields["worker"] = where.worker
+    return ControllerEvent(kind=kind, ts=now, job=where.job, replica=where.replica, **fields)
+
+
+def action_of(ekey: EpochKey, kind: CommandKind, epoch: int, coalesced: bool = False) -> Action:
+    """What a decision did to a scope, as the caller is answered (``coalesced``: joined the
+    command in flight at ``epoch`` instead of a new one)."""
+    return Action(job=ekey.job, replica=ekey.replica, kind=kind, epoch=epoch, coalesced=coalesced)
 
 
 def worker_event(kind: str, key: WorkerKey, r: Report, now: float) -> ControllerEvent:

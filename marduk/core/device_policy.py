@@ -1,7 +1,7 @@
 """Device health decisions: failures, merged notices, flap damping, quarantine and drain.
 
-Part of the pure policy (no I/O, ``now`` passed in); ``marduk.core.policy.Policy`` mixes it in and
-holds the state it works on.
+Part of the pure policy (no I/O, ``now`` passed in): ``DeviceRules``, over the policy's ``Fleet``
+and ``Issuer``, the ``ServiceRules`` (flapping) and the membership's ``issue_or_replace``.
 
 * A ``failed`` device restarts every scope using it (coalesced into a restart in flight, its
   device merged in); past its failure budget the scopes get ``fail``.
@@ -18,85 +18,55 @@ from collections import OrderedDict
 
 import msgspec
 
-from marduk.core.decisions import (
-    HealthResult,
-    Outcome,
-    PolicyConfig,
-    scope_order,
-)
-from marduk.core.drmap import DRMap, WorkerKey
-from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
-from marduk.core.scopes import Scopes
-from marduk.core.service_policy import ServicePolicy
-from marduk.wire.protocol import (
-    Action,
-    Command,
-    CommandKind,
-    ControllerEvent,
-    DeviceHealth,
-    HealthReply,
-)
+from marduk.core.decisions import HealthResult, Outcome, action_of, scope_order
+from marduk.core.drmap import WorkerKey
+from marduk.core.fleet import Fleet, out_of_service
+from marduk.core.issuer import Issuer
+from marduk.core.records import DeviceRecord, EpochKey, EpochRecord
+from marduk.core.service_policy import IssueOrReplace, ServiceRules
+from marduk.wire.protocol import CommandKind, ControllerEvent, DeviceHealth, HealthReply
 
 MAX_MERGED_DEVICES = 64
 """Devices one command lists at most: a failure past it takes a new epoch instead of merging."""
 
 
-class DevicePolicy(ServicePolicy):
-    """The device half of ``Policy`` (state and helpers declared here, defined there)."""
+class DeviceRules:
+    """Health events: what each means for the scopes using the device (see the module)."""
 
-    config: PolicyConfig
-    drmap: DRMap
-    devices: dict[str, DeviceRecord]
-    scopes: Scopes
-    workers: dict[WorkerKey, WorkerRecord]
-    last_seen: dict[WorkerKey, float]
-    stale: set[WorkerKey]
-    _recent_events: OrderedDict[str, HealthReply]
-
-    @property
-    def epochs(self) -> dict[EpochKey, EpochRecord]:
-        """Every scope's epoch record (read it; the policy changes it through ``scopes``)."""
-        return self.scopes.records
-
-    def _epoch_key(self, key: WorkerKey) -> EpochKey:
-        raise NotImplementedError
-
-    def _pending(self, ekey: EpochKey, now: float) -> bool:
-        raise NotImplementedError
-
-    def _remember(self, reply: HealthReply) -> None:
-        raise NotImplementedError
-
-    def _in_play(self, workers: frozenset[WorkerKey]) -> frozenset[WorkerKey]:
-        raise NotImplementedError
-
-    def _issue(
+    def __init__(
         self,
-        ekey: EpochKey,
-        kind: CommandKind,
-        reason: str,
-        devices: list[str],
-        cause: str,
-        now: float,
-        out: Outcome,
-        *,
-        pending: bool = True,
-    ) -> Command:
-        raise NotImplementedError
+        fleet: Fleet,
+        issuer: Issuer,
+        service: ServiceRules,
+        issue_or_replace: IssueOrReplace,
+    ) -> None:
+        self.fleet = fleet
+        self.issuer = issuer
+        self.service = service
+        self.issue_or_replace = issue_or_replace
+        # Recent events' replies, oldest first, to answer a repeated event as a duplicate.
+        self.recent: OrderedDict[str, HealthReply] = OrderedDict()
+
+    def remember(self, reply: HealthReply) -> None:
+        """A handled event, kept for the dedup window (``dedup_capacity`` events)."""
+        self.recent[reply.event_id] = reply
+        while len(self.recent) > self.fleet.config.dedup_capacity:
+            self.recent.popitem(last=False)
 
     # --- health events ---------------------------------------------------------------------------
 
     def on_health(self, event: DeviceHealth, now: float) -> HealthResult:
         """Decide what a health event means. ``event.event_id`` must be set (the shell does)."""
-        seen = self._recent_events.get(event.event_id)
+        seen = self.recent.get(event.event_id)
         if seen is not None:
             dup = msgspec.structs.replace(seen, duplicate=True)
             return HealthResult(Outcome(), dup)
 
         out = Outcome()
-        workers = self.drmap.workers_for_device(event.device)
-        record = self.devices.get(event.device)
-        known = bool(workers) or (record is not None and self.out_of_service(record))
+        fleet = self.fleet
+        workers = fleet.drmap.workers_for_device(event.device)
+        record = fleet.devices.get(event.device)
+        known = bool(workers) or (record is not None and out_of_service(record))
         reply = HealthReply(
             event_id=event.event_id, device=event.device, state=event.state, known=known
         )
@@ -112,53 +82,73 @@ class DevicePolicy(ServicePolicy):
                     detail=f"{event.state} from {event.source or '?'}: no replica uses it",
                 )
             )
-            self._remember(reply)
-            out.handled.append(reply)
-            return HealthResult(out, reply)
+            return self._handled(reply, out)
 
-        device = self.devices.get(event.device) or DeviceRecord(device=event.device)
+        device, previous = self._record(event, now)
+        if event.state == "failed" and previous != "failed" and not out_of_service(device):
+            self.service.note_flip(device, now, out, reply)
+
+        acts = event.state == "failed" or (
+            event.state == "degraded" and fleet.config.restart_on_degraded
+        )
+        if event.state == "preempting" and workers and not out_of_service(device):
+            self._request_checkpoint(event, workers, now, out, reply)
+        elif out_of_service(device):
+            # Its replicas got `fail` when it went out of service: nothing more to send.
+            detail = f"{event.reason} (out of service: {device.out_reason})".strip()
+            out.events.append(self._device_event(event, now, detail))
+        elif acts and (playing := fleet.in_play(workers)):
+            self._restart_for_device(event, device, playing, now, out, reply)
+        else:
+            detail = (event.reason or "") + ("" if workers else " (no replica uses it)")
+            out.events.append(self._device_event(event, now, detail))
+        out.put_devices.append(device)
+        return self._handled(reply, out)
+
+    def _record(self, event: DeviceHealth, now: float) -> tuple[DeviceRecord, str]:
+        """The device's record, in the event's state (a healthy one clears its failure budget),
+        and the state it was in."""
+        device = self.fleet.devices.get(event.device) or DeviceRecord(device=event.device)
         previous = device.state
         device.state, device.reason = event.state, event.reason
         if previous != event.state or not device.since:
             device.since = now
         if event.state == "healthy":
             device.failures = []
-        self.devices[event.device] = device
-        if event.state == "failed" and previous != "failed" and not self.out_of_service(device):
-            self._note_flip(device, now, out, reply)
+        self.fleet.devices[event.device] = device
+        return device, previous
 
-        acts = event.state == "failed" or (
-            event.state == "degraded" and self.config.restart_on_degraded
-        )
-        if event.state == "preempting" and workers and not self.out_of_service(device):
-            self._request_checkpoint(event, workers, now, out, reply)
-        elif self.out_of_service(device):
-            # Its replicas got `fail` when it went out of service: nothing more to send.
-            out.events.append(
-                ControllerEvent(
-                    kind=f"device_{event.state}",
-                    ts=now,
-                    device=event.device,
-                    event_id=event.event_id,
-                    detail=f"{event.reason} (out of service: {device.out_reason})".strip(),
-                )
-            )
-        elif acts and (playing := self._in_play(workers)):
-            self._restart_for_device(event, device, playing, now, out, reply)
-        else:
-            out.events.append(
-                ControllerEvent(
-                    kind=f"device_{event.state}",
-                    ts=now,
-                    device=event.device,
-                    event_id=event.event_id,
-                    detail=(event.reason or "") + ("" if workers else " (no replica uses it)"),
-                )
-            )
-        out.put_devices.append(device)
-        self._remember(reply)
+    def _handled(self, reply: HealthReply, out: Outcome) -> HealthResult:
+        """The event is decided: remembered for the dedup window, and persisted with ``out``."""
+        self.remember(reply)
         out.handled.append(reply)
         return HealthResult(out, reply)
+
+    @staticmethod
+    def _device_event(event: DeviceHealth, now: float, detail: str) -> ControllerEvent:
+        return ControllerEvent(
+            kind=f"device_{event.state}",
+            ts=now,
+            device=event.device,
+            event_id=event.event_id,
+            detail=detail,
+        )
+
+    @staticmethod
+    def _health_event(
+        kind: str, ekey: EpochKey, event: DeviceHealth, epoch: int, now: float, detail: str
+    ) -> ControllerEvent:
+        """An event about a scope, decided for the health event ``event``."""
+        return ControllerEvent(
+            kind=kind,
+            ts=now,
+            job=ekey.job,
+            replica=ekey.replica,
+            device=event.device,
+            event_id=event.event_id,
+            epoch=epoch,
+            detail=detail,
+        )
 
     def _restart_for_device(
         self,
@@ -169,7 +159,49 @@ class DevicePolicy(ServicePolicy):
         out: Outcome,
         reply: HealthReply,
     ) -> None:
-        scopes = sorted({self._epoch_key(w) for w in workers}, key=scope_order)
+        scopes = sorted({self.fleet.epoch_key(w) for w in workers}, key=scope_order)
+        fresh = self._fresh(scopes, event, workers, now)
+        kind: CommandKind = "restart"
+        if fresh:
+            config = self.fleet.config
+            window = config.device_failure_window_s
+            device.failures = [t for t in device.failures if now - t < window] + [now]
+            if len(device.failures) > config.device_max_failures:
+                kind = "fail"
+        reason = f"device {event.device} {event.state}"
+        if event.reason:
+            reason += f": {event.reason}"
+        for ekey in scopes:
+            if ekey not in fresh:
+                self._coalesce(ekey, event, reason, now, out, reply)
+                continue
+            affected = sorted(w for w in workers if self.fleet.epoch_key(w) == ekey)
+            command = self.issue_or_replace(
+                ekey, kind, reason, [event.device], event.event_id, now, out
+            )
+            if command is None:
+                continue
+            reply.actions.append(action_of(ekey, command.kind, command.epoch))
+            out.events.append(
+                self._health_event(
+                    f"{command.kind}_issued",
+                    ekey,
+                    event,
+                    command.epoch,
+                    now,
+                    reason + f" (affects {', '.join(str(w) for w in affected)})",
+                )
+            )
+
+    def _fresh(
+        self,
+        scopes: list[EpochKey],
+        event: DeviceHealth,
+        workers: frozenset[WorkerKey],
+        now: float,
+    ) -> list[EpochKey]:
+        """The scopes that take a new epoch for the event; the others join the restart in
+        flight."""
         # A scope takes a new epoch unless a restart is in flight that none of the workers on
         # this device has confirmed yet: one that already restarted would otherwise be told
         # of the failure only as an update of an epoch it applied, and keep running on it.
@@ -179,76 +211,46 @@ class DevicePolicy(ServicePolicy):
         # But a scope whose last command was issued for this very event has acted on it,
         # applied or not: the event is a redelivery (its dedup record was never written, the
         # leader died first), and joins that command rather than restarting the scope again.
-        fresh = [
+        return [
             k
             for k in scopes
             if not self._issued_for(k, event.event_id)
             and (
-                not self._pending(k, now)
-                or self.scopes.inherited(k)
+                not self.issuer.pending(k, now)
+                or self.fleet.scopes.inherited(k)
                 or self._confirmed_on(k, event.device, workers)
                 or self._merge_full(k, event.device)
             )
         ]
-        kind: CommandKind = "restart"
-        if fresh:
-            window = self.config.device_failure_window_s
-            device.failures = [t for t in device.failures if now - t < window] + [now]
-            if len(device.failures) > self.config.device_max_failures:
-                kind = "fail"
-        reason = f"device {event.device} {event.state}"
-        if event.reason:
-            reason += f": {event.reason}"
-        for ekey in scopes:
-            if ekey not in fresh:
-                state = self.epochs[ekey]
-                assert state.command is not None
-                self._merge_device(ekey, state, event.device, reason, now, out)
-                reply.actions.append(
-                    Action(
-                        job=ekey.job,
-                        replica=ekey.replica,
-                        kind=state.command.kind,
-                        epoch=state.epoch,
-                        coalesced=True,
-                    )
-                )
-                out.events.append(
-                    ControllerEvent(
-                        kind="coalesced",
-                        ts=now,
-                        job=ekey.job,
-                        replica=ekey.replica,
-                        device=event.device,
-                        event_id=event.event_id,
-                        epoch=state.epoch,
-                        detail=f"{state.command.kind} at epoch {state.epoch} already in flight; "
-                        f"devices {', '.join(state.command.devices) or '-'}",
-                    )
-                )
-                continue
-            affected = sorted(w for w in workers if self._epoch_key(w) == ekey)
-            issued = self._issue_or_replace(
-                ekey, kind, reason, [event.device], event.event_id, now, out
+
+    def _coalesce(
+        self,
+        ekey: EpochKey,
+        event: DeviceHealth,
+        reason: str,
+        now: float,
+        out: Outcome,
+        reply: HealthReply,
+    ) -> None:
+        """The failure joins the scope's restart in flight (its device merged in)."""
+        state = self.fleet.epochs[ekey]
+        command = state.command
+        assert command is not None
+        self._merge_device(ekey, state, event.device, reason, now, out)
+        reply.actions.append(action_of(ekey, command.kind, state.epoch, coalesced=True))
+        merged = state.command
+        assert merged is not None
+        out.events.append(
+            self._health_event(
+                "coalesced",
+                ekey,
+                event,
+                state.epoch,
+                now,
+                f"{merged.kind} at epoch {state.epoch} already in flight; "
+                f"devices {', '.join(merged.devices) or '-'}",
             )
-            if issued is None:
-                continue
-            command = issued
-            reply.actions.append(
-                Action(job=ekey.job, replica=ekey.replica, kind=command.kind, epoch=command.epoch)
-            )
-            out.events.append(
-                ControllerEvent(
-                    kind=f"{command.kind}_issued",
-                    ts=now,
-                    job=ekey.job,
-                    replica=ekey.replica,
-                    device=event.device,
-                    event_id=event.event_id,
-                    epoch=command.epoch,
-                    detail=reason + f" (affects {', '.join(str(w) for w in affected)})",
-                )
-            )
+        )
 
     def _merge_device(
         self, ekey: EpochKey, state: EpochRecord, device: str, reason: str, now: float, out: Outcome
@@ -269,19 +271,19 @@ class DevicePolicy(ServicePolicy):
         )
         state.command = merged
         out.resent.append(merged)
-        self.scopes.sent(ekey, now)
+        self.fleet.scopes.sent(ekey, now)
         if state not in out.write_ahead and state not in out.put_epochs:
             out.put_epochs.append(state)
 
     def _issued_for(self, ekey: EpochKey, event_id: str) -> bool:
         """Was the scope's last command issued for the event ``event_id``?"""
-        state = self.epochs.get(ekey)
+        state = self.fleet.epochs.get(ekey)
         command = state.command if state is not None else None
         return command is not None and bool(event_id) and command.event_id == event_id
 
     def _merge_full(self, ekey: EpochKey, device: str) -> bool:
         """Would merging ``device`` make the command in flight list too many devices?"""
-        command = self.epochs[ekey].command
+        command = self.fleet.epochs[ekey].command
         return (
             command is not None
             and device not in command.devices
@@ -290,9 +292,10 @@ class DevicePolicy(ServicePolicy):
 
     def _confirmed_on(self, ekey: EpochKey, device: str, workers: frozenset[WorkerKey]) -> bool:
         """Has a worker of scope ``ekey`` that uses ``device`` confirmed the current epoch?"""
-        epoch = self.epochs[ekey].epoch
+        epoch = self.fleet.epochs[ekey].epoch
         return any(
-            self._epoch_key(w) == ekey and self.workers[w].applied_epoch >= epoch for w in workers
+            self.fleet.epoch_key(w) == ekey and self.fleet.workers[w].applied_epoch >= epoch
+            for w in workers
         )
 
     def _request_checkpoint(
@@ -310,40 +313,28 @@ class DevicePolicy(ServicePolicy):
         the window is coalesced into the checkpoint already asked for.
         """
         reason = f"device {event.device} preempting" + (f": {event.reason}" if event.reason else "")
-        for ekey in sorted({self._epoch_key(w) for w in workers}, key=scope_order):
-            state = self.epochs.get(ekey)
+        for ekey in sorted({self.fleet.epoch_key(w) for w in workers}, key=scope_order):
+            state = self.fleet.epochs.get(ekey)
             command = state.command if state is not None else None
             if (
                 state is not None
                 and command is not None
                 and command.kind == "checkpoint"
-                and now - state.issued_at < self.config.pending_timeout_s
+                and now - state.issued_at < self.fleet.config.pending_timeout_s
             ):
-                reply.actions.append(
-                    Action(
-                        job=ekey.job,
-                        replica=ekey.replica,
-                        kind="checkpoint",
-                        epoch=state.epoch,
-                        coalesced=True,
-                    )
-                )
+                reply.actions.append(action_of(ekey, "checkpoint", state.epoch, coalesced=True))
                 continue
-            command = self._issue(
+            command = self.issuer.issue(
                 ekey, "checkpoint", reason, [event.device], event.event_id, now, out, pending=False
             )
-            reply.actions.append(
-                Action(job=ekey.job, replica=ekey.replica, kind="checkpoint", epoch=command.epoch)
-            )
+            reply.actions.append(action_of(ekey, "checkpoint", command.epoch))
             out.events.append(
-                ControllerEvent(
-                    kind="checkpoint_issued",
-                    ts=now,
-                    job=ekey.job,
-                    replica=ekey.replica,
-                    device=event.device,
-                    event_id=event.event_id,
-                    epoch=command.epoch,
-                    detail=reason,
+                self._health_event(
+                    "checkpoint_issued",
+                    ekey,
+                    event,
+                    command.epoch,
+                    now,
+                    reason,
                 )
             )

@@ -1,6 +1,7 @@
 """Growing a job back towards MAX at a safe point (docs/decisions.md #17). Part of the pure
-policy (no I/O, ``now`` passed in); ``marduk.core.policy.Policy`` mixes it in. Who may join and
-when is ``marduk.core.grow``'s rule; the membership it makes is ``marduk.core.membership``'s.
+policy (no I/O, ``now`` passed in): ``GrowRules``, over the policy's ``Fleet`` and its ``Issuer``.
+Who may join and when is ``marduk.core.grow``'s rule; the membership it makes is
+``marduk.core.membership``'s.
 
 * **Start.** A job with a membership below MAX, a worker that may join it (live long enough,
   not a declared spare), no restart in flight and the resize interval past: the job gets a
@@ -17,7 +18,7 @@ when is ``marduk.core.grow``'s rule; the membership it makes is ``marduk.core.me
 * **Superseded.** Any other command of the job meanwhile (a crash's restart, a preemption's
   checkpoint) voids the grow (``grow_abandoned``); it starts again once that settles. A member
   lost meanwhile takes the shrink or swap path, where the joining workers are free workers like
-  any other (``MembershipPolicy._replace_members``).
+  any other (``MembershipRules``, which tells ``abandon`` and ``resized``).
 """
 
 from __future__ import annotations
@@ -26,128 +27,150 @@ from collections.abc import Iterable
 
 from marduk.core import grow as rule
 from marduk.core import membership as rdzv
-from marduk.core.decisions import Outcome
+from marduk.core.decisions import Outcome, event_at
 from marduk.core.drmap import WorkerKey
-from marduk.core.membership_policy import MembershipPolicy
+from marduk.core.fleet import Fleet
+from marduk.core.issuer import Issuer
 from marduk.core.records import EpochKey, EpochRecord, GrowRecord
-from marduk.wire.protocol import Member, WorkerRef
+from marduk.wire.protocol import WorkerRef
 
 
-class GrowPolicy(MembershipPolicy):
-    """The grow half of ``Policy``'s membership decisions (state initialised there)."""
+class GrowRules:
+    """Grows of jobs with a membership: what the rest of the policy tells them, and the
+    decision (see the module)."""
 
-    # Jobs that may grow (a free worker, or a grow waiting): looked at on every tick.
-    _grow_watch: set[str]
-    # Members that confirmed the checkpoint of their job's grow (in memory: a new leader
-    # waits out the bound instead).
-    _grow_confirmed: dict[str, set[WorkerKey]]
-    # Since when each worker of a rendezvous job has been live without going stale.
-    _live_since: dict[WorkerKey, float]
-    last_seen: dict[WorkerKey, float]
-
-    def _pending(self, ekey: EpochKey, now: float) -> bool:
-        raise NotImplementedError
+    def __init__(self, fleet: Fleet, issuer: Issuer) -> None:
+        self.fleet = fleet
+        self.issuer = issuer
+        # Jobs that may grow (a free worker, or a grow waiting): looked at on every tick.
+        self.watch: set[str] = set()
+        # Members that confirmed the checkpoint of their job's grow (in memory: a new leader
+        # waits out the bound instead).
+        self.confirmed: dict[str, set[WorkerKey]] = {}
+        # Since when each worker of a rendezvous job has been live without going stale.
+        self.live_since: dict[WorkerKey, float] = {}
+        # When each job's membership last changed size (formed, shrank, held, grew): a grow
+        # waits ``resize_interval_s`` after it. In memory: a new leader counts from its start.
+        self.last_resize: dict[str, float] = {}
 
     # --- what the rest of the policy tells us ---------------------------------------------------
 
-    def _grow_registered(self, key: WorkerKey, afresh: bool, now: float, out: Outcome) -> None:
+    def registered(self, key: WorkerKey, afresh: bool, now: float, out: Outcome) -> None:
         """A worker of a rendezvous job registered (``afresh``: new, a new process, or back
         from stale: its live time starts over). A worker that is not a member may make the job
         grow (a member's renewals, by the thousand, need no look)."""
-        if afresh or key not in self._live_since:
-            self._live_since[key] = now
-        state = self.epochs.get(EpochKey(key.job, None))
+        if afresh or key not in self.live_since:
+            self.live_since[key] = now
+        state = self.fleet.epochs.get(EpochKey(key.job, None))
         m = state.membership if state is not None else None
         if m is not None and m.member(key.replica, key.worker) is None:
-            self._grow_step(key.job, now, out)
+            self._step(key.job, now, out)
 
-    def _grow_checkpointed(self, key: WorkerKey, now: float, out: Outcome) -> None:
+    def checkpointed(self, key: WorkerKey, now: float, out: Outcome) -> None:
         """A worker's trainer saved the checkpoint asked for: one confirmation of a grow."""
-        state = self.epochs.get(EpochKey(key.job, None))
+        state = self.fleet.epochs.get(EpochKey(key.job, None))
         if state is None or state.grow is None:
             return
-        self._grow_confirmed.setdefault(key.job, set()).add(key)
-        self._grow_step(key.job, now, out)
+        self.confirmed.setdefault(key.job, set()).add(key)
+        self._step(key.job, now, out)
 
-    def _grow_tick(self, newly_stale: Iterable[WorkerKey], now: float, out: Outcome) -> None:
+    def tick(self, newly_stale: Iterable[WorkerKey], now: float, out: Outcome) -> None:
         """Stale workers start their live time over; waiting grows may start or finish."""
         for key in newly_stale:
-            self._live_since.pop(key, None)
-        for job in sorted(self._grow_watch):
-            self._grow_step(job, now, out)
+            self.live_since.pop(key, None)
+        for job in sorted(self.watch):
+            self._step(job, now, out)
 
-    def _grow_resume(self, now: float) -> None:
+    def resume(self, now: float) -> None:
         """A new leader: every worker counts as live from now, every job's last resize as now
         (when they were is not stored), and grows read from the store are watched."""
-        self._live_since = {k: now for k in self.workers if k not in self.stale}
-        for ekey, state in self.epochs.items():
+        fleet = self.fleet
+        self.live_since = {k: now for k in fleet.workers if k not in fleet.stale}
+        for ekey, state in fleet.epochs.items():
             if ekey.replica is None and state.membership is not None:
-                self._last_resize[ekey.job] = now
-                self._grow_watch.add(ekey.job)
+                self.last_resize[ekey.job] = now
+                self.watch.add(ekey.job)
+
+    def resized(self, job: str, now: float) -> None:
+        """The job's membership changed size at ``now`` (formed, shrank, held): a grow waits."""
+        self.last_resize[job] = now
+
+    def abandon(
+        self, ekey: EpochKey, state: EpochRecord, why: str, now: float, out: Outcome
+    ) -> None:
+        """The job's grow is void (another command came first, a member was lost, nobody is
+        left to join); it starts again once the job settles."""
+        state.grow = None
+        self.confirmed.pop(ekey.job, None)
+        if state not in out.write_ahead and state not in out.put_epochs:
+            out.put_epochs.append(state)
+        out.events.append(event_at(ekey, "grow_abandoned", now, epoch=state.epoch, detail=why))
 
     # --- the decision -----------------------------------------------------------------------------
 
-    def _grow_step(self, job: str, now: float, out: Outcome) -> None:
+    def _step(self, job: str, now: float, out: Outcome) -> None:
         """Start, finish or give up the job's grow, as it stands at ``now``."""
         ekey = EpochKey(job, None)
-        state = self.epochs.get(ekey)
+        state = self.fleet.epochs.get(ekey)
         if state is None or state.membership is None:  # held or forming: the rendezvous' turn
-            self._grow_watch.discard(job)
+            self.watch.discard(job)
             return
         if state.grow is not None:
-            self._grow_wait(ekey, state, now, out)
+            self._wait(ekey, state, now, out)
         else:
-            self._grow_start(ekey, state, now, out)
+            self._start(ekey, state, now, out)
 
-    def _grow_start(self, ekey: EpochKey, state: EpochRecord, now: float, out: Outcome) -> None:
+    def _start(self, ekey: EpochKey, state: EpochRecord, now: float, out: Outcome) -> None:
         current = state.membership
         assert current is not None
-        job = ekey.job
-        usable = [c for c in self._candidates(job) if not self._unfit(c.key, now)]
-        hi = self._nnodes(job)[1]
+        job, fleet, cfg = ekey.job, self.fleet, self.fleet.config
+        usable = fleet.usable(job, now)
+        hi = fleet.nnodes(job)[1]
         if len(current.members) >= hi or not rule.free_workers(current, job, usable):
-            self._grow_watch.discard(job)
+            self.watch.discard(job)
             return
-        self._grow_watch.add(job)
-        cfg = self.config
+        self.watch.add(job)
         joining = rule.joining(
             current,
             job,
             usable,
-            self._live_since,
-            self.last_seen,
+            self.live_since,
+            fleet.last_seen,
             now,
             cfg.grow_settle_s,
             2 * cfg.renew_interval_s,
             hi,
         )
+        in_flight = self.issuer.pending(ekey, now)
         if not joining or rule.wait_reason(
-            now, self._last_resize.get(job), cfg.resize_interval_s, self._pending(ekey, now)
+            now, self.last_resize.get(job), cfg.resize_interval_s, in_flight
         ):
             return
         names = ", ".join(f"{c.key.replica}/{c.key.worker}" for c in joining)
         size = f"{len(current.members)} -> {len(current.members) + len(joining)} node(s)"
         reason = f"grow {size} ({names} joining): save a checkpoint now"
         state.grow = GrowRecord(
-            epoch=self.scopes.next_epoch_peek(ekey),
+            epoch=fleet.scopes.next_epoch_peek(ekey),
             started_at=now,
             joining=[WorkerRef(replica=c.key.replica, worker=c.key.worker) for c in joining],
         )
-        command = self._issue(
+        command = self.issuer.issue(
             ekey, "checkpoint", reason, [], f"grow:{job}", now, out, pending=False
         )
         state.grow.epoch = command.epoch
-        self._grow_confirmed[job] = set()
-        self._event(out, "grow_started", job, None, command.epoch, now, reason)
-        self._event(out, "checkpoint_issued", job, None, command.epoch, now, reason)
-        self._grow_wait(ekey, state, now, out)  # nobody to wait for: at once
+        self.confirmed[job] = set()
+        out.events.append(event_at(ekey, "grow_started", now, epoch=command.epoch, detail=reason))
+        out.events.append(
+            event_at(ekey, "checkpoint_issued", now, epoch=command.epoch, detail=reason)
+        )
+        self._wait(ekey, state, now, out)  # nobody to wait for: at once
 
-    def _grow_wait(self, ekey: EpochKey, state: EpochRecord, now: float, out: Outcome) -> None:
+    def _wait(self, ekey: EpochKey, state: EpochRecord, now: float, out: Outcome) -> None:
         grow, current = state.grow, state.membership
         assert grow is not None and current is not None
         if grow.epoch != state.epoch:
             what = state.command.kind if state.command else "command"
-            self._grow_abandon(
+            self.abandon(
                 ekey,
                 state,
                 f"a {what} at epoch {state.epoch} came first; the job grows once it settles",
@@ -155,17 +178,18 @@ class GrowPolicy(MembershipPolicy):
                 out,
             )
             return
-        confirmed = self._grow_confirmed.get(ekey.job, set())
+        confirmed = self.confirmed.get(ekey.job, set())
+        fleet = self.fleet
         waiting = [
             k
-            for k in self._member_keys(ekey.job, current)
-            if k not in confirmed and k not in self.stale and not self.workers[k].retired
+            for k in fleet.member_keys(ekey.job, current)
+            if k not in confirmed and k not in fleet.stale and not fleet.workers[k].retired
         ]
-        if waiting and now - grow.started_at < self.config.grow_checkpoint_timeout_s:
+        if waiting and now - grow.started_at < fleet.config.grow_checkpoint_timeout_s:
             return
-        self._grow_finish(ekey, state, waiting, now, out)
+        self._finish(ekey, state, waiting, now, out)
 
-    def _grow_finish(
+    def _finish(
         self,
         ekey: EpochKey,
         state: EpochRecord,
@@ -177,61 +201,45 @@ class GrowPolicy(MembershipPolicy):
         is over): the joining workers still live and usable, as many as MAX has room for."""
         grow, current = state.grow, state.membership
         assert grow is not None and current is not None
-        job = ekey.job
+        job, fleet = ekey.job, self.fleet
         named = {WorkerKey(job, w.replica, w.worker) for w in grow.joining}
-        usable = [c for c in self._candidates(job) if not self._unfit(c.key, now)]
-        room = self._nnodes(job)[1] - len(current.members)
-        fresh = 2 * self.config.renew_interval_s
+        room = fleet.nnodes(job)[1] - len(current.members)
+        fresh = 2 * fleet.config.renew_interval_s
         joining = [
             c
-            for c in rule.free_workers(current, job, usable)
-            if c.key in named and rule.on_time(c.key, self.last_seen, now, fresh)
+            for c in rule.free_workers(current, job, fleet.usable(job, now))
+            if c.key in named and rule.on_time(c.key, fleet.last_seen, now, fresh)
         ][:room]
         if not joining:
-            self._grow_abandon(ekey, state, "the joining workers are gone", now, out)
+            self.abandon(ekey, state, "the joining workers are gone", now, out)
             return
         state.grow = None
-        self._grow_confirmed.pop(job, None)
-        candidates = self._candidates(job)
-        m = rdzv.grow(current, self.scopes.next_epoch_peek(ekey), job, candidates, joining)
+        self.confirmed.pop(job, None)
+        candidates = fleet.candidates(job)
+        m = rdzv.grow(current, fleet.scopes.next_epoch_peek(ekey), job, candidates, joining)
         saved = (
             "every member saved the checkpoint"
             if not unconfirmed
             else f"no checkpoint confirmed by {', '.join(_name(k) for k in unconfirmed)} within "
-            f"{self.config.grow_checkpoint_timeout_s:g}s"
+            f"{fleet.config.grow_checkpoint_timeout_s:g}s"
         )
         reason = (
             f"grow to {len(m.members)} node(s), world size {m.world_size}, coordinator "
             f"{m.coordinator_addr}:{m.coordinator_port} ({saved})"
         )
-        command = self._issue(ekey, "restart", reason, [], f"grow:{job}", now, out, membership=m)
-        self._last_resize[job] = now
+        command = self.issuer.issue(
+            ekey, "restart", reason, [], f"grow:{job}", now, out, membership=m
+        )
+        self.last_resize[job] = now
         added = {c.key for c in joining}
         for member in m.members:
-            if WorkerKey(job, member.replica, member.worker) in added:
-                self._event(
-                    out,
-                    "member_added",
-                    job,
-                    member,
-                    command.epoch,
-                    now,
-                    f"node rank {member.node_rank} (ranks {_span(member)}): {reason}",
+            key = WorkerKey(job, member.replica, member.worker)
+            if key in added:
+                detail = f"node rank {member.node_rank} (ranks {rdzv.span(member)}): {reason}"
+                out.events.append(
+                    event_at(key, "member_added", now, epoch=command.epoch, detail=detail)
                 )
-
-    def _grow_abandon(
-        self, ekey: EpochKey, state: EpochRecord, why: str, now: float, out: Outcome
-    ) -> None:
-        state.grow = None
-        self._grow_confirmed.pop(ekey.job, None)
-        if state not in out.write_ahead and state not in out.put_epochs:
-            out.put_epochs.append(state)
-        self._event(out, "grow_abandoned", ekey.job, None, state.epoch, now, why)
 
 
 def _name(key: WorkerKey) -> str:
     return f"{key.replica}/{key.worker}"
-
-
-def _span(m: Member) -> str:
-    return f"{m.first_rank}-{m.first_rank + m.nproc - 1}"

@@ -323,6 +323,11 @@ def _membership(
     )
 
 
+def span(m: Member) -> str:
+    """A member's global ranks, first-last (as events name them)."""
+    return f"{m.first_rank}-{m.first_rank + m.nproc - 1}"
+
+
 def _bounds(candidates: Sequence[Candidate]) -> Rendezvous:
     """The job's shape and MIN:MAX: a non-spare's (spares may have another shape)."""
     return next(

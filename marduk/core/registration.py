@@ -1,17 +1,36 @@
-"""Who may register, and what a registration says: the checks a registration passes before it
-changes anything (a refused one leaves no trace), whether it comes from a fresh process, and
-the events it announces. Pure; ``Policy.register`` applies them.
+"""Registrations: the checks a registration passes before it changes anything (a refused one
+leaves no trace), whether it comes from a fresh process, the events it announces, and
+``RegistrationRules``, which applies them (``register``, ``deregister``, an operator's
+``forget``) over the policy's ``Fleet``, with the membership's, the grow's and the device
+service's rules. Pure: no I/O, no clock (``now`` is an argument).
+
+A new process starts after every restart commanded so far: it is current. An agent that saw an
+epoch the controller does not know (a lost write, state restored from an older copy) has it
+adopted, so the next command is above anything agents have seen; within ``MAX_ADOPTED_JUMP``
+of what was reserved, no more.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Literal
 
-from marduk.core.decisions import PolicyConfig, PolicyError, worker_key
+from marduk.core.decisions import (
+    Outcome,
+    PolicyConfig,
+    PolicyError,
+    Registered,
+    epoch_key_for,
+    event_at,
+    worker_key,
+)
 from marduk.core.drmap import WorkerKey
-from marduk.core.records import EpochRecord, WorkerRecord
-from marduk.wire.protocol import MAX_EPOCH, ControllerEvent, EventKind, Registration, same_process
+from marduk.core.fleet import Fleet, awaited, takes_part
+from marduk.core.grow_policy import GrowRules
+from marduk.core.membership_policy import MembershipRules
+from marduk.core.records import EpochKey, EpochRecord, WorkerRecord
+from marduk.core.service_policy import ServiceRules
+from marduk.wire.protocol import MAX_EPOCH, ControllerEvent, Registration, same_process
 
 # An agent may have seen epochs a lost write never recorded; it may not claim more than this
 # above what was reserved (the agents' own MAX_EPOCH_JUMP is the same bound).
@@ -84,12 +103,6 @@ def is_fresh_process(old: Registration, reg: Registration) -> bool:
     return not same_process(old, reg) or old.incarnation != reg.incarnation
 
 
-def event_of(reg: Registration, kind: EventKind, now: float, **fields: Any) -> ControllerEvent:
-    return ControllerEvent(
-        kind=kind, ts=now, job=reg.job, replica=reg.replica, worker=reg.worker, **fields
-    )
-
-
 def registration_events(
     reg: Registration,
     result: Literal["new", "updated", "unchanged"],
@@ -105,8 +118,141 @@ def registration_events(
         )
         new = result == "new"
         return [
-            event_of(reg, "registered" if new else "reregistered", now, epoch=epoch, detail=detail)
+            event_at(reg, "registered" if new else "reregistered", now, epoch=epoch, detail=detail)
         ]
     if was_stale:
-        return [event_of(reg, "worker_live", now, detail="renewed again after being stale")]
+        return [event_at(reg, "worker_live", now, detail="renewed again after being stale")]
     return []
+
+
+class RegistrationRules:
+    """Workers coming and going: registrations, deregistrations, an operator's forget."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        membership: MembershipRules,
+        grow: GrowRules,
+        service: ServiceRules,
+    ) -> None:
+        self.fleet = fleet
+        self.membership = membership
+        self.grow = grow
+        self.service = service
+
+    def register(self, reg: Registration, now: float) -> Registered:
+        """Check, then record the worker: its scope's epoch (adopting one it saw), whether it
+        must still confirm it, and what the registration announces or starts (a membership
+        forming, a grow)."""
+        fleet, key = self.fleet, worker_key(reg)
+        check_scope(reg, (fleet.workers[k] for k in fleet.job_workers.get(reg.job, ())))
+        self.service.check_claims(reg, now)
+        out = Outcome()
+        old = fleet.workers.get(key)
+        was_stale = key in fleet.stale
+        if old is not None:
+            silent_for = now - fleet.last_seen.get(key, 0.0)
+            check_duplicate(key, old, reg, silent_for, was_stale, fleet.config)
+        ekey = epoch_key_for(reg.job, reg.replica, reg.scope)
+        state = fleet.epochs.get(ekey)
+        # Every check before the first change: a refused registration leaves no trace (a
+        # worker heard from but never recorded would expire, and fail, forever).
+        check_adoptable(max(reg.epoch, reg.seen_epoch), state, fleet.config.epoch_block)
+        self.membership.check(reg, state)
+        fleet.heard(key, now)
+        fleet.stale.discard(key)
+        fresh_process = old is None or is_fresh_process(old.registration, reg)
+        state = self._scope_state(ekey, state, max(reg.epoch, reg.seen_epoch), out)
+        if fresh_process:
+            # A new process starts after every restart commanded so far: it is current.
+            applied = max(reg.epoch, state.epoch)
+        else:
+            assert old is not None
+            applied = max(reg.epoch, old.applied_epoch)
+        result: Literal["new", "updated", "unchanged"] = (
+            "new"
+            if old is None
+            else "unchanged"
+            if old.registration == reg and applied == old.applied_epoch
+            else "updated"
+        )
+        rec = WorkerRecord(
+            registration=reg,
+            registered_at=old.registered_at if old else now,
+            updated_at=now,
+            applied_epoch=applied,
+            # Retired stays retired; a new process under its name starts afresh.
+            retired=old.retired if old and same_process(old.registration, reg) else "",
+        )
+        self._record(ekey, state, rec, out)
+        if result != "unchanged":
+            # Agents re-register every 30 s to converge; an unchanged one is neither written
+            # nor announced.
+            out.put_workers.append(rec)
+        out.events.extend(registration_events(reg, result, was_stale, state.epoch, now))
+        if reg.rendezvous is not None:
+            self.membership.rendezvous(ekey, now, out)
+            self.grow.registered(key, fresh_process or was_stale, now, out)
+        unusable = fleet.unusable(reg.devices)
+        if unusable and result != "unchanged":
+            detail = f"registered with out-of-service device(s) {', '.join(unusable)}"
+            out.events.append(event_at(reg, "worker_on_unusable_device", now, detail=detail))
+        interval = fleet.config.renew_interval_s
+        return Registered(out, result, state.epoch, state.command, interval, unusable)
+
+    def _scope_state(
+        self, ekey: EpochKey, state: EpochRecord | None, seen: int, out: Outcome
+    ) -> EpochRecord:
+        """The scope's epoch record, made on its first worker's registration, and ahead of any
+        epoch the registering agent has seen."""
+        block = self.fleet.config.epoch_block
+        if state is None:
+            # Reserve the first block now, off the failure path. Written ahead: a command under
+            # this ceiling needs no write of its own, so the ceiling must be durable first.
+            state = EpochRecord(job=ekey.job, replica=ekey.replica, ceiling=block)
+            self.fleet.scopes.put(ekey, state)
+            out.write_ahead.append(state)
+        if seen > state.epoch:
+            # The agent saw an epoch we do not know (a lost write, state restored from an older
+            # copy): adopt it, so the next command is above anything agents have seen.
+            state.epoch = seen
+            state.ceiling = max(state.ceiling, seen + block)
+            if state not in out.write_ahead:
+                out.write_ahead.append(state)
+        return state
+
+    def _record(self, ekey: EpochKey, state: EpochRecord, rec: WorkerRecord, out: Outcome) -> None:
+        """Keep the worker's record; it waits to confirm the scope's epoch unless it applied
+        it (or need not: a checkpoint, or not a member)."""
+        fleet, key = self.fleet, worker_key(rec.registration)
+        dropped = fleet.put_worker(rec)
+        fleet.scopes.occupied(ekey)
+        fleet.forget_unused(dropped, out)
+        if rec.applied_epoch >= state.epoch or not awaited(state) or not takes_part(state, key):
+            fleet.scopes.confirm(ekey, key)
+        else:
+            fleet.scopes.wait_for(ekey, key)
+
+    def deregister(self, key: WorkerKey, reason: str, now: float) -> tuple[Outcome, bool]:
+        """The worker leaves (its scope's epoch record stays); False if it was unknown."""
+        out = Outcome()
+        if not self.fleet.remove_worker(key, out, now):
+            return out, False
+        out.events.append(event_at(key, "deregistered", now, detail=reason))
+        return out, True
+
+    def forget(self, job: str, replica: str | None, worker: int | None, now: float) -> Outcome:
+        """An operator removes a job, a replica or one worker (``marduk monitor forget``)."""
+        out = Outcome()
+        keys = sorted(
+            k
+            for k in self.fleet.job_workers.get(job, ())
+            if (replica is None or k.replica == replica) and (worker is None or k.worker == worker)
+        )
+        for key in keys:
+            self.fleet.remove_worker(key, out, now)
+            out.events.append(event_at(key, "forgotten", now, detail="removed by an operator"))
+        # The scopes' epoch records stay, as after a deregistration: a forgotten worker still
+        # alive, or an id that comes back, must never see an epoch it has seen issued again
+        # (its agent would drop it as stale, and an old command could be replayed to it).
+        return out

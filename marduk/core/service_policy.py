@@ -1,7 +1,7 @@
 """Devices out of service: flap damping, quarantine, drain, and claims of devices across jobs.
 
-Part of the pure policy (no I/O, ``now`` passed in); ``marduk.core.device_policy.DevicePolicy``
-builds on it and ``marduk.core.policy.Policy`` holds the state it works on.
+Part of the pure policy (no I/O, ``now`` passed in): ``ServiceRules``, over the policy's ``Fleet``;
+``marduk.core.device_policy.DeviceRules`` asks it about flapping devices.
 
 * **Flap damping.** A device that goes (back) to ``failed`` more than ``flap_limit`` times in
   ``flap_window_s`` is quarantined, even if it reported ``healthy`` in between.
@@ -14,9 +14,18 @@ builds on it and ``marduk.core.policy.Policy`` holds the state it works on.
 
 from __future__ import annotations
 
-from marduk.core.decisions import DrainResult, Outcome, PolicyConfig, PolicyError, scope_order
-from marduk.core.drmap import DRMap, WorkerKey
-from marduk.core.records import DeviceRecord, EpochKey, WorkerRecord
+from typing import Protocol
+
+from marduk.core.decisions import (
+    DrainResult,
+    Outcome,
+    PolicyError,
+    action_of,
+    event_at,
+    scope_order,
+)
+from marduk.core.fleet import Fleet, out_of_service
+from marduk.core.records import DeviceRecord, EpochKey
 from marduk.wire.protocol import (
     Action,
     Command,
@@ -27,21 +36,11 @@ from marduk.wire.protocol import (
 )
 
 
-class ServicePolicy:
-    """Quarantine and drain, a base of ``DevicePolicy`` (state declared here, defined in
-    ``Policy``)."""
+class IssueOrReplace(Protocol):
+    """How a scope gets a command (``MembershipRules.issue_or_replace``): a ``fail`` of a job
+    with a membership replaces the members concerned instead; None when nothing is sent."""
 
-    config: PolicyConfig
-    drmap: DRMap
-    devices: dict[str, DeviceRecord]
-    workers: dict[WorkerKey, WorkerRecord]
-    last_seen: dict[WorkerKey, float]
-    stale: set[WorkerKey]
-
-    def _epoch_key(self, key: WorkerKey) -> EpochKey:
-        raise NotImplementedError
-
-    def _issue_or_replace(
+    def __call__(
         self,
         ekey: EpochKey,
         kind: CommandKind,
@@ -50,25 +49,22 @@ class ServicePolicy:
         cause: str,
         now: float,
         out: Outcome,
-    ) -> Command | None:
-        raise NotImplementedError
+    ) -> Command | None: ...
 
-    # --- flap damping, quarantine, drain ----------------------------------------------------------
 
-    @staticmethod
-    def out_of_service(device: DeviceRecord) -> bool:
-        return device.quarantined or device.drained
+class ServiceRules:
+    """Quarantine, drain and device claims (see the module)."""
 
-    def unusable(self, devices: list[str]) -> list[str]:
-        """The devices of a registration that are out of service."""
-        return [d for d in devices if (r := self.devices.get(d)) and self.out_of_service(r)]
+    def __init__(self, fleet: Fleet, issue_or_replace: IssueOrReplace) -> None:
+        self.fleet = fleet
+        self.issue_or_replace = issue_or_replace
 
-    def _note_flip(
-        self, device: DeviceRecord, now: float, out: Outcome, reply: HealthReply
-    ) -> None:
-        window = self.config.flap_window_s
+    def note_flip(self, device: DeviceRecord, now: float, out: Outcome, reply: HealthReply) -> None:
+        """The device went (back) to ``failed``: past the flap limit it is quarantined."""
+        config = self.fleet.config
+        window = config.flap_window_s
         device.flips = [t for t in device.flips if now - t < window] + [now]
-        if len(device.flips) <= self.config.flap_limit:
+        if len(device.flips) <= config.flap_limit:
             return
         device.quarantined = True
         device.out_reason = (
@@ -92,15 +88,16 @@ class ServicePolicy:
         only for its own job (the server enforces that), so it cannot claim another job's
         devices, and so cannot get them drained or failed. Only with
         ``exclusive_devices`` (the default with auth: PolicyConfig)."""
-        if not self.config.exclusive_devices:
+        fleet = self.fleet
+        if not fleet.config.exclusive_devices:
             return
         for device in reg.devices:
-            for key in self.drmap.workers_for_device(device):
-                holder = self.workers.get(key)
+            for key in fleet.drmap.workers_for_device(device):
+                holder = fleet.workers.get(key)
                 if holder is None or key.job == reg.job or holder.registration.host == reg.host:
                     continue
-                if key in self.stale or now - self.last_seen.get(key, 0.0) >= (
-                    self.config.worker_ttl_s
+                if key in fleet.stale or now - fleet.last_seen.get(key, 0.0) >= (
+                    fleet.config.worker_ttl_s
                 ):
                     continue
                 raise PolicyError(
@@ -112,11 +109,31 @@ class ServicePolicy:
 
     def _claims_elsewhere(self, device: str, host: str) -> list[str]:
         """Workers on hosts other than ``host`` that claim ``device``."""
+        workers = self.fleet.workers
         return sorted(
-            f"{key} on {self.workers[key].registration.host or '?'}"
-            for key in self.drmap.workers_for_device(device)
-            if key in self.workers and self.workers[key].registration.host != host
+            f"{key} on {workers[key].registration.host or '?'}"
+            for key in self.fleet.drmap.workers_for_device(device)
+            if key in workers and workers[key].registration.host != host
         )
+
+    def _by_host(self, host: str, named: set[str]) -> tuple[set[str], list[str]]:
+        """The devices of ``host``'s workers that no worker on another host claims too (with
+        ``named``), and a line for each that one does (not drained: the operator names it)."""
+        claimed: set[str] = set()
+        for key, worker in self.fleet.workers.items():
+            if worker.registration.host == host:
+                claimed |= self.fleet.drmap.devices_for_worker(key)
+        names, conflicts = set(named), []
+        for name in sorted(claimed - named):
+            elsewhere = self._claims_elsewhere(name, host)
+            if elsewhere:
+                conflicts.append(
+                    f"{name}: also claimed by {', '.join(elsewhere)}; not drained by host "
+                    "(name it to drain it)"
+                )
+            else:
+                names.add(name)
+        return names, conflicts
 
     def drain(
         self, devices: list[str], host: str, undrain: bool, reason: str, now: float
@@ -127,44 +144,35 @@ class ServicePolicy:
         is reported (``conflicts``), not acted on: the operator names the device to drain it.
         """
         out = Outcome()
-        names = set(devices)
-        conflicts: list[str] = []
-        if host:
-            claimed: set[str] = set()
-            for key, worker in self.workers.items():
-                if worker.registration.host == host:
-                    claimed |= self.drmap.devices_for_worker(key)
-            for name in sorted(claimed - names):
-                elsewhere = self._claims_elsewhere(name, host)
-                if elsewhere:
-                    conflicts.append(
-                        f"{name}: also claimed by {', '.join(elsewhere)}; not drained by host "
-                        "(name it to drain it)"
-                    )
-                else:
-                    names.add(name)
+        names, conflicts = self._by_host(host, set(devices)) if host else (set(devices), [])
         changed: list[str] = []
+        fleet = self.fleet
         for name in sorted(names):
-            rec = self.devices.get(name)
+            rec = fleet.devices.get(name)
             if undrain:
-                if rec is None or not self.out_of_service(rec):
+                if rec is None or not out_of_service(rec):
                     continue
                 rec.drained = rec.quarantined = False
                 rec.out_reason, rec.flips, rec.failures = "", [], []
-                kind = "device_undrained"
             else:
-                if not self.drmap.has_device(name) and rec is None:
+                if not fleet.drmap.has_device(name) and rec is None:
                     continue  # a device nobody uses is not remembered
                 rec = rec or DeviceRecord(device=name, since=now)
                 if rec.drained:
                     continue
                 rec.drained = True
                 rec.out_reason = f"drained by an operator{': ' + reason if reason else ''}"
-                kind = "device_drained"
-            self.devices[name] = rec
+            fleet.devices[name] = rec
             out.put_devices.append(rec)
             changed.append(name)
-            out.events.append(ControllerEvent(kind=kind, ts=now, device=name, detail=reason))
+            out.events.append(
+                ControllerEvent(
+                    kind="device_undrained" if undrain else "device_drained",
+                    ts=now,
+                    device=name,
+                    detail=reason,
+                )
+            )
         actions: list[Action] = []
         if changed and not undrain:
             why = f"drained by an operator{': ' + reason if reason else ''}"
@@ -177,28 +185,20 @@ class ServicePolicy:
         self, devices: list[str], reason: str, cause: str, now: float, out: Outcome
     ) -> list[Action]:
         """``fail`` to every scope using one of ``devices``, once each, in flight or not."""
-        workers = {w for d in devices for w in self.drmap.workers_for_device(d)}
+        fleet = self.fleet
+        workers = {w for d in devices for w in fleet.drmap.workers_for_device(d)}
         actions = []
-        for ekey in sorted({self._epoch_key(w) for w in workers}, key=scope_order):
+        for ekey in sorted({fleet.epoch_key(w) for w in workers}, key=scope_order):
             used = sorted(
                 d
                 for d in devices
-                if any(self._epoch_key(w) == ekey for w in self.drmap.workers_for_device(d))
+                if any(fleet.epoch_key(w) == ekey for w in fleet.drmap.workers_for_device(d))
             )
-            command = self._issue_or_replace(ekey, "fail", reason, used, cause, now, out)
+            command = self.issue_or_replace(ekey, "fail", reason, used, cause, now, out)
             if command is None:
                 continue
-            actions.append(
-                Action(job=ekey.job, replica=ekey.replica, kind=command.kind, epoch=command.epoch)
-            )
+            actions.append(action_of(ekey, command.kind, command.epoch))
             out.events.append(
-                ControllerEvent(
-                    kind=f"{command.kind}_issued",
-                    ts=now,
-                    job=ekey.job,
-                    replica=ekey.replica,
-                    epoch=command.epoch,
-                    detail=reason,
-                )
+                event_at(ekey, f"{command.kind}_issued", now, epoch=command.epoch, detail=reason)
             )
         return actions

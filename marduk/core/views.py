@@ -1,25 +1,23 @@
-"""Views of the policy's state for queries (``marduk monitor status``): read-only, pure."""
+"""Views of the policy's state (its ``Fleet``) for queries (``marduk monitor status``) and
+gauges: read-only, pure."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from marduk.core.drmap import WorkerKey
+from marduk.core.fleet import Fleet
 from marduk.wire.protocol import DeviceInfo, WorkerInfo
-
-if TYPE_CHECKING:
-    from marduk.core.policy import Policy
-
 
 # --- views for queries -----------------------------------------------------------------------
 
 
-def worker_infos(policy: Policy, job: str | None = None) -> list[WorkerInfo]:
+def worker_infos(fleet: Fleet, job: str | None = None) -> list[WorkerInfo]:
     infos = []
-    for key in sorted(policy.workers):
+    for key in sorted(fleet.workers):
         if job is not None and key.job != job:
             continue
-        rec = policy.workers[key]
+        rec = fleet.workers[key]
         reg = rec.registration
         infos.append(
             WorkerInfo(
@@ -27,8 +25,8 @@ def worker_infos(policy: Policy, job: str | None = None) -> list[WorkerInfo]:
                 replica=reg.replica,
                 worker=reg.worker,
                 host=reg.host,
-                state="stale" if key in policy.stale else "live",
-                last_seen=policy.last_seen.get(key, 0.0),
+                state="stale" if key in fleet.stale else "live",
+                last_seen=fleet.last_seen.get(key, 0.0),
                 devices=sorted(reg.devices),
                 scope=reg.scope,
                 role=reg.role,
@@ -36,34 +34,34 @@ def worker_infos(policy: Policy, job: str | None = None) -> list[WorkerInfo]:
                 incarnation=reg.incarnation,
                 applied_epoch=rec.applied_epoch,
                 seen_epoch=reg.seen_epoch,
-                epoch=policy.epoch_of(policy._epoch_key_of(rec)),
+                epoch=fleet.epoch_of(fleet.epoch_key_of(rec)),
                 registered_at=rec.registered_at,
                 updated_at=rec.updated_at,
-                **_report_fields(policy, key),
-                **_part(policy, key),
+                **_report_fields(fleet, key),
+                **_part(fleet, key),
             )
         )
     return infos
 
 
-def spares_by_job(policy: Policy) -> dict[str, int]:
+def spares_by_job(fleet: Fleet) -> dict[str, int]:
     """Live hot spares per job (``marduk_spares``): only workers that brought a rendezvous."""
     out: dict[str, int] = {}
-    for key, rec in policy.workers.items():
-        live = rec.registration.rendezvous is not None and key not in policy.stale
-        if live and _part(policy, key).get("part") == "spare":
+    for key, rec in fleet.workers.items():
+        live = rec.registration.rendezvous is not None and key not in fleet.stale
+        if live and _part(fleet, key).get("part") == "spare":
             out[key.job] = out.get(key.job, 0) + 1
     return out
 
 
-def _part(policy: Policy, key: WorkerKey) -> dict[str, Any]:
+def _part(fleet: Fleet, key: WorkerKey) -> dict[str, Any]:
     """Member (at which node rank), spare or retired, in a job with a membership."""
-    rec = policy.workers[key]
+    rec = fleet.workers[key]
     if rec.registration.rendezvous is None:
         return {}
     if rec.retired:
         return {"part": "retired"}
-    state = policy.epochs.get(policy._epoch_key_of(rec))
+    state = fleet.epochs.get(fleet.epoch_key_of(rec))
     m = state.membership if state is not None else None
     me = m.member(key.replica, key.worker) if m is not None else None
     if me is not None:
@@ -71,8 +69,8 @@ def _part(policy: Policy, key: WorkerKey) -> dict[str, Any]:
     return {"part": "spare" if m is not None or rec.registration.rendezvous.spare else ""}
 
 
-def _report_fields(policy: Policy, key: WorkerKey) -> dict[str, Any]:
-    r = policy.reports.get(key)
+def _report_fields(fleet: Fleet, key: WorkerKey) -> dict[str, Any]:
+    r = fleet.reports.get(key)
     if r is None:
         return {}
     return {
@@ -83,16 +81,16 @@ def _report_fields(policy: Policy, key: WorkerKey) -> dict[str, Any]:
     }
 
 
-def device_infos(policy: Policy, job: str | None = None) -> list[DeviceInfo]:
-    names = set(policy.drmap.devices()) | set(policy.devices)
+def device_infos(fleet: Fleet, job: str | None = None) -> list[DeviceInfo]:
+    names = set(fleet.drmap.devices()) | set(fleet.devices)
     infos = []
     for name in sorted(names):
         replicas = sorted(
-            str(r) for r in policy.drmap.replicas_for_device(name) if job is None or r.job == job
+            str(r) for r in fleet.drmap.replicas_for_device(name) if job is None or r.job == job
         )
         if job is not None and not replicas:
             continue
-        rec = policy.devices.get(name)
+        rec = fleet.devices.get(name)
         infos.append(
             DeviceInfo(
                 device=name,

@@ -1,0 +1,110 @@
+"""Issuing a command: a new epoch for a restart scope, written ahead past its ceiling, the
+membership it carries, who must confirm it, and the peer notices it sends. Pure: no I/O, no
+clock (``now`` is an argument). Every rule set that commands goes through one ``Issuer``.
+
+Epochs (docs/decisions.md #3): each scope's epoch only increases; commands up to the scope's
+reserved ceiling need no write of their own, one above it reserves the next block first
+(``Outcome.write_ahead``). A restart is *pending* while live workers have not confirmed it and
+for at most ``pending_timeout_s``: further failures of the scope coalesce into it, and ``tick``
+resends it.
+"""
+
+from __future__ import annotations
+
+from marduk.core import membership as rdzv
+from marduk.core.decisions import Outcome
+from marduk.core.fleet import Fleet
+from marduk.core.notices import failed_peers, peer_notices
+from marduk.core.records import EpochKey, EpochRecord
+from marduk.wire.protocol import Command, CommandKind, Membership
+
+
+class Issuer:
+    """Issues the commands of every rule set over one ``Fleet``."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def issue(
+        self,
+        ekey: EpochKey,
+        kind: CommandKind,
+        reason: str,
+        devices: list[str],
+        cause: str,
+        now: float,
+        out: Outcome,
+        *,
+        pending: bool = True,
+        membership: Membership | None = None,
+    ) -> Command:
+        """A new epoch for ``ekey`` and its command. ``pending``: a restart the scope's workers
+        must confirm (coalescing further failures, resent until then); a checkpoint is not.
+        ``membership``: the job's first (else a restart renews the one in force)."""
+        fleet = self.fleet
+        epoch = fleet.scopes.next_epoch(ekey)
+        state = fleet.epochs.get(ekey) or EpochRecord(job=ekey.job, replica=ekey.replica)
+        if epoch > state.ceiling:
+            state.ceiling = epoch + fleet.config.epoch_block - 1
+            out.write_ahead.append(state)
+        membership = membership or self._next_membership(ekey, state, kind, epoch)
+        if membership is not state.membership:
+            # Who takes part at this epoch must be durable before anyone is told: a leader
+            # taking over mid-change starts from it, never from a membership nobody saw.
+            state.membership = membership
+            if state not in out.write_ahead:
+                out.write_ahead.append(state)
+        command = Command(
+            command_id=f"{ekey.job}/{ekey.replica or '*'}/{epoch}",
+            job=ekey.job,
+            replica=ekey.replica,
+            scope="job" if ekey.replica is None else "replica",
+            kind=kind,
+            epoch=epoch,
+            reason=reason,
+            devices=devices,
+            event_id=cause,
+            issued_at=now,
+            membership=state.membership,
+            retired=fleet.retired(ekey),
+        )
+        state.epoch, state.issued_at, state.command = epoch, now, command
+        fleet.scopes.put(ekey, state)
+        fleet.scopes.issued(ekey, fleet.live_takers(ekey, state) if pending else None, now)
+        out.commands.append(command)
+        if state not in out.write_ahead:
+            out.put_epochs.append(state)
+        if kind in ("restart", "fail") and ekey.replica is not None:
+            self._notify_peers(ekey.job, now, out)
+        return command
+
+    def pending(self, ekey: EpochKey, now: float) -> bool:
+        """Is the scope's restart in flight: unconfirmed, and issued under the timeout ago?"""
+        state = self.fleet.epochs.get(ekey)
+        if state is None or not self.fleet.scopes.in_flight(ekey):
+            return False
+        return now - state.issued_at < self.fleet.config.pending_timeout_s
+
+    def _next_membership(
+        self, ekey: EpochKey, state: EpochRecord, kind: CommandKind, epoch: int
+    ) -> Membership | None:
+        """A restart of a job with a membership renews it (same members, a new coordinator
+        port); other commands carry the one in force."""
+        if kind != "restart" or state.membership is None or ekey.replica is not None:
+            return state.membership
+        return rdzv.renew(state.membership, epoch, ekey.job, self.fleet.candidates(ekey.job))
+
+    def _notify_peers(self, job: str, now: float, out: Outcome) -> None:
+        """The notices of ``out`` for ``job``, made again from all of its commands so far (a
+        decision may restart several replicas of the job: each notice names them all)."""
+        recipients = self.fleet.notice_replicas(job)
+        if not recipients:
+            return
+        peers = failed_peers(job, out.commands)
+        reason = "; ".join(
+            f"{c.replica} {c.kind} at epoch {c.epoch}: {c.reason}"
+            for c in out.commands
+            if c.job == job and c.replica is not None and c.kind in ("restart", "fail")
+        )
+        out.notices = [n for n in out.notices if n.job != job]
+        out.notices.extend(peer_notices(job, recipients, peers, reason, now))
