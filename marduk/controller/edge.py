@@ -20,7 +20,7 @@ from nats.micro.request import Request as MicroRequest
 
 from marduk.aio import RateLimitedLog
 from marduk.controller.commit import NotServing
-from marduk.controller.endpoint_stats import Tally
+from marduk.controller.endpoint_stats import ANSWERED, DROPPED, Outcome, Tally
 from marduk.core.policy import PolicyError
 from marduk.errors import ProtocolError
 from marduk.wire.protocol import (
@@ -103,7 +103,6 @@ class Edge:
         ``tally`` records each request's whole work, from its decoding to its answer, and its
         errors by code, for the STATS reply's ``data`` (``endpoint_stats``)."""
         kind = type_.__name__.lower()
-        limit = self.ctl.settings.max_message_bytes
         tally = tally if tally is not None else Tally()
 
         async def on_request(request: MicroRequest) -> None:
@@ -119,49 +118,54 @@ class Edge:
 
         async def handle(request: MicroRequest) -> None:
             start = tally.started()
-            outcome = ("cancelled", "stopped before it was answered", False)
+            outcome = Outcome("cancelled", "stopped before it was answered", answered=False)
             try:
-                outcome = await decide_and_answer(request)
+                outcome = await self._serve(request, type_, handler, kind)
             except Exception as e:  # a bug: the task's guard logs it; the tally counts it
-                outcome = ("internal", f"{type(e).__name__}: {e}", False)
+                outcome = Outcome("internal", f"{type(e).__name__}: {e}", answered=False)
                 raise
             finally:
-                tally.done(start, *outcome)
-
-        async def decide_and_answer(request: MicroRequest) -> tuple[str, str, bool]:
-            """The error code it was answered with (or why no answer went out) and whether
-            one did: "" and True for a good answer."""
-            self.ctl.stats[f"received.{kind}"] += 1
-            if not self.ctl.leading():
-                # Our lease lapsed (a paused process) and we have not noticed yet: the new
-                # leader answers; one reply per request.
-                self.ctl.stats["fenced"] += 1
-                return "", "", False
-            reply: msgspec.Struct | None
-            try:
-                req = decode(request.data, type_, max_bytes=limit)
-                reply = await handler(req, request.subject)
-            except NotServing:
-                return "", "", False  # no answer: the client retries and reaches the new leader
-            except ProtocolError as e:
-                reply = self.reject(kind, e.reason, str(e), request.subject)
-            except PolicyError as e:
-                reply = self.reject(kind, e.code, str(e), request.subject)
-            except Exception as e:  # the controller never crashes on input
-                self.log_internal(f"{kind} on {request.subject}")
-                reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
-            reply_to = reply_subject(request)
-            if reply is None or not reply_to:
-                return "", "", False
-            failed = await self.answer(reply_to, reply, request.respond)
-            if failed:
-                why = "not an inbox" if failed == "reply_subject" else "could not answer on"
-                return failed, f"{why}: {reply_to[:100]}", False
-            if isinstance(reply, ErrorReply):
-                return reply.code, reply.message, True
-            return "", "", True
+                tally.done(start, outcome)
 
         return on_request
+
+    async def _serve(
+        self,
+        request: MicroRequest,
+        type_: type[T],
+        handler: Callable[[T, str], Awaitable[msgspec.Struct | None]],
+        kind: str,
+    ) -> Outcome:
+        """One request: decode, decide, answer; how that ended (never raises on input)."""
+        self.ctl.stats[f"received.{kind}"] += 1
+        if not self.ctl.leading():
+            # Our lease lapsed (a paused process) and we have not noticed yet: the new leader
+            # answers; one reply per request.
+            self.ctl.stats["fenced"] += 1
+            return DROPPED
+        reply: msgspec.Struct | None
+        try:
+            req = decode(request.data, type_, max_bytes=self.ctl.settings.max_message_bytes)
+            reply = await handler(req, request.subject)
+        except NotServing:
+            return DROPPED  # no answer: the client retries and reaches the new leader
+        except ProtocolError as e:
+            reply = self.reject(kind, e.reason, str(e), request.subject)
+        except PolicyError as e:
+            reply = self.reject(kind, e.code, str(e), request.subject)
+        except Exception as e:  # the controller never crashes on input
+            self.log_internal(f"{kind} on {request.subject}")
+            reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
+        reply_to = reply_subject(request)
+        if reply is None or not reply_to:
+            return DROPPED
+        failed = await self.answer(reply_to, reply, request.respond)
+        if failed:
+            why = "not an inbox" if failed == "reply_subject" else "could not answer on"
+            return Outcome(failed, f"{why}: {reply_to[:100]}", answered=False)
+        if isinstance(reply, ErrorReply):
+            return Outcome(reply.code, reply.message)
+        return ANSWERED
 
     async def answer(
         self,

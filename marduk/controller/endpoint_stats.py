@@ -12,11 +12,24 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from nats.micro.service import EndpointStats as MicroEndpointStats
 
 _LAST_ERROR_CHARS = 200
+
+
+class Outcome(NamedTuple):
+    """How one request's work ended: ``error``, the code it was answered with or why no answer
+    went out ("" for neither), with a ``detail`` for ``last_error``; whether it was answered."""
+
+    error: str = ""
+    detail: str = ""
+    answered: bool = True
+
+
+ANSWERED = Outcome()
+DROPPED = Outcome(answered=False)  # on purpose: not serving (the client asks the leader again)
 
 
 class Tally:
@@ -35,17 +48,16 @@ class Tally:
         self.in_flight += 1
         return time.perf_counter_ns()
 
-    def done(self, start: int, error: str = "", detail: str = "", answered: bool = True) -> None:
-        """A request's work is over: answered (``error``: the code it was answered with or
-        why the answer failed), or dropped unanswered on purpose (not serving)."""
+    def done(self, start: int, outcome: Outcome) -> None:
+        """A request's work that began at ``start`` is over."""
         self.in_flight -= 1
         self.completed += 1
         self.processing_ns += time.perf_counter_ns() - start
-        if not answered:
+        if not outcome.answered:
             self.unanswered += 1
-        if error:
-            self.errors[error] += 1
-            self.last_error = f"{error}: {detail}"[:_LAST_ERROR_CHARS]
+        if outcome.error:
+            self.errors[outcome.error] += 1
+            self.last_error = f"{outcome.error}: {outcome.detail}"[:_LAST_ERROR_CHARS]
 
     def data(self) -> dict[str, Any]:
         """The STATS ``data`` of this endpoint (plain JSON types; times in nanoseconds, as
