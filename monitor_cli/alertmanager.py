@@ -40,7 +40,7 @@ import msgspec
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
-from marduk.aio import HttpServer, parse_host_port, respond
+from marduk.aio import HttpServer, TaskSet, parse_host_port, respond
 from marduk.errors import MardukError, ProtocolError, RequestRejected
 from marduk.shell.metrics import StatsCollector
 from marduk.transport import bus
@@ -283,7 +283,7 @@ class AlertmanagerReceiver:
         self.registry = CollectorRegistry()
         self.registry.register(StatsCollector(self.stats, list, help_texts=_HELP))
         self._server = HttpServer(self.host, self.port, self._accept, what="listen")
-        self._handlers: set[asyncio.Task[Any]] = set()
+        self._handlers = TaskSet(self._handler_failed, prefix="alertmanager-")
         self._publishing = asyncio.Semaphore(settings.max_concurrent_publishes)
 
     async def start(self) -> None:
@@ -310,17 +310,16 @@ class AlertmanagerReceiver:
     async def stop(self, grace_s: float = 5.0) -> None:
         """Stop accepting, let requests in flight finish (``grace_s``), then close NATS."""
         self._server.close()
-        if self._handlers:
-            _, pending = await asyncio.wait(set(self._handlers), timeout=grace_s)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
+        await self._handlers.drain(grace_s)
         await self.publisher.close()
 
     def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.create_task(self._handle(reader, writer), name="alertmanager-request")
-        self._handlers.add(task)
-        task.add_done_callback(self._handlers.discard)
+        self._handlers.spawn(self._handle(reader, writer), "request")
+
+    def _handler_failed(self, task: asyncio.Task[Any], e: BaseException) -> None:
+        # _handle catches every Exception; this is what it cannot (a BaseException): counted.
+        self.stats["errors.internal"] += 1
+        log.error("request handler %s failed: %s: %s", task.get_name(), type(e).__name__, e)
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

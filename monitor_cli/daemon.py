@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from marduk.aio import Backoff, restart_forever
+from marduk.aio import Backoff, TaskSet, restart_forever
 from marduk.errors import MardukError, RequestRejected
 from marduk.transport import bus
 from marduk.transport.credentials import redact
@@ -99,7 +99,7 @@ class MonitorDaemon:
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = TaskSet(self._task_failed, prefix="marduk-monitor:")
         self._publisher: asyncio.Task[None] | None = None
         self.publisher = DurablePublisher(
             settings.addr,
@@ -205,10 +205,12 @@ class MonitorDaemon:
                 log.error("task %s crashed; restarting in %gs", name, pause, exc_info=error)
             self.stats[f"task.{name}.restarts"] += 1
 
-        guarded = restart_forever(factory, self._restart_backoff(), ended)
-        task = asyncio.create_task(guarded, name=f"marduk-monitor:{name}")
-        self._tasks.append(task)
-        return task
+        return self._tasks.spawn(restart_forever(factory, self._restart_backoff(), ended), name)
+
+    def _task_failed(self, task: asyncio.Task[Any], e: BaseException) -> None:
+        # restart_forever restarts whatever the task raised; only its own failure lands here.
+        self.stats["errors.task"] += 1
+        log.error("task %s failed: %s: %s", task.get_name(), type(e).__name__, e)
 
     async def _poll(self, probe: Probe) -> None:
         loop = asyncio.get_running_loop()

@@ -7,22 +7,22 @@ waits for the controller's decision, retrying with backoff until the event is st
 caller's deadline passes. Retrying is safe: the event id makes a repeat a duplicate.
 
 Counters in ``stats``: ``nats.connect_failures``, ``nats.disconnects``, ``nats.reconnects``,
-``publish.retries``.
+``publish.retries``, ``errors.task`` (the connecting task failed: a bug).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import nats.errors
 from nats.aio.client import Client as NATS
 
-from marduk.aio import Backoff
+from marduk.aio import Backoff, TaskSet
 from marduk.errors import ConnectError, MardukError, RequestRejected
 from marduk.transport import bus
 from marduk.transport.credentials import redact
@@ -65,7 +65,7 @@ class DurablePublisher:
         self.retry_max_s = retry_max_s
         self.nc: NATS | None = None
         self._connected = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = TaskSet(self._task_failed)
         self._closing = False
 
     @property
@@ -76,7 +76,13 @@ class DurablePublisher:
         """Connect in the background; a credential that cannot be used fails here, in one
         line, rather than in every retry."""
         bus.default_credentials().nats_options()
-        self._task = asyncio.create_task(self._connect_loop(), name=f"{self.name}:nats")
+        self._tasks.spawn(self._connect_loop(), f"{self.name}:nats")
+
+    def _task_failed(self, task: asyncio.Task[Any], e: BaseException) -> None:
+        self.stats["errors.task"] += 1
+        log.error(
+            "%s failed: %s: %s (not connecting any more)", task.get_name(), type(e).__name__, e
+        )
 
     async def publish(
         self, event: DeviceHealth, *, timeout: float = math.inf, on_retry: OnRetry | None = None
@@ -139,10 +145,7 @@ class DurablePublisher:
 
     async def close(self) -> None:
         self._closing = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._tasks.stop()
         if self.nc is not None:
             await bus.close(self.nc, drain=False)
             self.nc = None

@@ -67,7 +67,7 @@ class LocalAsyncClient(CommandInbox):
             ) from None
         self.fence = self.fence.adopt(welcome.epoch)
         self.state = "registered"
-        self._reader_task = asyncio.create_task(self._read(reader), name="marduk-agent-local")
+        self._reader_task = self._tasks.spawn(self._read(reader), "local")
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
         try:

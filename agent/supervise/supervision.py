@@ -91,6 +91,11 @@ class GiveUp:
 class Finish:
     """Every local rank exited 0: exit 0."""
 
+    @property
+    def why(self) -> str:
+        """As every other decision's: why the ranks are stopped."""
+        return "every rank finished"
+
 
 @dataclass(frozen=True, slots=True)
 class Forward:

@@ -282,7 +282,7 @@ class Supervisor:
             if command is not None:
                 await self._forward(command)  # the libraries learn why they are stopped
             answered = await self._tell_the_others(decision)
-            await self.procs.stop_all(decision_why(decision))
+            await self.procs.stop_all(decision.why)
             self.telemetry.trainers_ended(time.monotonic())
             code = await self._apply(decision, command, answered)
             if code is not None:
@@ -494,9 +494,3 @@ class Supervisor:
 
     async def _preflight(self, after: str) -> bool:
         return await self.between.preflight(self._trainer_env(), after)
-
-
-def decision_why(decision: Decision) -> str:
-    if isinstance(decision, Finish):
-        return "every rank finished"
-    return decision.why

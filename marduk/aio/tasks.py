@@ -2,7 +2,8 @@
 
 ``TaskSet`` holds its tasks (the event loop keeps only weak references to them), names them and
 hands an exception nobody awaits to the owner's policy (count and log, record, or treat as
-fatal), like kopf's guarded tasks; ``stop`` cancels them and names those that would not stop.
+fatal), like kopf's guarded tasks; ``stop`` cancels them and names those that would not stop;
+``drain`` lets them finish first, within a grace period.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ class TaskSet:
     def cancel(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+
+    async def drain(self, grace_s: float) -> list[str]:
+        """Let the tasks finish within ``grace_s``, then ``stop`` (cancel) those still running;
+        the names of those that would not stop."""
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait(tasks, timeout=grace_s)
+        return await self.stop()
 
     async def stop(self, grace_s: float | None = None) -> list[str]:
         """Cancel every task and wait ``grace_s`` (None: until they end); the names of those

@@ -20,6 +20,7 @@ from nats.micro.request import Request as MicroRequest
 
 from marduk.aio import RateLimitedLog
 from marduk.controller.commit import NotServing
+from marduk.controller.endpoint_stats import ANSWERED, DROPPED, Outcome, Tally
 from marduk.core.policy import PolicyError
 from marduk.errors import ProtocolError
 from marduk.wire.protocol import (
@@ -57,6 +58,17 @@ def _event_id_of(data: bytes) -> str:
     return event_id if len(event_id) <= 256 else ""
 
 
+def reply_subject(request: MicroRequest) -> str:
+    """The subject a micro request asks to be answered on ("" if none).
+
+    nats-py's micro ``Request`` (2.16) does not show it: ``respond()`` publishes to its message's
+    reply subject, whatever that names, with our rights. The controller must see it first and
+    answer only an ``_INBOX.`` subject (``Edge.answer``: never a confused deputy writing to
+    ``$KV.>`` or ``marduk.ctl.hello``), so this reads the private message, in this one place.
+    tests/unit/test_micro_reply.py fails if nats-py moves it."""
+    return request._msg.reply or ""
+
+
 class Edge:
     """Where messages come in and answers go out: decode strictly, reject (counted, logged a few
     times a minute), answer; never raise on input."""
@@ -77,19 +89,21 @@ class Edge:
         handler: Callable[[T, str], Awaitable[msgspec.Struct | None]],
         *,
         concurrent: bool,
+        tally: Tally | None = None,
     ) -> Callable[[MicroRequest], Awaitable[None]]:
         """A micro endpoint handler: decode strictly, decide, answer; never raise.
 
         nats-py's micro endpoint takes its requests one at a time (its subscription awaits the
-        handler before the next message), and only then are `nats micro stats` true: each
-        request's processing time, the whole of its work. That is the way for the operators'
-        endpoints (``concurrent=False``). The agents' endpoints are ``concurrent``: a request
-        is handed to a task of its own and the handler returns, so a registration storm is
-        decided while earlier registrations' records are written and their commits go out
-        together (awaited one by one, each would wait for its own store round trip); their
-        micro stats count requests, not the time they take."""
+        handler before the next message). That is the way for the operators' endpoints
+        (``concurrent=False``). The agents' endpoints are ``concurrent``: a request is handed
+        to a task of its own and the handler returns, so a registration storm is decided while
+        earlier registrations' records are written and their commits go out together (awaited
+        one by one, each would wait for its own store round trip). Micro's own stats then time
+        only the hand-off, and never count an error (we answer errors, we do not raise them):
+        ``tally`` records each request's whole work, from its decoding to its answer, and its
+        errors by code, for the STATS reply's ``data`` (``endpoint_stats``)."""
         kind = type_.__name__.lower()
-        limit = self.ctl.settings.max_message_bytes
+        tally = tally if tally is not None else Tally()
 
         async def on_request(request: MicroRequest) -> None:
             if not concurrent:
@@ -103,42 +117,67 @@ class Edge:
             task.add_done_callback(lambda _t: self._in_flight.release())
 
         async def handle(request: MicroRequest) -> None:
-            self.ctl.stats[f"received.{kind}"] += 1
-            if not self.ctl.leading():
-                # Our lease lapsed (a paused process) and we have not noticed yet: the new
-                # leader answers; one reply per request.
-                self.ctl.stats["fenced"] += 1
-                return
-            reply: msgspec.Struct | None
+            start = tally.started()
+            outcome = Outcome("cancelled", "stopped before it was answered", answered=False)
             try:
-                req = decode(request.data, type_, max_bytes=limit)
-                reply = await handler(req, request.subject)
-            except NotServing:
-                return  # no answer: the client retries and reaches the new leader
-            except ProtocolError as e:
-                reply = self.reject(kind, e.reason, str(e), request.subject)
-            except PolicyError as e:
-                reply = self.reject(kind, e.code, str(e), request.subject)
-            except Exception as e:  # the controller never crashes on input
-                self.log_internal(f"{kind} on {request.subject}")
-                reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
-            # micro's Request does not show its reply subject; it is checked before answering.
-            reply_to = request._msg.reply
-            if reply is not None and reply_to:
-                await self.answer(reply_to, reply, request.respond)
+                outcome = await self._serve(request, type_, handler, kind)
+            except Exception as e:  # a bug: the task's guard logs it; the tally counts it
+                outcome = Outcome("internal", f"{type(e).__name__}: {e}", answered=False)
+                raise
+            finally:
+                tally.done(start, outcome)
 
         return on_request
+
+    async def _serve(
+        self,
+        request: MicroRequest,
+        type_: type[T],
+        handler: Callable[[T, str], Awaitable[msgspec.Struct | None]],
+        kind: str,
+    ) -> Outcome:
+        """One request: decode, decide, answer; how that ended (never raises on input)."""
+        self.ctl.stats[f"received.{kind}"] += 1
+        if not self.ctl.leading():
+            # Our lease lapsed (a paused process) and we have not noticed yet: the new leader
+            # answers; one reply per request.
+            self.ctl.stats["fenced"] += 1
+            return DROPPED
+        reply: msgspec.Struct | None
+        try:
+            req = decode(request.data, type_, max_bytes=self.ctl.settings.max_message_bytes)
+            reply = await handler(req, request.subject)
+        except NotServing:
+            return DROPPED  # no answer: the client retries and reaches the new leader
+        except ProtocolError as e:
+            reply = self.reject(kind, e.reason, str(e), request.subject)
+        except PolicyError as e:
+            reply = self.reject(kind, e.code, str(e), request.subject)
+        except Exception as e:  # the controller never crashes on input
+            self.log_internal(f"{kind} on {request.subject}")
+            reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
+        reply_to = reply_subject(request)
+        if reply is None or not reply_to:
+            return DROPPED
+        failed = await self.answer(reply_to, reply, request.respond)
+        if failed:
+            why = "not an inbox" if failed == "reply_subject" else "could not answer on"
+            return Outcome(failed, f"{why}: {reply_to[:100]}", answered=False)
+        if isinstance(reply, ErrorReply):
+            return Outcome(reply.code, reply.message)
+        return ANSWERED
 
     async def answer(
         self,
         subject: str,
         reply: msgspec.Struct,
         respond: Callable[[bytes], Awaitable[None]] | None = None,
-    ) -> None:
-        """Answer on ``subject``, an inbox; through ``respond`` (a micro request's) if given."""
+    ) -> str:
+        """Answer on ``subject``, an inbox; through ``respond`` (a micro request's) if given.
+        Returns "" once answered, else why not (an error code, counted)."""
         nc = self.ctl.nc
         if nc is None:
-            return
+            return "not_connected"
 
         async def send(data: bytes) -> None:
             await (respond(data) if respond is not None else nc.publish(subject, data))
@@ -147,9 +186,10 @@ class Edge:
             # Never a confused deputy: a caller naming $KV..., $JS... or marduk.ctl.hello as
             # its reply subject would have us write there with the controller's rights.
             self.reject("reply", "reply_subject", f"not an inbox: {subject[:100]}", subject)
-            return
+            return "reply_subject"
         try:
             await send(encode(reply))
+            return ""
         except nats.errors.MaxPayloadError as e:
             # Say so, rather than leave the client to conclude nobody answered.
             self.ctl.stats["errors.reply_too_large"] += 1
@@ -161,9 +201,11 @@ class Edge:
             )
             with contextlib.suppress(Exception):
                 await send(encode(too_large))
+            return "reply_too_large"
         except Exception as e:
             self.ctl.stats["errors.reply"] += 1
             self.log_limited("reply", f"could not answer on {subject}: {e}")
+            return "reply"
 
     def reject(self, kind: str, reason: str, message: str, subject: str) -> ErrorReply:
         self.ctl.stats[f"rejected.{reason}"] += 1

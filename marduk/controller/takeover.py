@@ -20,6 +20,7 @@ from nats.micro.service import Service as MicroService
 
 from marduk import __version__
 from marduk.aio import Pulse, wait_any
+from marduk.controller.endpoint_stats import ServiceTallies
 from marduk.core.policy import Policy
 from marduk.core.role import Event, Role
 from marduk.errors import MardukError, ProtocolError
@@ -165,7 +166,9 @@ class Takeover:
         assert self.ctl.nc is not None and self.ctl.health is not None
         s = self.ctl.subjects
         # A NATS micro service: `nats micro ls|info|stats` and $SRV.PING find the leader, its
-        # endpoints and version (standbys serve nothing, so they are not listed).
+        # endpoints and version (standbys serve nothing, so they are not listed). Each
+        # endpoint's stats ``data`` is what its requests really came to (endpoint_stats).
+        tallies = ServiceTallies()
         self._service = await micro.add_service(
             self.ctl.nc,
             name="marduk",
@@ -180,12 +183,14 @@ class Takeover:
             # unsubscribed yet must not take a share of the requests (it drops them); each
             # controller sees every request and only the one that leads answers.
             queue_group=f"marduk-{self.ctl.controller_id}",
+            stats_handler=tallies.stats_handler,
         )
         for name, subject, type_, handler, concurrent in self.ctl.handlers.endpoints():
+            tally = tallies.endpoint(name)
             await self._service.add_endpoint(
                 name=name,
                 subject=subject,
-                handler=self.ctl.edge.endpoint(type_, handler, concurrent=concurrent),
+                handler=self.ctl.edge.endpoint(type_, handler, concurrent=concurrent, tally=tally),
             )
         self._subs = [await self.ctl.nc.subscribe(s.standby, cb=self.on_standby)]
         gone = self.ctl.leadership is not None and self.ctl.leadership.holder_gone

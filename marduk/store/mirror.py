@@ -15,7 +15,7 @@ import msgspec
 from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js.client import JetStreamContext
 
-from marduk.aio import Pulse
+from marduk.aio import Pulse, TaskSet
 from marduk.core.records import DeviceRecord, EpochRecord, WorkerRecord
 from marduk.store.state import (
     FENCE_KEYS,
@@ -50,7 +50,7 @@ class StateMirror:
         self.changed_at = time.monotonic()
         self.changed = Pulse()  # beats on every change to the records
         self.healthy = False
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks = TaskSet(self._follow_failed, prefix="mirror-")
 
     async def start(self) -> None:
         self.healthy = True
@@ -58,9 +58,7 @@ class StateMirror:
         # watch would see, so a mirror of it would only grow; it is read at takeover instead.
         for kv, bucket in ((self.store.kv, self.store.bucket),):
             watcher = await kv.watchall()
-            self._tasks.append(
-                asyncio.create_task(self._follow(watcher, bucket), name=f"mirror-{bucket}")
-            )
+            self._tasks.spawn(self._follow(watcher, bucket), bucket)
 
     def _put(self, key: str, value: bytes) -> None:
         self._drop(key)
@@ -82,6 +80,11 @@ class StateMirror:
         for records in (self._workers, self._epochs, self._devices):
             records.pop(key, None)
         self._unreadable.discard(key)
+
+    def _follow_failed(self, task: asyncio.Task[Any], e: BaseException) -> None:
+        # _follow catches every Exception itself; anything else ends the mirror the same way.
+        self.healthy = False
+        log.warning("state mirror task %s ended (%s); takeover will reload", task.get_name(), e)
 
     async def _follow(self, watcher: Any, bucket: str) -> None:
         try:
@@ -147,8 +150,5 @@ class StateMirror:
         )
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await self._tasks.stop()
         self.healthy = False

@@ -32,6 +32,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from marduk.aio import RateLimitedLog, TaskSet
 from marduk.errors import (
     ConnectError,
     MardukError,
@@ -238,12 +239,15 @@ def _refused_after_connect(nc: NATS, creds: Credentials) -> None:
     _refusals[id(nc)] = f"{REFUSED_AFTER_CONNECT} ({creds.describe()})"
     log.error("%s", _refusals[id(nc)])
     if not nc.is_closed:
-        task = asyncio.get_running_loop().create_task(_close_quietly(nc))
-        _closing.add(task)
-        task.add_done_callback(_closing.discard)
+        _closing.spawn(_close_quietly(nc), "close-refused")
 
 
-_closing: set[asyncio.Task[None]] = set()
+# Closing a connection whose credentials were refused, from nats-py's callback (held here: the
+# event loop keeps only weak references to tasks). _close_quietly swallows its own errors.
+_closing = TaskSet(lambda task, e: log.debug("%s failed: %s", task.get_name(), e), prefix="nats-")
+# A permission violation: the first few per subject a minute (a loop of denied requests must not
+# flood the log); every one is counted in STATS.
+_violations = RateLimitedLog(log, burst=3, more="(more permission violations on %s are counted)")
 
 
 def _permission_violation(op: str, subject: str, creds: Credentials, conn: int = 0) -> None:
@@ -256,8 +260,7 @@ def _permission_violation(op: str, subject: str, creds: Credentials, conn: int =
     for waiter in _waiting.get((conn, key), ()):
         if not waiter.done():
             waiter.set_result(_denied[key][0])
-    if STATS["nats.permission_violations"] <= 20:
-        log.warning("%s", _denied[key][0])
+    _violations.log(key, logging.WARNING, "%s", _denied[key][0])
     if len(_denied) > 1000:
         _denied.clear()
 

@@ -6,65 +6,46 @@ and bounds are checked, the version must be one we speak, and the payload size i
 fields are ignored so that a newer peer may add optional fields without breaking an older one.
 
 ``docs/protocol.md`` documents every subject and message with a JSON example; keep it in step.
+The field types and limits are in ``fields``, the codec in ``codec``, the membership structs in
+``membership``; this module re-exports them, so the whole contract is imported from here.
 """
 
 from __future__ import annotations
 
-import re
-from typing import Annotated, Any, Final, Literal, TypeVar, get_args
+from typing import Annotated, Final, Literal, get_args
 
 import msgspec
 
-from marduk.errors import ProtocolError
-from marduk.wire.subjects import RESERVED_JOBS, TOKEN_PATTERN
-
-PROTOCOL_VERSION: Final = 1
-# Well under NATS's default max_payload (1 MiB). A registration of 4,096 devices fits.
-MAX_MESSAGE_BYTES: Final = 256 * 1024
-MAX_DEVICES_PER_WORKER: Final = 4096
-
-# Above this, a JSON peer that reads numbers as doubles (JavaScript, jq, many JSON libraries)
-# silently rounds: two different epochs would compare equal.
-MAX_EPOCH: Final = 2**53
-
-# --- field types -------------------------------------------------------------------------------
-
-# Patterns are anchored with \A and \Z, not ^ and $: msgspec applies them with ``re.search``, and
-# ``$`` also matches before a trailing newline, so "a\n" would pass as a token.
-_TOKEN_PATTERN: Final = rf"\A{TOKEN_PATTERN}\Z"
-# A token that is not a reserved job name (those would collide with the controller's subjects).
-_RESERVED = "|".join(re.escape(job) for job in sorted(RESERVED_JOBS))
-_JOB_PATTERN: Final = rf"\A(?!(?:{_RESERVED})\Z){TOKEN_PATTERN}\Z"
-_DEVICE_PATTERN: Final = r"\A[\x21-\x7e]+\Z"
-
-Token = Annotated[str, msgspec.Meta(pattern=_TOKEN_PATTERN, description="subject token")]
-JobName = Annotated[str, msgspec.Meta(pattern=_JOB_PATTERN, description="job name")]
-DeviceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=_DEVICE_PATTERN)]
-ShortText = Annotated[str, msgspec.Meta(max_length=256)]
-Text = Annotated[str, msgspec.Meta(max_length=4096)]
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-Epoch = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
-# Any integer decodes; decode() answers every value but PROTOCOL_VERSION with reason "version".
-Version = int
-
-Scope = Literal["replica", "job"]
-# preempting: the device's host is about to go away (maintenance, preemption): checkpoint now.
-HealthState = Literal["failed", "degraded", "preempting", "healthy"]
-# checkpoint: save now (the host is about to go away); not a restart: keep training.
-# peer_failed: a notice that other replicas of the job restart or fail (their ``peers``); not a
-# restart either, and outside the recipient's epochs. Sent only to replicas that asked for it
-# (``Registration.peer_notices``): older agents never see the kind.
-CommandKind = Literal["restart", "fail", "stop", "checkpoint", "peer_failed"]
-FailureKind = Literal["restart", "fail"]
-# A notice lists at most this many failed replicas (a larger storm gives several notices).
-MAX_PEERS_PER_NOTICE: Final = 256
-Role = Literal["library", "supervisor"]
-Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-PosInt = Annotated[int, msgspec.Meta(ge=1)]
-# A membership lists at most this many workers (one per node): it travels in every command of
-# its job and must fit the message cap with room to spare (about 120 bytes each).
-MAX_MEMBERS: Final = 1024
-QueryWhat = Literal["map", "devices", "stats", "ping"]
+# Re-exported (``X as X``): callers import the whole contract from this module.
+from marduk.wire.codec import decode as decode
+from marduk.wire.codec import encode as encode
+from marduk.wire.codec import to_builtins as to_builtins
+from marduk.wire.fields import MAX_DEVICES_PER_WORKER as MAX_DEVICES_PER_WORKER
+from marduk.wire.fields import MAX_EPOCH as MAX_EPOCH
+from marduk.wire.fields import MAX_MEMBERS as MAX_MEMBERS
+from marduk.wire.fields import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
+from marduk.wire.fields import MAX_PEERS_PER_NOTICE as MAX_PEERS_PER_NOTICE
+from marduk.wire.fields import PROTOCOL_VERSION as PROTOCOL_VERSION
+from marduk.wire.fields import CommandKind as CommandKind
+from marduk.wire.fields import DeviceId as DeviceId
+from marduk.wire.fields import Epoch as Epoch
+from marduk.wire.fields import FailureKind as FailureKind
+from marduk.wire.fields import HealthState as HealthState
+from marduk.wire.fields import JobName as JobName
+from marduk.wire.fields import NonNegInt as NonNegInt
+from marduk.wire.fields import Port as Port
+from marduk.wire.fields import PosInt as PosInt
+from marduk.wire.fields import QueryWhat as QueryWhat
+from marduk.wire.fields import Role as Role
+from marduk.wire.fields import Scope as Scope
+from marduk.wire.fields import ShortText as ShortText
+from marduk.wire.fields import Text as Text
+from marduk.wire.fields import Token as Token
+from marduk.wire.fields import Version as Version
+from marduk.wire.membership import Member as Member
+from marduk.wire.membership import Membership as Membership
+from marduk.wire.membership import Rendezvous as Rendezvous
+from marduk.wire.membership import WorkerRef as WorkerRef
 
 
 class Message(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=False):
@@ -74,60 +55,6 @@ class Message(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=Fals
 
 
 # --- registration ------------------------------------------------------------------------------
-
-
-class Rendezvous(msgspec.Struct, kw_only=True):
-    """What a worker of a job whose ranks the controller assigns brings to that rendezvous
-    (``marduk agent run --nnodes MIN:MAX``, scope ``job``): its shape, the node rank it was
-    given (if any), where its local rank 0 would serve as the job's coordinator and free ports
-    its agent picked for that."""
-
-    nproc: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
-    min_nodes: Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERS)]
-    max_nodes: Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERS)]
-    # --node-rank, when the agent was given one: the controller keeps it.
-    node_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_MEMBERS)] | None = None
-    addr: ShortText
-    # Free ports on ``addr``; the controller never names the previous epoch's port again.
-    ports: Annotated[list[Port], msgspec.Meta(max_length=8)] = []
-    # A hot spare (``--spare``): registered, no trainer, never in the first membership; it
-    # takes the ranks of a member that goes out of service. Workers beyond MAX are spares too.
-    spare: bool = False
-
-
-class Member(msgspec.Struct, kw_only=True, frozen=True):
-    """One worker of a membership: its node's ranks are ``first_rank`` .. + ``nproc`` - 1."""
-
-    replica: Token
-    worker: NonNegInt = 0
-    node_rank: NonNegInt
-    first_rank: NonNegInt
-    nproc: PosInt = 1
-    addr: ShortText = ""
-
-
-class WorkerRef(msgspec.Struct, kw_only=True, frozen=True):
-    """One worker of a job, by name."""
-
-    replica: Token
-    worker: NonNegInt = 0
-
-
-class Membership(msgspec.Struct, kw_only=True, frozen=True):
-    """Who takes part in a job of scope ``job`` from ``epoch`` on: the members in node-rank
-    order, the world size and the coordinator (member 0's address and a port its agent chose)."""
-
-    epoch: Epoch
-    world_size: PosInt
-    coordinator_addr: ShortText
-    coordinator_port: Port
-    members: Annotated[list[Member], msgspec.Meta(max_length=MAX_MEMBERS)]
-
-    def member(self, replica: str, worker: int) -> Member | None:
-        for m in self.members:
-            if m.replica == replica and m.worker == worker:
-                return m
-        return None
 
 
 class Registration(Message, tag="register", kw_only=True):
@@ -532,128 +459,3 @@ class ErrorReply(Message, tag="error", kw_only=True):
     # For a health event: the event_id it answers (when the payload let it be read), so a
     # monitor takes only the answer to its own event.
     event_id: ShortText = ""
-
-
-# --- encoding and strict decoding --------------------------------------------------------------
-
-_encoder = msgspec.json.Encoder()
-T = TypeVar("T")
-_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -> T:
-    """Decode ``data`` as ``type_`` or raise ProtocolError with a reason and a clear message.
-
-    Whatever the bytes, nothing but ProtocolError comes out: a peer cannot make the controller
-    answer ``internal``.
-    """
-    if len(data) > max_bytes:
-        raise ProtocolError("oversized", f"message of {len(data)} bytes exceeds {max_bytes}")
-    if not data:
-        raise ProtocolError("empty", "empty message")
-    decoder = _decoders.get(type_)
-    if decoder is None:
-        decoder = _decoders[type_] = msgspec.json.Decoder(type_)
-    try:
-        # JSON is UTF-8. msgspec checks only the strings it keeps, and raises UnicodeDecodeError
-        # (not one of its own errors) for those; it skips unknown fields unchecked. Check it all.
-        str(data, "utf-8")
-        msg = decoder.decode(data)
-    except msgspec.ValidationError as e:
-        # The version first: a newer peer's message may fail our schema anywhere.
-        _check_version(_peek_version(data))
-        raise ProtocolError("invalid", f"invalid {_name(type_)}: {_readable(e)}") from None
-    except msgspec.DecodeError as e:
-        raise ProtocolError("malformed", f"malformed JSON: {e}") from None
-    except UnicodeDecodeError as e:
-        raise ProtocolError("malformed", f"malformed JSON: not UTF-8 at byte {e.start}") from None
-    except RecursionError:
-        # msgspec guards its recursion with the interpreter's limit (about 1,000 levels).
-        _check_version(_scan_version(data))
-        raise ProtocolError("malformed", "malformed JSON: nested too deeply") from None
-    except Exception as e:  # the sender's bytes, never our bug: see the docstring
-        raise ProtocolError("malformed", f"malformed JSON: {type(e).__name__}: {e}") from None
-    _check_version(getattr(msg, "v", PROTOCOL_VERSION))
-    return msg  # type: ignore[no-any-return]
-
-
-class _Envelope(msgspec.Struct):
-    v: object = PROTOCOL_VERSION
-
-
-def _peek_version(data: bytes) -> object:
-    """The ``v`` of a message that failed validation, or PROTOCOL_VERSION if there is none.
-
-    Validation stops at the first bad field, before the rest is parsed: bytes that are not
-    JSON after it are ``malformed`` here, so the answer does not depend on the fields' order.
-    """
-    try:
-        return msgspec.json.decode(data, type=_Envelope).v
-    except msgspec.ValidationError:  # not an object: no version to read
-        return PROTOCOL_VERSION
-    except RecursionError:
-        return _scan_version(data)
-    except msgspec.DecodeError as e:
-        raise ProtocolError("malformed", f"malformed JSON: {e}") from None
-
-
-# A JSON string (group 1: the string "v"); a top-level-looking "v" member with an integer value (up
-# to 4,000 digits: Python's int() stops at 4,300).
-_STRING: Final = re.compile(rb'"(v)"|"[^"\\]*(?:\\.[^"\\]*)*"')  # unrolled: fast on long ones
-_V_MEMBER: Final = re.compile(rb'"v"\s*:\s*(-?\d{1,4000})\s*[,}]')
-
-
-def _scan_version(data: bytes) -> object:
-    """The top-level ``v`` of a payload nested too deeply for the decoder, or PROTOCOL_VERSION
-    if none is found. No recursion, and no Python loop per byte: junk must stay cheap."""
-    if not data.lstrip().startswith(b"{"):
-        return PROTOCOL_VERSION
-    flat = _STRING.sub(rb'"\1"', data)  # every string emptied but "v": no bracket inside
-    depth, done, version = 0, 0, PROTOCOL_VERSION
-    for member in _V_MEMBER.finditer(flat):
-        part = flat[done : member.start()]
-        depth += part.count(b"{") + part.count(b"[") - part.count(b"}") - part.count(b"]")
-        done = member.start()
-        if depth == 1:
-            version = int(member.group(1))  # the last one wins, as in the decoder
-    return version
-
-
-def _check_version(version: object) -> None:
-    # bool is an int in Python, and True == 1: only a real integer is a version.
-    if type(version) is not int or version == PROTOCOL_VERSION:
-        return
-    shown = str(version) if abs(version) < 10**20 else f"{str(version)[:20]}..."
-    why = "upgrade this side" if version > PROTOCOL_VERSION else "versions start at 1"
-    raise ProtocolError(
-        "version",
-        f"unsupported protocol version {shown}: this side speaks {PROTOCOL_VERSION} ({why})",
-    )
-
-
-# msgspec names a failed pattern by its regex; say what it means instead.
-_PATTERN_TEXT: Final = {
-    _TOKEN_PATTERN: "1-128 of A-Z a-z 0-9 _ -, starting with a letter or digit",
-    _JOB_PATTERN: "1-128 of A-Z a-z 0-9 _ -, starting with a letter or digit, and not "
-    + " or ".join(repr(job) for job in sorted(RESERVED_JOBS)),
-    _DEVICE_PATTERN: "printable ASCII without spaces",
-}
-
-
-def _readable(error: msgspec.ValidationError) -> str:
-    text = str(error)
-    for pattern, meaning in _PATTERN_TEXT.items():
-        text = text.replace(f"matching regex {pattern!r}", f"({meaning})")
-    return text
-
-
-def _name(type_: Any) -> str:
-    return getattr(type_, "__name__", None) or str(type_)
-
-
-def to_builtins(msg: msgspec.Struct) -> Any:
-    return msgspec.to_builtins(msg)

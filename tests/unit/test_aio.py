@@ -230,6 +230,21 @@ async def test_stop_cancels_and_names_the_tasks_that_would_not_stop() -> None:
     assert len(tasks) == 0
 
 
+async def test_drain_lets_tasks_finish_within_the_grace_then_cancels_the_rest() -> None:
+    tasks = TaskSet(lambda t, e: None)
+    finished: list[str] = []
+
+    async def quick() -> None:
+        await asyncio.sleep(0.01)
+        finished.append("quick")
+
+    slow = tasks.spawn(asyncio.Event().wait(), "slow")
+    tasks.spawn(quick(), "quick")
+    assert await tasks.drain(grace_s=0.2) == []
+    assert finished == ["quick"]  # not cancelled: it had the time it needed
+    assert slow.cancelled() and len(tasks) == 0
+
+
 async def test_restart_forever_restarts_with_backoff_until_cancelled() -> None:
     ends: list[tuple[str, float]] = []
     runs = 0

@@ -73,7 +73,9 @@ def test_zero_restarts_gives_up_at_the_first_failure() -> None:
 
 
 def test_a_clean_exit_finishes() -> None:
-    assert started().exited(0, 0, now=5.0) == Finish()
+    finished = started().exited(0, 0, now=5.0)
+    assert finished == Finish()
+    assert finished.why == "every rank finished"  # what the stop logs, as for any decision
 
 
 # --- several local ranks ---------------------------------------------------------------------------

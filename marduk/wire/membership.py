@@ -1,0 +1,65 @@
+"""The structs of a job whose ranks the controller assigns: what a worker brings to the
+rendezvous, and the membership the controller forms. ``marduk.wire.protocol`` re-exports them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from marduk.wire.fields import MAX_MEMBERS, Epoch, NonNegInt, Port, PosInt, ShortText, Token
+
+
+class Rendezvous(msgspec.Struct, kw_only=True):
+    """What a worker of a job whose ranks the controller assigns brings to that rendezvous
+    (``marduk agent run --nnodes MIN:MAX``, scope ``job``): its shape, the node rank it was
+    given (if any), where its local rank 0 would serve as the job's coordinator and free ports
+    its agent picked for that."""
+
+    nproc: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    min_nodes: Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERS)]
+    max_nodes: Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERS)]
+    # --node-rank, when the agent was given one: the controller keeps it.
+    node_rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_MEMBERS)] | None = None
+    addr: ShortText
+    # Free ports on ``addr``; the controller never names the previous epoch's port again.
+    ports: Annotated[list[Port], msgspec.Meta(max_length=8)] = []
+    # A hot spare (``--spare``): registered, no trainer, never in the first membership; it
+    # takes the ranks of a member that goes out of service. Workers beyond MAX are spares too.
+    spare: bool = False
+
+
+class Member(msgspec.Struct, kw_only=True, frozen=True):
+    """One worker of a membership: its node's ranks are ``first_rank`` .. + ``nproc`` - 1."""
+
+    replica: Token
+    worker: NonNegInt = 0
+    node_rank: NonNegInt
+    first_rank: NonNegInt
+    nproc: PosInt = 1
+    addr: ShortText = ""
+
+
+class WorkerRef(msgspec.Struct, kw_only=True, frozen=True):
+    """One worker of a job, by name."""
+
+    replica: Token
+    worker: NonNegInt = 0
+
+
+class Membership(msgspec.Struct, kw_only=True, frozen=True):
+    """Who takes part in a job of scope ``job`` from ``epoch`` on: the members in node-rank
+    order, the world size and the coordinator (member 0's address and a port its agent chose)."""
+
+    epoch: Epoch
+    world_size: PosInt
+    coordinator_addr: ShortText
+    coordinator_port: Port
+    members: Annotated[list[Member], msgspec.Meta(max_length=MAX_MEMBERS)]
+
+    def member(self, replica: str, worker: int) -> Member | None:
+        for m in self.members:
+            if m.replica == replica and m.worker == worker:
+                return m
+        return None

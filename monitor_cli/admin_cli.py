@@ -1,0 +1,116 @@
+"""``marduk monitor forget``, ``drain`` and ``undrain``: an operator changes the map or takes
+devices out of service (admin only with auth).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from marduk.shell import options
+from monitor_cli import client
+from monitor_cli.console import EXIT_ERROR, err, out, print_json, run_command
+from monitor_cli.status_view import plural
+
+
+@options.connection_options
+def forget(
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="JOB, JOB/REPLICA or JOB/REPLICA/WORKER to remove from the map.",
+            metavar="JOB[/REPLICA[/WORKER]]",
+        ),
+    ],
+    addr: options.Addr = options.DEFAULTS["addr"],
+    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    timeout: options.Timeout = 5.0,
+    as_json: options.Json = False,
+) -> None:
+    """Remove workers that will not come back (their devices, if nobody else uses them, too).
+
+    A worker that is still alive registers again at its next renewal.
+    """
+    parts = target.split("/")
+    try:
+        if not 1 <= len(parts) <= 3 or not all(parts):
+            raise ValueError
+        job, replica = parts[0], parts[1] if len(parts) > 1 else None
+        worker = int(parts[2]) if len(parts) > 2 else None
+    except ValueError:
+        err.print(f"[red]error:[/red] {target!r} is not JOB, JOB/REPLICA or JOB/REPLICA/WORKER")
+        raise typer.Exit(EXIT_ERROR) from None
+    reply = run_command(lambda: client.forget(addr, prefix, job, replica, worker, timeout))
+    if as_json:
+        print_json(reply)
+        return
+    if not reply.removed:
+        out.print(f"nothing registered matches {target}")
+        return
+    out.print(f"removed {plural(len(reply.removed), 'worker')}: " + ", ".join(reply.removed))
+
+
+def _drain(devices: list[str], host: str, undrain: bool, reason: str, addr: str, prefix: str,
+           timeout: float, as_json: bool) -> None:  # fmt: skip
+    if not devices and not host:
+        err.print("[red]error:[/red] name DEVICE(s) or --host HOST")
+        raise typer.Exit(EXIT_ERROR)
+    reply = run_command(
+        lambda: client.drain(
+            addr, prefix, devices, host, undrain=undrain, reason=reason, timeout=timeout
+        )
+    )
+    if as_json:
+        print_json(reply)
+        return
+    for conflict in reply.conflicts:
+        err.print(f"[yellow]warning:[/yellow] conflicting claim: {escape(conflict)}")
+    verb = "back in service" if undrain else "drained"
+    if not reply.devices:
+        where = "out of service" if undrain else "in service"
+        out.print(f"nothing changed: no matching device is {where}")
+        return
+    out.print(f"{plural(len(reply.devices), 'device')} {verb}: " + ", ".join(reply.devices))
+    for a in reply.actions:
+        out.print(f"  fail sent to {a.job}/{a.replica or '(whole job)'} (epoch {a.epoch})")
+
+
+Devices = Annotated[
+    list[str] | None,
+    typer.Argument(
+        help="Device ids, as agents registered them.", metavar="[DEVICE]...", show_default=False
+    ),
+]
+Host = Annotated[
+    str, typer.Option("--host", help="Every device registered from this host.", show_default=False)
+]
+
+
+@options.connection_options
+def drain(
+    devices: Devices = None,
+    host: Host = "",
+    reason: Annotated[str, typer.Option(help="Why (shown to the replicas and in status).")] = "",
+    addr: options.Addr = options.DEFAULTS["addr"],
+    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    timeout: options.Timeout = 5.0,
+    as_json: options.Json = False,
+) -> None:
+    """Take devices out of service: every replica using them gets 'fail' (its pod goes back
+    to the scheduler), and a worker registering with one is refused. Admin only with auth."""
+    _drain(devices or [], host, False, reason, addr, prefix, timeout, as_json)
+
+
+@options.connection_options
+def undrain(
+    devices: Devices = None,
+    host: Host = "",
+    addr: options.Addr = options.DEFAULTS["addr"],
+    prefix: options.Prefix = options.DEFAULTS["prefix"],
+    timeout: options.Timeout = 5.0,
+    as_json: options.Json = False,
+) -> None:
+    """Put drained or quarantined (flapping) devices back in service; clears their history."""
+    _drain(devices or [], host, True, "", addr, prefix, timeout, as_json)
