@@ -106,8 +106,8 @@ class MembershipRules:
         command = self.issuer.issue(
             ekey, "restart", reason, [], "rendezvous", now, out, membership=membership
         )
-        out.events.append(
-            event_at(ekey, "membership_formed", now, epoch=command.epoch, detail=reason)
+        self.fleet.changed(
+            event_at(ekey, "membership_formed", now, epoch=command.epoch, detail=reason), out
         )
 
     # --- members out of service: a spare takes their ranks, or the job shrinks, or it is held --
@@ -222,8 +222,8 @@ class MembershipRules:
                 rec.retired, rec.updated_at = why, now
                 out.put_workers.append(rec)
 
-    @staticmethod
     def _announce(
+        self,
         job: str,
         change: rdzv.Change,
         lost: dict[WorkerKey, str],
@@ -233,7 +233,8 @@ class MembershipRules:
         out: Outcome,
     ) -> None:
         """The events of a membership change: each member replaced by a spare or dropped (the
-        job shrinks), or the job held (``said``: why, and what the job is now)."""
+        job shrinks), or the job held (``said``: why, and what the job is now); the last one is
+        the job's last change (``Fleet.changed``)."""
         m = change.membership
         why, what = said
         for gone, spare in change.replaced:
@@ -241,21 +242,22 @@ class MembershipRules:
                 f"node rank {gone.node_rank} (ranks {rdzv.span(gone)}) to spare "
                 f"{spare.key.replica}/{spare.key.worker}: {lost[_key(job, gone)]}"
             )
-            out.events.append(
-                event_at(_key(job, gone), "member_replaced", now, epoch=epoch, detail=detail)
+            self.fleet.changed(
+                event_at(_key(job, gone), "member_replaced", now, epoch=epoch, detail=detail), out
             )
         for gone in change.dropped if m is not None else ():
             detail = (
                 f"no free spare of {gone.nproc} rank(s): the job goes on without node rank "
                 f"{gone.node_rank} ({lost[_key(job, gone)]}); {what}"
             )
-            out.events.append(
-                event_at(_key(job, gone), "job_shrunk", now, epoch=epoch, detail=detail)
+            self.fleet.changed(
+                event_at(_key(job, gone), "job_shrunk", now, epoch=epoch, detail=detail), out
             )
         if m is None:
-            out.events.append(
-                event_at(EpochKey(job, None), "job_held", now, epoch=epoch, detail=f"{why}; {what}")
+            held = event_at(
+                EpochKey(job, None), "job_held", now, epoch=epoch, detail=f"{why}; {what}"
             )
+            self.fleet.changed(held, out)
 
 
 def _key(job: str, m: Member) -> WorkerKey:
