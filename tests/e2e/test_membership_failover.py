@@ -15,131 +15,19 @@ backwards, and no trainer of a healthy member restarted more than once for the c
 
 from __future__ import annotations
 
-import itertools
-import json
 import re
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.conftest import NatsServer, eventually_sync, marduk_cli
-from tests.processes import Proc, external_controller, status
+from tests.conftest import NatsServer, marduk_cli
+from tests.elastic_job import ElasticJob
+from tests.processes import Proc, status
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
-
-RANKS = "tests/trainers/ranks.py"
-PLACED = re.compile(r"epoch (\d+): node rank (\d+) of (\d+)")
-
-
-class Job:
-    """Two controllers against one nats-server and the agents of one job."""
-
-    def __init__(self, env: dict[str, str], tmp: Path, job: str, nnodes: str) -> None:
-        self.env, self.tmp, self.name, self.nnodes = env, tmp, job, nnodes
-        self.controllers = [external_controller(env, str(tmp / n)) for n in ("c1", "c2")]
-        self.agents: dict[str, Proc] = {}
-
-    def leader(self) -> tuple[Proc, Proc]:
-        """(leader, standby), once one serves and the other stands by."""
-
-        def both() -> bool:
-            r = marduk_cli("monitor", "status", "--json", "--timeout", "2", env=self.env)
-            return r.returncode == 0 and len(json.loads(r.stdout)["standbys"]) == 1
-
-        eventually_sync(both, timeout=60)
-        pid = status(self.env)["controller"]["pid"]
-        [lead] = [c for c in self.controllers if c.proc.pid == pid]
-        [standby] = [c for c in self.controllers if c is not lead]
-        return lead, standby
-
-    def start(self, replica: str, *extra: str) -> Proc:
-        self.agents[replica] = Proc(
-            [
-                *(sys.executable, "-m", "marduk", "agent", "run", "--job", self.name),
-                *("--scope", "job", "--devices", f"{self.name}-{replica}"),
-                *("--replica", replica, "--nnodes", self.nnodes, "--local-addr", "127.0.0.1"),
-                *extra,
-                "--",
-                *(sys.executable, RANKS, "--step-seconds", "0.2"),
-            ],
-            self.env,
-        )
-        return self.agents[replica]
-
-    def starts(self, replica: str, after: float = 0.0) -> list[dict[str, Any]]:
-        """torchrun's variables of each trainer the agent started (after line ``after``)."""
-        lines = self.agents[replica].all[int(after) :]
-        return [json.loads(ln.split("ENV ", 1)[1]) for ln in lines if ln.startswith("ENV ")]
-
-    def mark(self, replica: str) -> int:
-        """Where the agent's output is now (for ``starts(after=...)``)."""
-        return len(self.agents[replica].all)
-
-    def placed(self, replica: str) -> list[tuple[int, int, int]]:
-        """(epoch, node rank, nodes) of each placement the agent logged."""
-        out = []
-        for line in self.agents[replica].all:
-            if m := PLACED.search(line):
-                out.append((int(m.group(1)), int(m.group(2)), int(m.group(3))))
-        return out
-
-    def formed(self, replicas: tuple[str, ...], timeout: float = 120) -> dict[int, str]:
-        """Wait for ``replicas`` to run at one epoch, one node rank each (the controller gives
-        them in order of registration); which replica has which node rank."""
-        world = len(replicas)
-        eventually_sync(
-            lambda: (
-                all(self.starts(r) for r in replicas)
-                and any(
-                    self.converged(dict(zip(replicas, [(i, world) for i in order], strict=True)))
-                    for order in itertools.permutations(range(world))
-                )
-            ),
-            timeout=timeout,
-            interval=0.2,
-        )
-        return {int(self.starts(r)[-1]["GROUP_RANK"]): r for r in replicas}
-
-    def converged(self, want: dict[str, tuple[int, int]]) -> bool:
-        """Every agent of ``want`` runs a trainer at one epoch, with (GROUP_RANK, WORLD_SIZE)."""
-        last = {r: self.starts(r)[-1] if self.starts(r) else None for r in want}
-        if any(env is None for env in last.values()):
-            return False
-        epochs = {env["MARDUK_EPOCH"] for env in last.values() if env is not None}
-        got = {
-            r: (int(env["GROUP_RANK"]), int(env["WORLD_SIZE"]))
-            for r, env in last.items()
-            if env is not None
-        }
-        return len(epochs) == 1 and got == want
-
-    def check_epochs_forward(self) -> None:
-        for r in self.agents:
-            epochs = [int(e["MARDUK_EPOCH"]) for e in self.starts(r)]
-            assert epochs == sorted(epochs), (r, epochs)
-            placed = [p[0] for p in self.placed(r)]
-            assert placed == sorted(placed), (r, placed)
-
-    def output(self) -> str:
-        parts = [f"--- {r}\n{''.join(a.all[-25:])}" for r, a in self.agents.items()]
-        parts += [f"--- ctl {c.proc.pid}\n{''.join(c.all[-25:])}" for c in self.controllers]
-        return "\n".join(parts)
-
-    def wait(self, want: dict[str, tuple[int, int]], timeout: float = 120) -> None:
-        try:
-            eventually_sync(lambda: self.converged(want), timeout=timeout, interval=0.2)
-        except AssertionError:
-            raise AssertionError(f"not converged to {want}:\n{self.output()}") from None
-
-    def stop(self) -> None:
-        for a in self.agents.values():
-            a.stop()
-        for c in self.controllers:
-            c.stop()
 
 
 def kill_on(leader: Proc, line: str) -> float:
@@ -164,7 +52,7 @@ def test_the_leader_killed_right_after_a_swap_the_standby_finishes_it(
     tmp_path: Path, nats_server: NatsServer
 ) -> None:
     env = env_for(nats_server, MARDUK_DEVICE_MAX_FAILURES="0")
-    job = Job(env, tmp_path, "swapfo", "2:2")
+    job = ElasticJob(env, tmp_path, "swapfo", "2:2")
     try:
         lead, standby = job.leader()
         for r in ("node0", "node1"):
@@ -206,7 +94,7 @@ def test_the_leader_killed_mid_grow_the_standby_finishes_it(
         # ranks.py never confirms a checkpoint: the grow waits this long, the leader dies in it.
         MARDUK_GROW_CHECKPOINT_TIMEOUT="15",
     )
-    job = Job(env, tmp_path, "growfo", "1:2")
+    job = ElasticJob(env, tmp_path, "growfo", "1:2")
     try:
         lead, standby = job.leader()
         for r in ("node0", "node1"):
