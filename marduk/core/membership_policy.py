@@ -13,7 +13,9 @@ of a lost member. The rule itself (who, which ranks, which coordinator port) is
   the write-ahead with its epoch record.
 * **A member out of service** (the device policy would ``fail`` the job, or ``tick`` finds it
   stale) is retired and leaves the membership in one restart: a spare takes its ranks, or the job
-  shrinks, or it is held below MIN (``replace_members``; docs/decisions.md #16).
+  shrinks, or it is held below MIN (``replace_members``; docs/decisions.md #16). A failure that
+  spends its device's budget does so even while a restart of the job is in flight: the device
+  policy asks ``spends_budget`` before merging it into that restart.
 """
 
 from __future__ import annotations
@@ -138,6 +140,23 @@ class MembershipRules:
         if not lost:
             return None
         return self.replace_members(ekey, state, lost, devices, cause, now, out)
+
+    def spends_budget(self, ekey: EpochKey, device: str, now: float) -> bool:
+        """Would a failure of ``device`` (a member's: ``Fleet.in_play``) spend its budget now, in
+        a job with a membership, while the command in flight does not list it yet? Then it takes
+        the member out at a new epoch instead of joining that restart, where it would be
+        neither counted nor acted on and the member would restart on the bad device
+        (``DeviceRules`` is handed this)."""
+        state = self.fleet.epochs.get(ekey)
+        if ekey.replica is not None or state is None or state.membership is None:
+            return False
+        if state.command is not None and device in state.command.devices:
+            return False  # a repeat of the failure the restart in flight is for
+        rec = self.fleet.devices.get(device)
+        config = self.fleet.config
+        window = config.device_failure_window_s
+        recent = sum(now - t < window for t in rec.failures) if rec is not None else 0
+        return recent + 1 > config.device_max_failures
 
     def lose_silent(self, keys: Iterable[WorkerKey], now: float, out: Outcome) -> None:
         """Members gone stale (their host is gone, or cut off) leave their job's membership."""

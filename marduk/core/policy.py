@@ -98,7 +98,13 @@ class Policy:
         self._grow = GrowRules(fleet, issuer)
         self._membership = MembershipRules(fleet, issuer, self._grow)
         self._service = ServiceRules(fleet, self._membership.issue_or_replace)
-        self._devices = DeviceRules(fleet, issuer, self._service, self._membership.issue_or_replace)
+        self._devices = DeviceRules(
+            fleet,
+            issuer,
+            self._service,
+            self._membership.issue_or_replace,
+            self._membership.spends_budget,
+        )
         self._registration = RegistrationRules(fleet, self._membership, self._grow, self._service)
         self._acks = AckRules(fleet, issuer)
         self._reports = ReportRules(fleet, issuer, self._acks, self._grow)
