@@ -32,10 +32,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 def kill_on(leader: Proc, line: str) -> float:
     """SIGKILL the leader as soon as it logs ``line``; when."""
-    leader.expect(line, timeout=90)
+    seen = leader.expect(line, timeout=90)
     leader.proc.send_signal(signal.SIGKILL)
     t = time.time()
     leader.proc.wait(10)
+    print(f"leader SIGKILLed after: {seen.strip()}")
     return t
 
 
@@ -112,6 +113,10 @@ def test_the_leader_killed_mid_grow_the_standby_finishes_it(
         standby.expect("serving prefix", timeout=60)
         job.agents["node2"].expect("holding the trainers", timeout=60)
         assert not job.starts("node2")  # the larger membership did not go out before the kill
+        # The new leader shows the grow it read from the store (unless it is finished already).
+        shown = marduk_cli("monitor", "status", env=env)
+        print(shown.stdout)
+        assert re.search(r"growfo +1 +1:2 .*(checkpoint|applying)", shown.stdout), shown.stdout
 
         job.wait({healthy: (0, 2), "node2": (1, 2)})
         time.sleep(3)
