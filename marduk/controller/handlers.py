@@ -195,6 +195,9 @@ class Handlers:
             controller=self.ctl.info(),
             standbys=standbys,
             stats=dict(self.ctl.stats) if page.offset == 0 else {},
+            jobs=self.ctl.policy.job_infos(time.time(), job)
+            if page.offset == 0 and query.what == "map"
+            else [],
             workers=page.workers,
             devices=page.devices,
             snapshot=snap.id,

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from marduk.core.views import spares_by_job
 from marduk.shell.metrics import gauge
-from marduk.wire.protocol import (
-    ControllerEvent,
-)
+from marduk.wire.protocol import ControllerEvent, JobInfo
 
 if TYPE_CHECKING:
     from marduk.controller.shell import Controller
@@ -63,8 +62,44 @@ def gauges(ctl: Controller) -> Iterator[Metric]:
         spares,
         "job",
     )
+    yield from job_gauges(p.job_infos(time.time()))
     standbys = float(len(ctl.takeover.live_standbys()))
     yield gauge("marduk_standbys", "Hot standbys heard from.", {"all": standbys}, "scope")
+
+
+def job_gauges(jobs: list[JobInfo]) -> Iterator[Metric]:
+    """Jobs whose ranks the controller assigns: size against MIN:MAX, spares, resizes."""
+
+    def per_job(value: Callable[[JobInfo], float]) -> dict[str, float]:
+        return {j.job: float(value(j)) for j in jobs}
+
+    yield gauge("marduk_job_nodes", "Members in force.", per_job(lambda j: j.nodes), "job")
+    yield gauge("marduk_job_nodes_min", "MIN (--nnodes).", per_job(lambda j: j.min_nodes), "job")
+    yield gauge("marduk_job_nodes_max", "MAX (--nnodes).", per_job(lambda j: j.max_nodes), "job")
+    yield gauge(
+        "marduk_job_world_size", "Ranks in the membership.", per_job(lambda j: j.world_size), "job"
+    )
+    yield gauge(
+        "marduk_spares_holding",
+        "Spares holding a lost member's ranks.",
+        per_job(lambda j: len(j.holding)),
+        "job",
+    )
+    resizing = GaugeMetricFamily(
+        "marduk_job_resize",
+        "1 while a resize is under way, by phase (forming, held, joining, checkpoint, applying).",
+        labels=["job", "phase"],
+    )
+    for j in jobs:
+        if j.resize:
+            resizing.add_metric([j.job, j.resize], 1.0)
+    yield resizing
+    yield gauge(
+        "marduk_job_last_resize_timestamp_seconds",
+        "When this leader last changed the job's membership (Unix time; 0: not since it leads).",
+        per_job(lambda j: j.last_resize_at),
+        "job",
+    )
 
 
 def log_event(event: ControllerEvent, limited: Callable[[str, str, int], None]) -> None:

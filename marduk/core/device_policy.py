@@ -1,7 +1,8 @@
 """Device health decisions: failures, merged notices, flap damping, quarantine and drain.
 
 Part of the pure policy (no I/O, ``now`` passed in): ``DeviceRules``, over the policy's ``Fleet``
-and ``Issuer``, the ``ServiceRules`` (flapping) and the membership's ``issue_or_replace``.
+and ``Issuer``, the ``ServiceRules`` (flapping) and the membership's ``issue_or_replace`` and
+``spends_budget``.
 
 * A ``failed`` device restarts every scope using it (coalesced into a restart in flight, its
   device merged in); past its failure budget the scopes get ``fail``.
@@ -15,6 +16,7 @@ and ``Issuer``, the ``ServiceRules`` (flapping) and the membership's ``issue_or_
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Protocol
 
 import msgspec
 
@@ -30,6 +32,14 @@ MAX_MERGED_DEVICES = 64
 """Devices one command lists at most: a failure past it takes a new epoch instead of merging."""
 
 
+class SpendsBudget(Protocol):
+    """Would a failure of ``device`` now spend its budget in the job ``ekey`` with a membership,
+    the command in flight not listing it yet (``MembershipRules.spends_budget``)? Then it takes
+    a new epoch, where the member leaves, instead of joining the restart in flight."""
+
+    def __call__(self, ekey: EpochKey, device: str, now: float) -> bool: ...
+
+
 class DeviceRules:
     """Health events: what each means for the scopes using the device (see the module)."""
 
@@ -39,11 +49,13 @@ class DeviceRules:
         issuer: Issuer,
         service: ServiceRules,
         issue_or_replace: IssueOrReplace,
+        spends_budget: SpendsBudget,
     ) -> None:
         self.fleet = fleet
         self.issuer = issuer
         self.service = service
         self.issue_or_replace = issue_or_replace
+        self.spends_budget = spends_budget
         # Recent events' replies, oldest first, to answer a repeated event as a duplicate.
         self.recent: OrderedDict[str, HealthReply] = OrderedDict()
 
@@ -208,6 +220,8 @@ class DeviceRules:
         # A restart in flight inherited from an earlier term (read from the store) is no
         # reason either: its workers' acks were not persisted, so they may have applied it
         # (failures coalesced into it after a takeover would never be acted on).
+        # Nor one whose member this failure takes out (its device's budget spent): merged, it
+        # would be neither counted nor acted on (``spends_budget``, the membership's).
         # But a scope whose last command was issued for this very event has acted on it,
         # applied or not: the event is a redelivery (its dedup record was never written, the
         # leader died first), and joins that command rather than restarting the scope again.
@@ -220,6 +234,7 @@ class DeviceRules:
                 or self.fleet.scopes.inherited(k)
                 or self._confirmed_on(k, event.device, workers)
                 or self._merge_full(k, event.device)
+                or self.spends_budget(k, event.device, now)
             )
         ]
 

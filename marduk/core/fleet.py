@@ -15,7 +15,13 @@ from marduk.core.decisions import Outcome, PolicyConfig, epoch_key_for, worker_k
 from marduk.core.drmap import DRMap, ReplicaKey, WorkerKey
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.core.scopes import Scopes
-from marduk.wire.protocol import Membership, Report, WorkerRef
+from marduk.wire.protocol import ControllerEvent, Membership, Report, WorkerRef
+
+# The events of a membership change (MembershipRules and GrowRules announce them through
+# ``Fleet.changed``): what status shows as a job's last resize.
+RESIZE_EVENTS = frozenset(
+    {"membership_formed", "member_replaced", "job_shrunk", "job_held", "member_added"}
+)
 
 
 def takes_part(state: EpochRecord | None, key: WorkerKey) -> bool:
@@ -56,6 +62,9 @@ class Fleet:
         # workers that have been silent for a TTL, not at all 25k of them four times a second.
         self.last_seen: dict[WorkerKey, float] = {}
         self.stale: set[WorkerKey] = set()
+        # Each job's last membership change (one of ``RESIZE_EVENTS``), for status: shown, not
+        # persisted (a new leader shows the changes it made).
+        self.last_change: dict[str, ControllerEvent] = {}
 
     @property
     def epochs(self) -> dict[EpochKey, EpochRecord]:
@@ -204,6 +213,13 @@ class Fleet:
             ):
                 out.add(w)
         return frozenset(out)
+
+    def changed(self, event: ControllerEvent, out: Outcome) -> None:
+        """Announce a change of a job's membership (``event``, one of ``RESIZE_EVENTS``): the
+        job's last change from now on (``marduk.core.job_views``)."""
+        assert event.kind in RESIZE_EVENTS and event.job is not None
+        out.events.append(event)
+        self.last_change[event.job] = event
 
     def retired(self, ekey: EpochKey) -> list[WorkerRef]:
         """The job's retired workers still registered (``Command.retired``)."""

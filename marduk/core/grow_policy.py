@@ -236,8 +236,8 @@ class GrowRules:
             key = WorkerKey(job, member.replica, member.worker)
             if key in added:
                 detail = f"node rank {member.node_rank} (ranks {rdzv.span(member)}): {reason}"
-                out.events.append(
-                    event_at(key, "member_added", now, epoch=command.epoch, detail=detail)
+                fleet.changed(
+                    event_at(key, "member_added", now, epoch=command.epoch, detail=detail), out
                 )
 
 

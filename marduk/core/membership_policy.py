@@ -13,7 +13,9 @@ of a lost member. The rule itself (who, which ranks, which coordinator port) is
   the write-ahead with its epoch record.
 * **A member out of service** (the device policy would ``fail`` the job, or ``tick`` finds it
   stale) is retired and leaves the membership in one restart: a spare takes its ranks, or the job
-  shrinks, or it is held below MIN (``replace_members``; docs/decisions.md #16).
+  shrinks, or it is held below MIN (``replace_members``; docs/decisions.md #16). A failure that
+  spends its device's budget does so even while a restart of the job is in flight: the device
+  policy asks ``spends_budget`` before merging it into that restart.
 """
 
 from __future__ import annotations
@@ -106,8 +108,8 @@ class MembershipRules:
         command = self.issuer.issue(
             ekey, "restart", reason, [], "rendezvous", now, out, membership=membership
         )
-        out.events.append(
-            event_at(ekey, "membership_formed", now, epoch=command.epoch, detail=reason)
+        self.fleet.changed(
+            event_at(ekey, "membership_formed", now, epoch=command.epoch, detail=reason), out
         )
 
     # --- members out of service: a spare takes their ranks, or the job shrinks, or it is held --
@@ -138,6 +140,23 @@ class MembershipRules:
         if not lost:
             return None
         return self.replace_members(ekey, state, lost, devices, cause, now, out)
+
+    def spends_budget(self, ekey: EpochKey, device: str, now: float) -> bool:
+        """Would a failure of ``device`` (a member's: ``Fleet.in_play``) spend its budget now, in
+        a job with a membership, while the command in flight does not list it yet? Then it takes
+        the member out at a new epoch instead of joining that restart, where it would be
+        neither counted nor acted on and the member would restart on the bad device
+        (``DeviceRules`` is handed this)."""
+        state = self.fleet.epochs.get(ekey)
+        if ekey.replica is not None or state is None or state.membership is None:
+            return False
+        if state.command is not None and device in state.command.devices:
+            return False  # a repeat of the failure the restart in flight is for
+        rec = self.fleet.devices.get(device)
+        config = self.fleet.config
+        window = config.device_failure_window_s
+        recent = sum(now - t < window for t in rec.failures) if rec is not None else 0
+        return recent + 1 > config.device_max_failures
 
     def lose_silent(self, keys: Iterable[WorkerKey], now: float, out: Outcome) -> None:
         """Members gone stale (their host is gone, or cut off) leave their job's membership."""
@@ -222,8 +241,8 @@ class MembershipRules:
                 rec.retired, rec.updated_at = why, now
                 out.put_workers.append(rec)
 
-    @staticmethod
     def _announce(
+        self,
         job: str,
         change: rdzv.Change,
         lost: dict[WorkerKey, str],
@@ -233,7 +252,8 @@ class MembershipRules:
         out: Outcome,
     ) -> None:
         """The events of a membership change: each member replaced by a spare or dropped (the
-        job shrinks), or the job held (``said``: why, and what the job is now)."""
+        job shrinks), or the job held (``said``: why, and what the job is now); the last one is
+        the job's last change (``Fleet.changed``)."""
         m = change.membership
         why, what = said
         for gone, spare in change.replaced:
@@ -241,21 +261,22 @@ class MembershipRules:
                 f"node rank {gone.node_rank} (ranks {rdzv.span(gone)}) to spare "
                 f"{spare.key.replica}/{spare.key.worker}: {lost[_key(job, gone)]}"
             )
-            out.events.append(
-                event_at(_key(job, gone), "member_replaced", now, epoch=epoch, detail=detail)
+            self.fleet.changed(
+                event_at(_key(job, gone), "member_replaced", now, epoch=epoch, detail=detail), out
             )
         for gone in change.dropped if m is not None else ():
             detail = (
                 f"no free spare of {gone.nproc} rank(s): the job goes on without node rank "
                 f"{gone.node_rank} ({lost[_key(job, gone)]}); {what}"
             )
-            out.events.append(
-                event_at(_key(job, gone), "job_shrunk", now, epoch=epoch, detail=detail)
+            self.fleet.changed(
+                event_at(_key(job, gone), "job_shrunk", now, epoch=epoch, detail=detail), out
             )
         if m is None:
-            out.events.append(
-                event_at(EpochKey(job, None), "job_held", now, epoch=epoch, detail=f"{why}; {what}")
+            held = event_at(
+                EpochKey(job, None), "job_held", now, epoch=epoch, detail=f"{why}; {what}"
             )
+            self.fleet.changed(held, out)
 
 
 def _key(job: str, m: Member) -> WorkerKey:

@@ -59,6 +59,7 @@ from marduk.core.drmap import DRMap, WorkerKey
 from marduk.core.fleet import Fleet, awaited, takes_part
 from marduk.core.grow_policy import GrowRules
 from marduk.core.issuer import Issuer
+from marduk.core.job_views import JobViews
 from marduk.core.membership_policy import MembershipRules
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.core.registration import RegistrationRules
@@ -70,6 +71,7 @@ from marduk.wire.protocol import (
     DeviceHealth,
     DeviceInfo,
     HealthReply,
+    JobInfo,
     Registration,
     Report,
     WorkerInfo,
@@ -96,11 +98,18 @@ class Policy:
         self._grow = GrowRules(fleet, issuer)
         self._membership = MembershipRules(fleet, issuer, self._grow)
         self._service = ServiceRules(fleet, self._membership.issue_or_replace)
-        self._devices = DeviceRules(fleet, issuer, self._service, self._membership.issue_or_replace)
+        self._devices = DeviceRules(
+            fleet,
+            issuer,
+            self._service,
+            self._membership.issue_or_replace,
+            self._membership.spends_budget,
+        )
         self._registration = RegistrationRules(fleet, self._membership, self._grow, self._service)
         self._acks = AckRules(fleet, issuer)
         self._reports = ReportRules(fleet, issuer, self._acks, self._grow)
         self._tick = TickRules(fleet, issuer, self._membership, self._grow)
+        self._jobs = JobViews(fleet, issuer, self._membership, self._grow)
 
     # --- the state, for the shell, the store and queries ---------------------------------------
 
@@ -261,3 +270,7 @@ class Policy:
 
     def device_infos(self, job: str | None = None) -> list[DeviceInfo]:
         return views.device_infos(self.fleet, job)
+
+    def job_infos(self, now: float, job: str | None = None) -> list[JobInfo]:
+        """Jobs whose ranks the controller assigns: size, spares, the resize under way."""
+        return self._jobs.infos(now, job)

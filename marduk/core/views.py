@@ -64,9 +64,10 @@ def _part(fleet: Fleet, key: WorkerKey) -> dict[str, Any]:
     state = fleet.epochs.get(fleet.epoch_key_of(rec))
     m = state.membership if state is not None else None
     me = m.member(key.replica, key.worker) if m is not None else None
+    spare = rec.registration.rendezvous.spare
     if me is not None:
-        return {"part": "member", "node_rank": me.node_rank}
-    return {"part": "spare" if m is not None or rec.registration.rendezvous.spare else ""}
+        return {"part": "member", "node_rank": me.node_rank, "spare": spare}
+    return {"part": "spare" if m is not None or spare else "", "spare": spare}
 
 
 def _report_fields(fleet: Fleet, key: WorkerKey) -> dict[str, Any]:

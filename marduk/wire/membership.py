@@ -1,5 +1,6 @@
 """The structs of a job whose ranks the controller assigns: what a worker brings to the
-rendezvous, and the membership the controller forms. ``marduk.wire.protocol`` re-exports them.
+rendezvous, the membership the controller forms, and what a query shows of the job
+(``JobInfo``). ``marduk.wire.protocol`` re-exports them.
 """
 
 from __future__ import annotations
@@ -63,3 +64,30 @@ class Membership(msgspec.Struct, kw_only=True, frozen=True):
             if m.replica == replica and m.worker == worker:
                 return m
         return None
+
+
+class JobInfo(msgspec.Struct, kw_only=True):
+    """A job whose node ranks the controller assigns (``--nnodes MIN:MAX``): its size, its
+    spares and its resizes, as ``marduk monitor status`` shows them (marduk/core/job_views.py)."""
+
+    job: str
+    min_nodes: int
+    max_nodes: int
+    nodes: int = 0  # members of the membership in force; 0: forming or held
+    world_size: int = 0
+    epoch: int = 0
+    spares: list[str] = []  # free spares ("replica/worker"), ready to take a lost member's ranks
+    holding: list[str] = []  # spares that took a lost member's place ("replica/worker")
+    joining: list[str] = []  # free workers that will grow the job (not --spare, below MAX)
+    # A resize under way: "forming", "held", "joining" (a new worker settles or the resize
+    # interval runs), "checkpoint" (a grow waits for it), "applying" (a new membership is out,
+    # not every member runs it yet); "" when none. Since when, and what it waits for.
+    resize: str = ""
+    resize_detail: str = ""
+    resize_since: float = 0.0
+    # The last membership change this leader made: the event (membership_formed,
+    # member_replaced, job_shrunk, job_held, member_added), its epoch, time and detail.
+    last_resize: str = ""
+    last_resize_epoch: int = 0
+    last_resize_at: float = 0.0
+    last_resize_detail: str = ""

@@ -42,6 +42,7 @@ from marduk.wire.fields import ShortText as ShortText
 from marduk.wire.fields import Text as Text
 from marduk.wire.fields import Token as Token
 from marduk.wire.fields import Version as Version
+from marduk.wire.membership import JobInfo as JobInfo
 from marduk.wire.membership import Member as Member
 from marduk.wire.membership import Membership as Membership
 from marduk.wire.membership import Rendezvous as Rendezvous
@@ -400,6 +401,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     # no trainer), "retired" (taken out of the job, told to exit 71); "" otherwise.
     part: str = ""
     node_rank: int | None = None
+    spare: bool = False  # started with --spare (a member with it holds a lost member's ranks)
 
 
 class DeviceInfo(msgspec.Struct, kw_only=True):
@@ -441,6 +443,7 @@ class QueryReply(Message, tag="query_reply", kw_only=True):
     standbys: list[ControllerInfo] = []
     workers: list[WorkerInfo] = []
     devices: list[DeviceInfo] = []
+    jobs: list[JobInfo] = []  # jobs with ranks from the controller (first page only)
     stats: dict[str, int] = {}
     # Paging: this page holds items [offset, next_offset) of the snapshot's answer; ask again
     # with next_offset (and the snapshot id) until it is null.

@@ -103,8 +103,11 @@ async def test_a_spare_takes_the_rank_of_a_member_past_its_budget(
         sent = await listen(nc, S.job_commands(JOB), wire.Command)
         events = await listen(nc, S.events(JOB), wire.ControllerEvent)
         formed = await form(nc, sent)
-        before = {w.replica: (w.part, w.node_rank) for w in (await query(nc)).workers}
+        first = await query(nc)
+        before = {w.replica: (w.part, w.node_rank) for w in first.workers}
         assert before == {"a": ("member", 0), "b": ("member", 1), "s": ("spare", None)}
+        [job] = first.jobs  # what status shows of the job
+        assert (job.nodes, job.min_nodes, job.max_nodes, job.spares) == (2, 1, 2, ["s/0"])
 
         reply = await health_event(nc, "a-d0", event_id="ecc-1")
         [action] = reply.actions
@@ -125,8 +128,11 @@ async def test_a_spare_takes_the_rank_of_a_member_past_its_budget(
         store = await StateStore.open(nc, "marduk")
         [record] = [e for e in (await store.load()).epochs if e.job == JOB]
         assert record.membership == swap.membership
-        after = {w.replica: (w.part, w.node_rank) for w in (await query(nc)).workers}
+        later = await query(nc)
+        after = {w.replica: (w.part, w.node_rank) for w in later.workers}
         assert after == {"a": ("retired", None), "b": ("member", 1), "s": ("member", 0)}
+        [job] = later.jobs
+        assert (job.spares, job.holding, job.last_resize) == ([], ["s/0"], "member_replaced")
         # The retired member, registering again, is told (its agent exits 71).
         again = await register(nc, "a", 1)
         assert again.command == swap

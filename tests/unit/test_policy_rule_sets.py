@@ -39,6 +39,19 @@ class Replacer:
         return None
 
 
+class Budget:
+    """A stand-in for ``MembershipRules.spends_budget``: yes for the scopes named (the real one
+    says so only for a job with a membership; tests/unit/test_spares.py), and what it was asked."""
+
+    def __init__(self, *spent: EpochKey) -> None:
+        self.spent = set(spent)
+        self.asked: list[tuple[EpochKey, str]] = []
+
+    def __call__(self, ekey: EpochKey, device: str, now: float) -> bool:
+        self.asked.append((ekey, device))
+        return ekey in self.spent
+
+
 def test_the_issuer_reserves_a_block_ahead_only_past_the_ceiling() -> None:
     p = Policy(PolicyConfig(epoch_block=2))
     p.register(reg("r1", ["d1"]), now=0)  # reserves epochs up to 2
@@ -92,7 +105,7 @@ def test_service_rules_fail_each_scope_through_what_they_are_handed() -> None:
 def test_device_rules_restart_through_the_membership_and_remember_the_event() -> None:
     p = acceptance_map()
     replace = Replacer()
-    rules = DeviceRules(p.fleet, Issuer(p.fleet), ServiceRules(p.fleet, replace), replace)
+    rules = DeviceRules(p.fleet, Issuer(p.fleet), ServiceRules(p.fleet, replace), replace, Budget())
     result = rules.on_health(failed("d1", "e1"), now=1)
     assert replace.calls == [(R1, "restart", ["d1"], "e1")]
     assert result.reply.actions == [] and not result.outcome.commands
@@ -122,3 +135,24 @@ def test_event_at_names_a_worker_or_a_scope() -> None:
     assert event_at(R1, "restart_issued", 7.0, worker=1).worker == 1
     registration = event_at(reg("r1", [], worker=3), "registered", 8.0)
     assert (registration.replica, registration.worker) == ("r1", 3)
+
+
+def test_device_rules_ask_whether_a_failure_spends_its_budget_before_merging_it() -> None:
+    """A failure of a scope with a restart in flight joins it, unless what the rules are handed
+    says it spends its device's budget: then it takes a new epoch (the membership's to decide
+    which); a scope with nothing in flight takes one without asking."""
+    actions = []
+    for budget in (Budget(), Budget(R1)):
+        p = acceptance_map()  # r1 on d1, d2; r2 on d2, d3
+        issuer = Issuer(p.fleet)
+        rules = DeviceRules(
+            p.fleet, issuer, ServiceRules(p.fleet, issuer.issue), issuer.issue, budget
+        )
+        rules.on_health(failed("d1", "e1"), now=1)  # r1's restart at epoch 1 is in flight
+        reply = rules.on_health(failed("d2", "e2"), now=2).reply
+        actions.append([(a.replica, a.epoch, a.coalesced) for a in reply.actions])
+        assert budget.asked == [(R1, "d2")]
+    assert actions == [
+        [("r1", 1, True), ("r2", 1, False)],  # merged into r1's restart in flight
+        [("r1", 2, False), ("r2", 1, False)],  # its budget spent: a new epoch for r1
+    ]

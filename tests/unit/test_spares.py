@@ -288,3 +288,36 @@ def test_the_change_survives_a_restore_and_the_retired_stay_retired() -> None:
     assert q.epochs[JOB].membership == cmd.membership and q.workers[key("b")].retired
     again = q.register(reg("s0", pid=10, spare=True), now=6)
     assert again.command == cmd
+
+
+def test_a_failure_that_spends_the_budget_retires_the_member_during_a_restart_in_flight() -> None:
+    """A restart is in flight (``a`` crashed) when ``b``'s device fails past its budget: the
+    failure is not merged into that restart (which would let ``b`` restart on the bad device,
+    uncounted) but takes ``b`` out at once, as it would with no restart in flight."""
+    p = Policy(PolicyConfig(device_max_failures=1, worker_ttl_s=1000))
+    first = formed(p)
+    [again] = p.on_health(fail("b-d0", 1), now=3).outcome.commands  # within the budget
+    for w in ("a", "b"):
+        p.on_report(Report(job="j", replica=w, status="running", epoch=again.epoch), now=3)
+    crash = Report(job="j", replica="a", status="crashed", epoch=again.epoch)
+    [restart] = p.on_report(crash, now=4).outcome.commands
+    assert restart.kind == "restart" and ranks(restart) == ranks(first)
+    r = p.on_health(fail("b-d0", 2), now=5)  # b has not confirmed the crash's restart
+    [cmd] = r.outcome.commands
+    assert cmd.epoch > restart.epoch and ranks(cmd) == [("a", 0, 0), ("s0", 1, 2)]
+    assert cmd.retired == [WorkerRef(replica="b")] and p.workers[key("b")].retired
+    assert [a.coalesced for a in r.reply.actions] == [False]
+    assert "member_replaced" in {e.kind for e in r.outcome.events}
+
+
+def test_a_failure_within_the_budget_or_a_repeat_still_joins_the_restart_in_flight() -> None:
+    p = Policy(PolicyConfig(device_max_failures=1, worker_ttl_s=1000))
+    formed(p)
+    [first] = p.on_health(fail("b-d0", 1), now=3).outcome.commands
+    # The same device again before b restarted: the incident the restart is for, merged.
+    again = p.on_health(fail("b-d0", 2), now=3.5)
+    assert not again.outcome.commands and [a.coalesced for a in again.reply.actions] == [True]
+    # Another member's device within its budget: merged into the same restart.
+    other = p.on_health(fail("a-d0", 1), now=3.6)
+    assert not other.outcome.commands and [a.coalesced for a in other.reply.actions] == [True]
+    assert p.epochs[JOB].epoch == first.epoch and not p.workers[key("b")].retired
