@@ -17,8 +17,7 @@ from agent.supervise.controller_link import (
     ControllerLink,
 )
 from agent.supervise.ranks import Rank
-from agent.supervise.signatures import Diagnosis, diagnose
-from agent.supervise.supervision import (
+from agent.supervise.rules import (
     ExitCode,
     Finish,
     GiveUp,
@@ -26,6 +25,7 @@ from agent.supervise.supervision import (
     Supervision,
     describe_returncode,
 )
+from agent.supervise.signatures import Diagnosis, diagnose
 from marduk.wire import protocol as wire
 
 log = logging.getLogger("agent.supervisor")
