@@ -9,11 +9,19 @@ import sys
 import threading
 import time
 import types
+from pathlib import Path
 
 import pytest
 
 from agent.errors import AgentError
-from agent.torchft import Guard, _watch_quorums, attach, replica_id
+from agent.torchft import (
+    LIGHTHOUSE_FLAGS,
+    Guard,
+    _watch_quorums,
+    attach,
+    lighthouse_command,
+    replica_id,
+)
 
 
 def test_the_replica_id_is_marduks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -35,6 +43,19 @@ def test_importing_it_imports_neither_torch_nor_torchft() -> None:
     code = "import sys, agent.torchft; print([m for m in ('torch', 'torchft') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_lighthouse_flags_are_torchft_lighthouses() -> None:
+    """The timers Marduk recommends are options of the torchft_lighthouse installed (a torchft
+    that renames one fails here, not in a user's job)."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[dev]'")
+    binary = str(Path(sys.executable).parent / "torchft_lighthouse")
+    cmd = lighthouse_command(2, "127.0.0.1:0", binary=binary)
+    assert cmd[:5] == [binary, "--min_replicas", "2", "--bind", "127.0.0.1:0"]
+    assert cmd[5:] == list(LIGHTHOUSE_FLAGS)
+    usage = subprocess.run([binary, "--help"], capture_output=True, text=True, check=True).stdout
+    for flag in LIGHTHOUSE_FLAGS[::2]:
+        assert flag + " " in usage, (flag, usage)
 
 
 class _Client:
