@@ -34,7 +34,10 @@ have committed at its pre-fault rate from the fault to the failed group's return
 committed (mean of the two), and steps the failed group missed (the others' commits between its
 last one and its first after healing); **back**: fault -> the failed group's first committed step
 in its new trainer, at another group's step with its weights (healed from a peer);
-**healthy_new_trainers**: restarts of the healthy groups (a hang detection taking them for hung).
+**whole**: fault -> the first step all three groups committed together (``groups 3``: the job
+whole again; a short join timeout can keep quorums rotating after a return, see
+docs/benchmarks.md); **healthy_new_trainers**: restarts of the healthy groups (a hang detection
+taking them for hung).
 
 ``--quiet S``: before the faults, S s without any (configurations with a tightened lighthouse
 timer only, unless ``--quiet-all``): any committed step with fewer than 3 groups or any new
@@ -309,6 +312,19 @@ class Job:
             seen = seen or bool(theirs)
         return first if seen else None
 
+    def whole_since(self, t0: float) -> float | None:
+        """When the job was whole again after ``t0``: the time of the first step that all three
+        groups committed together (``groups 3``, none of them healing), or None."""
+        steps = [
+            {c.step: c.t for c in p.commits() if c.t > t0 and c.groups == 3}
+            for p in self.groups.values()
+        ]
+        common = set(steps[0]).intersection(*steps[1:])
+        if not common:
+            return None
+        first = min(common)
+        return max(s[first] for s in steps)
+
     def trial(self, kind: str, g: str, hang_window: float = 20.0) -> dict[str, object]:
         """One fault of group ``g``. A ``hang`` that nothing ends within ``hang_window`` s
         (torchft alone: no restart loop sees a stopped process) is ended then, by SIGKILL;
@@ -339,11 +355,21 @@ class Job:
             lambda: all(sum(c.t > end + 2 for c in p.commits()) >= 1 for p in healthy),
             60,
         )
+        try:
+            whole = until("the job whole again", lambda: self.whole_since(t0), 60)
+        except TimeoutError:
+            whole = None
         stalls, lost = [], []
         for p in healthy:
             ts = [c.t for c in p.commits()]
             pre = [t for t in ts if t <= t0]
-            window = pre[-1:] + [t for t in ts if t0 < t <= end + 2]
+            after = [t for t in ts if t > t0]
+            # ... and the first commit past the window (a stall may outlast it).
+            window = (
+                pre[-1:]
+                + [t for t in after if t <= end + 2]
+                + [t for t in after if t > end + 2][:1]
+            )
             stalls.append(max(b - max(a, t0) for a, b in itertools.pairwise(window)))
             recent = pre[-21:]
             step_s = statistics.median(b - a for a, b in itertools.pairwise(recent))
@@ -357,6 +383,7 @@ class Job:
             "failed_lost_steps": back.step - last_step - 1 if back is not None else None,
             "back_s": round(back.t - t0, 3) if back is not None else None,
             "back_step": back.step if back is not None else None,
+            "whole_s": round(float(whole) - t0, 3) if whole is not None else None,  # type: ignore[arg-type]
             # Restarts of the healthy groups (a hang detection that took them for hung).
             "healthy_new_trainers": sum(
                 len(self.groups[h].trainer_pids()) - n for h, n in others.items()
@@ -462,7 +489,13 @@ def run_config(config: str, run_dir: Path, args: argparse.Namespace) -> dict[str
                 key: stats(
                     [float(v) for t in trials if t["fault"] == kind and (v := t[key]) is not None]
                 )  # type: ignore[arg-type]
-                for key in ("stall_s", "healthy_lost_steps", "failed_lost_steps", "back_s")
+                for key in (
+                    "stall_s",
+                    "healthy_lost_steps",
+                    "failed_lost_steps",
+                    "back_s",
+                    "whole_s",
+                )
             }
             for kind in faults
         }
@@ -481,8 +514,9 @@ def run_config(config: str, run_dir: Path, args: argparse.Namespace) -> dict[str
 def table(results: list[dict]) -> str:  # type: ignore[type-arg]
     rows = [
         "| config | fault | healthy stall p50 / max | healthy steps lost p50 / max "
-        "| failed group's steps lost p50 | failed group back p50 / max |",
-        "|---|---|---|---|---|---|",
+        "| failed group's steps lost p50 | failed group back p50 / max "
+        "| job whole again p50 / max |",
+        "|---|---|---|---|---|---|---|",
     ]
 
     def fmt(s: dict[str, float], unit: str = "", digits: int = 2) -> str:
@@ -501,7 +535,7 @@ def table(results: list[dict]) -> str:  # type: ignore[type-arg]
                 f"| {fmt(s['stall_s'], ' s')} "
                 f"| {fmt(s['healthy_lost_steps'], digits=1)} "
                 f"| {s['failed_lost_steps']['p50'] if s['failed_lost_steps'].get('n') else '-'} "
-                f"| {back} |"
+                f"| {back} | {fmt(s['whole_s'], ' s')} |"
             )
     return "\n".join(rows)
 
