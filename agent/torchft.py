@@ -49,12 +49,14 @@ The lighthouse: ``lighthouse_command()`` (``LIGHTHOUSE_FLAGS``) is how to run to
 under Marduk. torchft 0.2.0's lighthouse has no call to drop a replica: a failed group's dead
 incarnation (each has a fresh uuid) holds the healthy groups' next quorum until its heartbeat
 times out (``--heartbeat_timeout_ms``) or the join timeout (``--join_timeout_ms``, counted from
-the first group to join) passes, checked every ``--quorum_tick_ms``; Marduk's notice cannot
-shorten either. Its defaults (5000, 60000, 100) cost the healthy groups about 5 s per failure;
-``LIGHTHOUSE_FLAGS`` (1000, 100, 20) about one step + 0.13 s (docs/benchmarks.md, "torchft").
-A healthy group that joins a quorum more than the join timeout after the first is left out of
-it and heals at the next step: 100 ms gave no false failure in a 5-minute quiet run on a
-loaded 2-core machine; raise it where steps start less evenly.
+the first group to ask) passes, checked every ``--quorum_tick_ms``; Marduk's notice can shorten
+neither. The defaults (5000, 60000, 100) cost the healthy groups about 5 s per failure;
+``--heartbeat_timeout_ms 1000`` about 1 s (500: 0.5 s, no false failure in a 5-minute quiet run
+on a loaded 2-core machine either). A join timeout of 100 ms (tick 20) brings the stall to one
+step + 0.1 s, but it is not in ``LIGHTHOUSE_FLAGS``: it must exceed how late a group that just
+healed or reconfigured asks for the next quorum (a heal copies the whole state from a peer), or
+the quorums rotate, a different pair each step with the third healing (seen here for ~5 s in 2
+of 15 returns at 100 ms; docs/benchmarks.md, "torchft").
 
 Importing this module needs neither torch nor torchft: the Manager is used by its methods only.
 """
@@ -80,11 +82,7 @@ FAIL_EXIT: Final = 71  # as `marduk agent run` after `fail`: a device of this po
 EXIT_AFTER_S: Final = 1.0
 BEAT_EVERY_S: Final = 0.5  # heartbeats while waiting for a quorum; below any sane hang timeout
 # torchft_lighthouse's timers under Marduk (the module's docstring says why).
-LIGHTHOUSE_FLAGS: Final = (
-    *("--heartbeat_timeout_ms", "1000"),
-    *("--join_timeout_ms", "100"),
-    *("--quorum_tick_ms", "20"),
-)
+LIGHTHOUSE_FLAGS: Final = ("--heartbeat_timeout_ms", "1000")
 
 
 class MardukCommandError(RuntimeError):

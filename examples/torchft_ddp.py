@@ -2,8 +2,7 @@
 
 Start a lighthouse and a controller, then one ``marduk agent run`` per replica group:
 
-    torchft_lighthouse --min_replicas 2 --bind 127.0.0.1:29510 \\
-        --heartbeat_timeout_ms 1000 --join_timeout_ms 100 --quorum_tick_ms 20 &
+    torchft_lighthouse --min_replicas 2 --bind 127.0.0.1:29510 --heartbeat_timeout_ms 1000 &
     marduk agent run --replica g1 --devices g1-d0 --preload torch,torchft -- \\
         python examples/torchft_ddp.py --lighthouse http://127.0.0.1:29510
 
@@ -12,8 +11,8 @@ across the groups in the quorum, so every group holds the same weights after eac
 step. A restart command for a group (a device failure) ends its trainer at once; the agent
 starts it again; it rejoins the quorum and heals from a peer (weights, optimizer, step), no
 checkpoint read. The lighthouse's timers are ``agent.torchft.LIGHTHOUSE_FLAGS`` (its docstring
-says why): the healthy groups wait about one step + 0.13 s for the next quorum instead of the
-5 s of the defaults. Per committed step it prints ``step S committed weights HASH loss L``, and
+says why): the healthy groups wait about 1 s for the next quorum instead of the 5 s of the
+defaults. Per committed step it prints ``step S committed weights HASH loss L``, and
 ``healed from step A to step B`` when healing moved it.
 """
 

@@ -101,8 +101,8 @@ def group(env: dict[str, str], replica: str, lighthouse_addr: str) -> Proc:
 
 def healed_and_equal(g: Proc, others: list[Proc], incarnation: int) -> Commit | None:
     """The first step the new incarnation committed, once another group committed it too,
-    with the same weights as every group that did; None until then. (With the lighthouse's
-    short join timeout a healthy group that joins late skips that step and heals past it.)"""
+    with the same weights as every group that did; None until then. (A healthy group that
+    asks for that quorum late may be left out of it and heal past the step.)"""
     mine = [c for c in commits(g) if c.incarnation == incarnation]
     if not mine:
         return None
