@@ -14,8 +14,9 @@ after the other in one run, named ``alone`` or ``marduk`` and the lighthouse's t
   (``agent.torchft.attach``); lighthouse defaults.
 * a suffix sets a lighthouse timer: ``-hb1000`` (``--heartbeat_timeout_ms 1000``), ``-join100``
   (``--join_timeout_ms 100``), ``-tick20`` (``--quorum_tick_ms 20``). The default list: each of
-  alone and marduk with the defaults, ``-hb1000``, ``-hb500`` and ``-hb1000-join100-tick20``
-  (``agent.torchft.LIGHTHOUSE_FLAGS``).
+  alone and marduk with the defaults, ``-hb1000`` (``agent.torchft.LIGHTHOUSE_FLAGS``),
+  ``-hb500`` and ``-hb1000-join100-tick20`` (the stall target; quorums may rotate after a
+  return: look at ``whole_s``).
 
 Faults (``--faults``), ``--trials`` of each per configuration, the failed group rotating over
 g1, g2, g3, each ``--settle`` s after the job is whole again: ``device`` (with Marduk: a
@@ -87,7 +88,7 @@ CONFIG = re.compile(r"(alone|marduk)(?:-hb(\d+))?(?:-join(\d+))?(?:-tick(\d+))?"
 CONFIGS = tuple(
     f"{who}{timers}"
     for who in ("alone", "marduk")
-    for timers in ("", "-hb1000", "-hb500", "-hb1000-join100-tick20")  # the last: LIGHTHOUSE_FLAGS
+    for timers in ("", "-hb1000", "-hb500", "-hb1000-join100-tick20")  # -hb1000: LIGHTHOUSE_FLAGS
 )
 FAULTS = ("device", "crash", "hang")
 COMMITTED = re.compile(r"step (\d+) committed weights (\w+) loss \S+ groups (\d+) t ([0-9.]+)")
