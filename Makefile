@@ -58,11 +58,12 @@ bench-goodput: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,bench]'
 	$(PY) bench/bench_goodput.py --plot docs/img/goodput.png
 
-## torchft alone (torchrun restart loop) against torchft under Marduk, two lighthouse heartbeat
-## timeouts, device failures and crashes (~20 min; torch and torchft come with the dev extra).
+## torchft alone (torchrun restart loop) against torchft under Marduk, four lighthouse timer
+## settings, device failures, crashes and hangs (~30 min; torch and torchft come with the dev
+## extra). The tightest timers' 5-minute quiet run: bench/bench_torchft.py --configs
+## alone-hb500-join100-tick20 --trials 0 --quiet 300.
 bench-torchft: $(STAMP)
-	$(PY) bench/bench_torchft.py --trials 3 --quiet 120 --goodput 120 --goodput-every 25 \
-		--out bench/results/torchft.json
+	$(PY) bench/bench_torchft.py --trials 3 --quiet 60 --out bench/results/torchft.json
 
 ## A member out of service -> every rank stepping again: in-place restart, spare swap and shrink
 ## of the 2-process jax.distributed mesh; shrink and grow of a torch gloo job, Marduk against

@@ -34,6 +34,30 @@ nothing. Which groups were in the quorum is read from the Manager's quorum answe
 (``Manager._client``, wrapped at ``attach``); where that is not possible the Guard only reports
 the error, and aborts nothing.
 
+Hangs: ``guard.step()`` is the progress ``marduk agent run --hang-timeout`` watches, so a trainer
+that stops stepping without dying (a frozen process, a deadlock) is ended and started again
+after that many seconds, and the other groups get a ``peer_failed`` notice as for a crash. A
+group waiting for the lighthouse's quorum is waiting for the others, not hung: while the
+Manager's quorum call is in flight (after this incarnation's first step) the Guard sends a
+heartbeat every ``beat_every`` s, so that the healthy groups, which wait there for the
+lighthouse to give up on a hung or dead group (its ``--heartbeat_timeout_ms`` or
+``--join_timeout_ms``), are not taken for hung themselves. A collective pending with a hung
+group is not covered (torchft bounds it: the Manager's ``timeout``): set ``--hang-timeout``
+above that timeout, or a hang in the middle of a collective may restart the healthy groups too.
+
+The lighthouse: ``lighthouse_command()`` (``LIGHTHOUSE_FLAGS``) is how to run torchft's own
+under Marduk. torchft 0.2.0's lighthouse has no call to drop a replica: a failed group's dead
+incarnation (each has a fresh uuid) holds the healthy groups' next quorum until its heartbeat
+times out (``--heartbeat_timeout_ms``) or the join timeout (``--join_timeout_ms``, counted from
+the first group to ask) passes, checked every ``--quorum_tick_ms``; Marduk's notice can shorten
+neither. The defaults (5000, 60000, 100) cost the healthy groups about 5 s per failure;
+``--heartbeat_timeout_ms 1000`` about 1 s (500: 0.5 s, no false failure in a 5-minute quiet run
+on a loaded 2-core machine either). A join timeout of 100 ms (tick 20) brings the stall to one
+step + 0.1 s, but it is not in ``LIGHTHOUSE_FLAGS``: it must exceed how late a group that just
+healed or reconfigured asks for the next quorum (a heal copies the whole state from a peer), or
+the quorums rotate, a different pair each step with the third healing (seen here for ~5 s in 2
+of 15 returns at 100 ms; docs/benchmarks.md, "torchft").
+
 Importing this module needs neither torch nor torchft: the Manager is used by its methods only.
 """
 
@@ -43,6 +67,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from typing import Any, Final, Protocol
 
 import agent
@@ -55,6 +80,9 @@ log = logging.getLogger("agent.torchft")
 RESTART_EXIT: Final = 75  # EX_TEMPFAIL: start me again
 FAIL_EXIT: Final = 71  # as `marduk agent run` after `fail`: a device of this pod is bad
 EXIT_AFTER_S: Final = 1.0
+BEAT_EVERY_S: Final = 0.5  # heartbeats while waiting for a quorum; below any sane hang timeout
+# torchft_lighthouse's timers under Marduk (the module's docstring says why).
+LIGHTHOUSE_FLAGS: Final = ("--heartbeat_timeout_ms", "1000")
 
 
 class MardukCommandError(RuntimeError):
@@ -87,10 +115,18 @@ def replica_id(default: str | None = None) -> str:
 class Guard:
     """Ties one torchft Manager to Marduk. Made by ``attach``."""
 
-    def __init__(self, manager: _Manager, pg: Any = None, *, exit_after: float = EXIT_AFTER_S):
+    def __init__(
+        self,
+        manager: _Manager,
+        pg: Any = None,
+        *,
+        exit_after: float = EXIT_AFTER_S,
+        beat_every: float = BEAT_EVERY_S,
+    ):
         self.manager = manager
         self.pg = pg
         self.exit_after = exit_after
+        self.beat_every = beat_every
         self.command: Command | None = None
         self.client: agent.Client | None = None
         self._lock = threading.Lock()
@@ -98,6 +134,9 @@ class Guard:
         # The replica ids (Marduk's: torchft's before its ":uuid") of the last quorum; None
         # while unknown (no quorum yet, or the Manager's client could not be wrapped).
         self.quorum: frozenset[str] | None = None
+        self._waiting = 0  # the Manager's quorum calls in flight
+        self._stepped = False  # guard.step() was called: the trainer's startup is over
+        self._beats: threading.Thread | None = None
 
     @property
     def restart_requested(self) -> bool:
@@ -189,9 +228,31 @@ class Guard:
         except TypeError:  # not a list of ids (another torchft): unknown
             self.quorum = None
 
+    def waiting_for_quorum(self, waiting: bool) -> None:
+        """The Manager's quorum call starts (True) or returns (False)."""
+        with self._lock:
+            self._waiting += 1 if waiting else -1
+
+    def start_beats(self) -> None:
+        """Start the thread that sends heartbeats while the Manager waits for a quorum."""
+        if self._beats is None:
+            self._beats = threading.Thread(target=self._beat, name="marduk-ft-beats", daemon=True)
+            self._beats.start()
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(self.beat_every)
+            # Before the first step the agent's startup timeout applies (a heartbeat would
+            # count as the first sign of life); after a command, nothing is reported.
+            if self._waiting > 0 and self._stepped and self.command is None:
+                client = self.client
+                if client is not None:
+                    client.heartbeat()
+
     def step(self) -> None:
         """Call once per step, after ``optimizer.step()``: reports progress (hang detection
         under ``marduk agent run``) and exits when a restart or fail command came."""
+        self._stepped = True
         if self.command is not None:
             self._exit()
         if self.client is not None:
@@ -222,11 +283,19 @@ class Guard:
         os._exit(FAIL_EXIT if cmd.kind == "fail" else RESTART_EXIT)
 
 
+def lighthouse_command(
+    min_replicas: int, bind: str = "[::]:29510", binary: str = "torchft_lighthouse"
+) -> list[str]:
+    """The command line of torchft's lighthouse for a job under Marduk (``LIGHTHOUSE_FLAGS``)."""
+    return [binary, "--min_replicas", str(min_replicas), "--bind", bind, *LIGHTHOUSE_FLAGS]
+
+
 def attach(
     manager: _Manager,
     pg: Any = None,
     *,
     exit_after: float = EXIT_AFTER_S,
+    beat_every: float = BEAT_EVERY_S,
     **connect: Any,
 ) -> Guard:
     """Register this replica group with Marduk (``agent.connect(**connect)``; under ``marduk
@@ -234,6 +303,7 @@ def attach(
 
     ``pg``: the Manager's process group, aborted when a command comes (optional). The replica
     id defaults to ``replica_id()``; a Manager given another one is an AgentError.
+    ``beat_every``: seconds between heartbeats while the Manager waits for a quorum.
     """
     if not callable(getattr(manager, "report_error", None)):
         raise AgentError(f"attach() wants a torchft Manager, not {type(manager).__name__}")
@@ -244,23 +314,29 @@ def attach(
             f"the Manager's replica_id {ft_replica!r} is not Marduk's {replica!r}: "
             "pass replica_id=agent.torchft.replica_id() to Manager"
         )
-    guard = Guard(manager, pg, exit_after=exit_after)
+    guard = Guard(manager, pg, exit_after=exit_after, beat_every=beat_every)
     _watch_quorums(manager, guard)
     connect.setdefault("peer_notices", True)
     guard.client = agent.connect(replica_id=replica, on_command=guard.on_command, **connect)
+    guard.start_beats()
     return guard
 
 
 class _QuorumClient:
     """The Manager's quorum client (torchft 0.2.0: ``Manager._client``), recording the replica
-    ids of each quorum it answers; everything else is passed through."""
+    ids of each quorum it answers and telling the Guard while a call waits; everything else is
+    passed through."""
 
     def __init__(self, inner: Any, guard: Guard) -> None:
         self._inner = inner
         self._guard = guard
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        result = self._inner._quorum(*args, **kwargs)
+        self._guard.waiting_for_quorum(True)
+        try:
+            result = self._inner._quorum(*args, **kwargs)
+        finally:
+            self._guard.waiting_for_quorum(False)
         self._guard._saw_quorum(getattr(result, "replica_ids", None))
         return result
 
@@ -277,11 +353,14 @@ def _watch_quorums(manager: Any, guard: Guard) -> None:
 
 
 __all__ = [
+    "BEAT_EVERY_S",
     "FAIL_EXIT",
+    "LIGHTHOUSE_FLAGS",
     "RESTART_EXIT",
     "Guard",
     "MardukCommandError",
     "PeerFailedError",
     "attach",
+    "lighthouse_command",
     "replica_id",
 ]

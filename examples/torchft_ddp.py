@@ -2,7 +2,7 @@
 
 Start a lighthouse and a controller, then one ``marduk agent run`` per replica group:
 
-    torchft_lighthouse --min_replicas 2 --bind 127.0.0.1:29510 &
+    torchft_lighthouse --min_replicas 2 --bind 127.0.0.1:29510 --heartbeat_timeout_ms 1000 &
     marduk agent run --replica g1 --devices g1-d0 --preload torch,torchft -- \\
         python examples/torchft_ddp.py --lighthouse http://127.0.0.1:29510
 
@@ -10,7 +10,9 @@ Each group trains on its own data (seeded by its replica id); torchft averages t
 across the groups in the quorum, so every group holds the same weights after each committed
 step. A restart command for a group (a device failure) ends its trainer at once; the agent
 starts it again; it rejoins the quorum and heals from a peer (weights, optimizer, step), no
-checkpoint read. Per committed step it prints ``step S committed weights HASH loss L``, and
+checkpoint read. The lighthouse's timers are ``agent.torchft.LIGHTHOUSE_FLAGS`` (its docstring
+says why): the healthy groups wait about 1 s for the next quorum instead of the 5 s of the
+defaults. Per committed step it prints ``step S committed weights HASH loss L``, and
 ``healed from step A to step B`` when healing moved it.
 """
 

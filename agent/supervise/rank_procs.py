@@ -154,6 +154,9 @@ class RankProcesses:
             assert r.proc is not None
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(r.proc.pid, signal.SIGTERM)
+                # A stopped trainer (SIGSTOP, a frozen process: hung) holds the SIGTERM
+                # pending until it runs again: without this it gets SIGKILL after the grace.
+                os.killpg(r.proc.pid, signal.SIGCONT)
         # Their whole trees: helpers that left the group (setsid) get the same grace.
         groups = {r.proc.pid for r in running if r.proc is not None}
         for p in await find_leftovers(spare):

@@ -38,6 +38,23 @@ def test_library_steps_feed_hang_detection(controller_env: dict[str, str]) -> No
         a.stop()
 
 
+def test_a_frozen_trainer_is_ended_after_its_hang_timeout_not_the_grace(
+    controller_env: dict[str, str],
+) -> None:
+    """A trainer stopped (SIGSTOP: frozen, not dead) holds a SIGTERM pending: the agent wakes it
+    (SIGCONT) so that it ends now, not after --grace (30 s here) with a SIGKILL."""
+    env = controller_env
+    a = supervised(env, "steps-then-freeze", "--hang-timeout", "1", "--grace", "30")
+    try:
+        a.expect("FREEZING")
+        a.expect("no step after 19 for 1s", timeout=30)
+        a.expect("SIGTERM command=", timeout=10)  # its handler ran: it was woken
+        a.expect("CONNECTED epoch=1", timeout=10)
+        assert not any("ignored SIGTERM" in line for line in a.all)
+    finally:
+        a.stop()
+
+
 def test_section_timeout_counts_as_a_hang(controller_env: dict[str, str]) -> None:
     env = controller_env
     a = supervised(env, "long-section", "--hang-timeout", "600")

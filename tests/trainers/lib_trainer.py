@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -10,7 +11,8 @@ import time
 import agent
 
 p = argparse.ArgumentParser()
-p.add_argument("--mode", choices=["steps-then-stall", "long-section", "wait-command", "checkpoint"])
+MODES = ["steps-then-stall", "steps-then-freeze", "long-section", "wait-command", "checkpoint"]
+p.add_argument("--mode", choices=MODES)
 args = p.parse_args()
 
 client = agent.connect()  # under `marduk agent run`: talks to it, no second registration
@@ -35,6 +37,13 @@ if args.mode == "steps-then-stall":
         client.step(i)  # not printed: only the library reports progress
         time.sleep(0.1)
     print("STALLING", flush=True)
+    time.sleep(3600)
+elif args.mode == "steps-then-freeze":  # hung without dying: the whole process stopped
+    for i in range(20):
+        client.step(i)
+        time.sleep(0.1)
+    print("FREEZING", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(3600)
 elif args.mode == "long-section":
     client.step(1)
