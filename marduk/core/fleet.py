@@ -65,6 +65,12 @@ class Fleet:
         # Each job's last membership change (one of ``RESIZE_EVENTS``), for status: shown, not
         # persisted (a new leader shows the changes it made).
         self.last_change: dict[str, ControllerEvent] = {}
+        # Pool spares claimed by a job (marduk/core/pools.py): the spare's key in its pool ->
+        # the job. Derived from the jobs' epoch records (``EpochRecord.claims``).
+        self.claims: dict[WorkerKey, str] = {}
+        # Claims a new leader finished on reading them (job key, pool key): saved by its first
+        # tick (``PoolRules.flush``).
+        self.unsaved_moves: list[tuple[WorkerKey, WorkerKey]] = []
 
     @property
     def epochs(self) -> dict[EpochKey, EpochRecord]:
@@ -117,6 +123,7 @@ class Fleet:
         self.stale.discard(key)
         self.reports.pop(key, None)
         out.deleted_workers.append(key)
+        self._release(key, out)
         ekey = self.epoch_key_of(rec)
         self.scopes.confirm(ekey, key)
         # The scope's epoch record stays with nobody left in it, for ``epoch_retention_s``: a
@@ -124,6 +131,21 @@ class Fleet:
         if not self.scope_workers(ekey):
             self.scopes.vacated(ekey, now)
         return True
+
+    def _release(self, key: WorkerKey, out: Outcome) -> None:
+        """The job lets go of worker ``key``: a pool's claim of it ends (the spare does not go
+        back to the pool: marduk/core/pools.py)."""
+        state = self.epochs.get(EpochKey(key.job, None))
+        if state is None or not state.claims:
+            return
+        mine = [c for c in state.claims if (c.replica, c.worker) == (key.replica, key.worker)]
+        if not mine:
+            return
+        for c in mine:
+            self.claims.pop(WorkerKey(c.pool, c.replica, c.worker), None)
+        state.claims = [c for c in state.claims if c not in mine]
+        if state not in out.write_ahead and state not in out.put_epochs:
+            out.put_epochs.append(state)
 
     def live_takers(self, ekey: EpochKey, state: EpochRecord) -> list[WorkerKey]:
         """The scope's live workers that run trainers at its epoch: those that must confirm it."""
