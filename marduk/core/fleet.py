@@ -224,9 +224,13 @@ class Fleet:
 
     def in_play(self, workers: Iterable[WorkerKey]) -> frozenset[WorkerKey]:
         """Of ``workers``, those whose failure concerns their scope: all of them, except in a
-        job with a membership, where spares and retired workers run nothing to restart."""
+        job with a membership, where spares and retired workers run nothing to restart, and in
+        a pool of spares, where nobody does."""
         out = set()
         for w in workers:
+            r = self.workers[w].registration.rendezvous
+            if r is not None and r.spare and r.pool == w.job:
+                continue  # a spare of a pool (marduk/core/pools.py)
             state = self.epochs.get(self.epoch_key(w))
             if (
                 state is None

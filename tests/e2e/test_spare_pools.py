@@ -43,7 +43,7 @@ def test_a_pool_spare_takes_a_lost_members_ranks_and_the_standby_finishes_the_cl
             jb.start(r, "--spare-pool", POOL)
         spare = pool.start("spare0", "--spare", "--spare-pool", POOL)
         by_rank = ja.formed(("a0", "a1"))
-        jb.formed(("b0", "b1"))
+        ranks_b = jb.formed(("b0", "b1"))
         assert not pool.starts("spare0")
         eventually_free(env)
         lost, healthy = by_rank[1], by_rank[0]
@@ -66,7 +66,7 @@ def test_a_pool_spare_takes_a_lost_members_ranks_and_the_standby_finishes_the_cl
         ja.check_epochs_forward()
         # jb ran on: no start since before the failure, both still members.
         assert all(not jb.starts(r, mark_b[r]) for r in jb.agents), jb.output()
-        jb.wait({"b0": (0, 2), "b1": (1, 2)}, timeout=5)
+        jb.wait({ranks_b[0]: (0, 2), ranks_b[1]: (1, 2)}, timeout=5)
 
         info = job_info(env, "ja")
         assert (info["nodes"], info["holding"], info["claimed"]) == (2, ["spare0/0"], ["spare0/0"])

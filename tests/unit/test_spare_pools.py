@@ -83,6 +83,11 @@ def test_a_pool_forms_nothing_and_status_shows_its_free_spares() -> None:
     assert pool.is_pool and pool.spares == ["s0/0", "s1/0"] and pool.claimed == []
     [ja] = p.job_infos(3, "ja")
     assert ja.pool == POOL and not ja.is_pool
+    # A free spare's device failing restarts nothing (it runs nothing); it is no longer free.
+    r = p.on_health(fail("s1-d0"), now=4)
+    assert not r.outcome.commands
+    [pool] = p.job_infos(5, POOL)
+    assert pool.spares == ["s0/0", "s1/0 (unusable: device s1-d0 failed)"]
 
 
 def test_a_lost_member_takes_a_pool_spare_at_its_ranks_and_the_spare_moves_to_the_job() -> None:
