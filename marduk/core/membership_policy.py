@@ -130,8 +130,11 @@ class MembershipRules:
     ) -> Command | None:
         """``kind`` for the scope; but a ``fail`` (``devices`` out of service or past their
         budget) of a job with a membership takes out only the members that use them
-        (``replace_members``); None when no member does (only spares: nothing to send)."""
+        (``replace_members``); None when no member does (only spares: nothing to send), and
+        for a pool of spares."""
         state = self.fleet.epochs.get(ekey)
+        if ekey.replica is None and self.pools.is_pool(ekey.job):
+            return None  # a pool runs nothing: its spare is unusable, not told (nor the others)
         if kind != "fail" or ekey.replica is not None or state is None or not state.membership:
             return self.issuer.issue(ekey, kind, reason, devices, cause, now, out)
         used = set(devices)

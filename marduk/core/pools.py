@@ -89,6 +89,13 @@ class PoolRules:
         not a pool spare)."""
         return self.fleet.claims.get(worker_key(reg)) if is_pool_spare(reg) else None
 
+    def is_pool(self, job: str) -> bool:
+        """Is ``job`` a pool of spares (its workers are the pool's spares)?"""
+        fleet = self.fleet
+        return any(
+            is_pool_spare(fleet.workers[k].registration) for k in fleet.job_workers.get(job, ())
+        )
+
     def pool_of(self, job: str) -> str | None:
         """The pool ``job`` draws from: its non-spares' ``--spare-pool``."""
         for c in self.fleet.candidates(job):

@@ -63,6 +63,7 @@ def test_a_pool_spare_takes_a_lost_members_ranks_and_the_standby_finishes_the_cl
         ja.wait({healthy: (0, 2), "spare0": (1, 2)}, timeout=5)
         assert len(ja.starts(healthy, mark[healthy])) == 1, ja.output()
         assert len(ja.starts("spare0")) == 1, ja.output()
+        assert ja.starts("spare0")[0]["MARDUK_JOB"] == "ja"  # its trainer is the job's
         ja.check_epochs_forward()
         # jb ran on: no start since before the failure, both still members.
         assert all(not jb.starts(r, mark_b[r]) for r in jb.agents), jb.output()

@@ -235,3 +235,46 @@ def test_the_metrics_show_each_pools_free_and_claimed_spares() -> None:
     assert got["marduk_pool_spares_free"] == {(POOL,): 1.0}
     assert got["marduk_pool_spares_claimed"] == {(POOL, "ja"): 1.0}
     assert POOL not in {k[0] for k in got["marduk_job_nodes"]}
+
+
+def test_a_drained_pool_spare_restarts_nothing_and_is_not_claimed() -> None:
+    p = two_jobs()
+    p.register(spare("s0", pid=30), now=2)
+    assert not p.drain(["s0-d0"], "", False, "bad host", now=3).outcome.commands
+    [cmd] = p.on_health(fail("a1-d0"), now=4).outcome.commands
+    assert ranks(cmd) == [("a0", 0, 0)]
+
+
+def test_a_pool_spare_keeps_a_job_at_min_instead_of_holding_it() -> None:
+    p = Policy(PolicyConfig(device_max_failures=0))
+    for w, pid in (("a0", 1), ("a1", 2)):
+        r = reg("ja", w, pid=pid)
+        assert r.rendezvous is not None
+        p.register(msgspec.structs.replace(r, rendezvous=_nodes(r.rendezvous, 2)), now=0)
+    p.register(spare("s0", pid=30), now=1)
+    [cmd] = p.on_health(fail("a0-d0"), now=2).outcome.commands
+    assert ranks(cmd) == [("s0", 0, 0), ("a1", 1, 2)]  # not held: MIN 2 kept
+
+
+def test_a_pool_spare_named_like_a_worker_of_the_job_is_not_claimed() -> None:
+    p = two_jobs()
+    p.register(spare("a0", pid=30), now=2)  # pool spare "a0": ja has an a0 already
+    [cmd] = p.on_health(fail("a1-d0"), now=3).outcome.commands
+    assert ranks(cmd) == [("a0", 0, 0)] and WorkerKey(POOL, "a0", 0) in p.workers
+
+
+def test_forgetting_the_job_ends_the_claim_and_the_spare_stays_out_of_the_pool() -> None:
+    p = two_jobs()
+    p.register(spare("s0", pid=30), now=2)
+    p.on_health(fail("a1-d0"), now=3)
+    out = p.forget("ja", None, None, now=4)
+    assert p.epochs[EpochKey("ja", None)] in out.put_epochs
+    assert p.epochs[EpochKey("ja", None)].claims == []
+    assert p.job_infos(5, POOL) == []  # nothing free, nothing claimed: no pool to show
+    # Its agent, moved to ja, registers there again: ja's worker (a spare), not the pool's.
+    p.register(reg("ja", "s0", pid=30, spare=True), now=6)
+    assert WorkerKey("ja", "s0", 0) in p.workers and WorkerKey(POOL, "s0", 0) not in p.workers
+
+
+def _nodes(r: Rendezvous, lo: int) -> Rendezvous:
+    return msgspec.structs.replace(r, min_nodes=lo)
