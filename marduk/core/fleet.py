@@ -228,9 +228,8 @@ class Fleet:
         a pool of spares, where nobody does."""
         out = set()
         for w in workers:
-            r = self.workers[w].registration.rendezvous
-            if r is not None and r.spare and r.pool == w.job:
-                continue  # a spare of a pool (marduk/core/pools.py)
+            if self.pool_spare(w):
+                continue
             state = self.epochs.get(self.epoch_key(w))
             if (
                 state is None
@@ -239,6 +238,12 @@ class Fleet:
             ):
                 out.add(w)
         return frozenset(out)
+
+    def pool_spare(self, key: WorkerKey) -> bool:
+        """Is ``key`` a spare of a pool, registered under it (marduk/core/pools.py)? It runs
+        nothing: no failure of it restarts anything."""
+        r = self.workers[key].registration.rendezvous
+        return r is not None and r.spare and r.pool == key.job
 
     def changed(self, event: ControllerEvent, out: Outcome) -> None:
         """Announce a change of a job's membership (``event``, one of ``RESIZE_EVENTS``): the

@@ -91,10 +91,7 @@ class PoolRules:
 
     def is_pool(self, job: str) -> bool:
         """Is ``job`` a pool of spares (its workers are the pool's spares)?"""
-        fleet = self.fleet
-        return any(
-            is_pool_spare(fleet.workers[k].registration) for k in fleet.job_workers.get(job, ())
-        )
+        return any(self.fleet.pool_spare(k) for k in self.fleet.job_workers.get(job, ()))
 
     def pool_of(self, job: str) -> str | None:
         """The pool ``job`` draws from: its non-spares' ``--spare-pool``."""

@@ -86,6 +86,8 @@ def test_a_pool_forms_nothing_and_status_shows_its_free_spares() -> None:
     # A free spare's device failing restarts nothing (it runs nothing); it is no longer free.
     r = p.on_health(fail("s1-d0"), now=4)
     assert not r.outcome.commands
+    stopping = Report(job=POOL, replica="s0", status="preempted", epoch=0)
+    assert not p.on_report(stopping, now=4).outcome.commands
     [pool] = p.job_infos(5, POOL)
     assert pool.spares == ["s0/0", "s1/0 (unusable: device s1-d0 failed)"]
 
