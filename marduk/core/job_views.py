@@ -76,10 +76,10 @@ class JobViews:
 
     def _is_pool(self, job: str) -> bool:
         """Is ``job`` a pool of spares (its workers register under the pool's name)?"""
-        for key in self.fleet.job_workers.get(job, ()):
-            r = self.fleet.workers[key].registration.rendezvous
-            return r is not None and r.spare and r.pool == job
-        return any(key.job == job for key in self.fleet.claims)
+        fleet = self.fleet
+        if any(fleet.pool_spare(key) for key in fleet.job_workers.get(job, ())):
+            return True
+        return any(key.job == job for key in fleet.claims)
 
     def _pool_of(self, job: str) -> str:
         for c in self.fleet.candidates(job):

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
+from marduk.core import membership as rdzv
 from marduk.core.drmap import WorkerKey
 from marduk.core.policy import Policy, PolicyConfig, PolicyError
 from marduk.core.records import EpochKey, EpochRecord, WorkerRecord
@@ -280,3 +283,39 @@ def test_forgetting_the_job_ends_the_claim_and_the_spare_stays_out_of_the_pool()
 
 def _nodes(r: Rendezvous, lo: int) -> Rendezvous:
     return msgspec.structs.replace(r, min_nodes=lo)
+
+
+@given(
+    n=st.integers(1, 6),
+    lost=st.sets(st.integers(0, 5)),
+    own=st.lists(st.integers(1, 2), max_size=3),
+    pool=st.lists(st.tuples(st.integers(1, 2), st.integers(1, 2)), max_size=4),
+)
+def test_with_a_pool_no_rank_is_given_twice_and_shapes_fit(
+    n: int, lost: set[int], own: list[int], pool: list[tuple[int, int]]
+) -> None:
+    def cand(name: str, at: float, nproc: int = 2, spare: bool = False, devices: int = 0):
+        r = Rendezvous(nproc=nproc, min_nodes=1, max_nodes=6, addr="h", spare=spare)
+        return rdzv.Candidate(WorkerKey("j", name, 0), r, at, devices)
+
+    members = [cand(f"m{i}", i) for i in range(n)]
+    m = rdzv.form(1, members)
+    assert m is not None
+    spares = [cand(f"s{i}", 10 + i, p, True) for i, p in enumerate(own)]
+    pooled = [cand(f"p{i}", 20 + i, p, True, d) for i, (p, d) in enumerate(pool)]
+    gone = {WorkerKey("j", f"m{i}", 0) for i in lost if i < n}
+    sizes = dict.fromkeys(gone, 1)  # every member had one device
+    change = rdzv.replace(m, 2, "j", gone, [*members, *spares], 1, pooled, sizes)
+    new = change.membership
+    if new is None:
+        return
+    names = [x.replica for x in new.members]
+    assert len(set(names)) == len(names) and not {f"m{i}" for i in lost} & set(names)
+    flat = [r for x in new.members for r in range(x.first_rank, x.first_rank + x.nproc)]
+    assert flat == list(range(new.world_size))
+    for _, c in change.replaced:
+        assert c.rendezvous.nproc == 2 and c.devices in (0, 1)
+    # The job's own spares first: a pool spare only once no own spare of the shape is left.
+    used_pool = [c for _, c in change.replaced if c.key.replica.startswith("p")]
+    free_own = [s for s in spares if s.rendezvous.nproc == 2 and s.key.replica not in names]
+    assert not (used_pool and free_own)
