@@ -82,12 +82,24 @@ class ControllerLink:
         if old is not None:
             await old.close(deregister=False)
         self.opts.job = job
+        said = False
         while True:
             try:
                 self.client = await self._register(self.opts)
                 return
             except MardukError as e:
-                log.warning("registering under job %s failed (%s); trying again", job, e)
+                if "may not publish" in str(e) and not said:  # a credential of one job
+                    log.error(
+                        "this spare's NATS credential may not register under job %s (%s): a "
+                        "spare of a pool needs an agent credential valid for every job that "
+                        "may claim it (docs/operations.md, Pools of spares)",
+                        job,
+                        e,
+                    )
+                    said = True
+                elif not said:
+                    log.warning("registering under job %s failed (%s); still trying", job, e)
+                    said = True
                 await asyncio.sleep(self._join_interval_s)
 
     async def _join(self, on_joined: Callable[[AsyncClient], Awaitable[None]]) -> None:

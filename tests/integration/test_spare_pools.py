@@ -6,16 +6,28 @@ empty, shrinks on a loss of its own; a new leader keeps the claim."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import nats
+import pytest
+from prometheus_client import CollectorRegistry
 
+from agent.library.options import resolve_options
+from agent.supervise.controller_link import ControllerLink
 from marduk.controller import Controller
 from marduk.store.state import StateStore
 from marduk.wire import protocol as wire
 from marduk.wire.protocol import decode, encode
 from marduk.wire.subjects import Subjects
-from tests.conftest import NatsServer, controller_settings, health_event, start_serving
+from tests.conftest import (
+    NatsServer,
+    controller_settings,
+    eventually,
+    health_event,
+    start_serving,
+)
+from tests.integration.test_auth_roles import auth_dir, creds, secure  # noqa: F401 (fixtures)
 from tests.integration.test_spares import listen, ranks, registration
 
 S = Subjects()
@@ -98,3 +110,51 @@ async def test_a_lost_member_takes_the_pool_spare_and_a_new_leader_keeps_the_cla
         await nc.close()
         await standby.stop()
         await leader.stop()
+
+
+async def test_a_pool_spare_moves_with_the_plain_agent_credential_and_says_why_it_cannot_with_a_per_job_one(
+    secure: tuple[NatsServer, Controller],  # noqa: F811 (test_auth_roles' fixtures)
+    auth_dir: Path,  # noqa: F811
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``ControllerLink.move`` under auth: the plain agent credential registers under the
+    claiming job; a credential of the pool's job alone (``agent-big``, the pool here being
+    ``big``) is refused by the server, and the agent says which credential it needs
+    (docs/operations.md, *Pools of spares*)."""
+    server, _ = secure
+    links = []
+    try:
+        for name, replica in (("agent", "s0"), ("agent-big", "s1")):
+            opts = resolve_options(
+                replica,
+                [f"{replica}-d0"],
+                "big",
+                server.url,
+                "job",
+                timeout=5,
+                role="supervisor",
+                credentials=creds(auth_dir, name),
+            )
+            opts.rendezvous = wire.Rendezvous(
+                nproc=2, min_nodes=1, max_nodes=2, addr="h", spare=True, pool="big"
+            )
+            link = ControllerLink(
+                opts,
+                on_command=lambda _c: None,
+                registry=CollectorRegistry(),
+                join_interval_s=0.2,
+                spawn=lambda coro, name: asyncio.get_running_loop().create_task(coro, name=name),
+            )
+            links.append(link)
+            await link.connect()
+        await asyncio.wait_for(links[0].move("ja"), 10)
+        assert links[0].client is not None and links[0].client.state == "registered"
+        assert links[0].opts.job == "ja"
+        stuck = asyncio.create_task(links[1].move("ja"))
+        with caplog.at_level(logging.ERROR, logger="agent.supervisor"):
+            await eventually(lambda: "may not register under job ja" in caplog.text, timeout=15)
+        assert not stuck.done()
+        stuck.cancel()
+    finally:
+        for link in links:
+            await link.close(deregister=False)
