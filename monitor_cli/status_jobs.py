@@ -126,7 +126,8 @@ RESIZE_NAMES = {
 def spares_cell(j: JobInfo) -> str:
     """``r9/0 free, r8/0 holding``; a count and the first of each when there are many."""
     parts = []
-    for names, what in ((j.spares, "free"), (j.holding, "holding")):
+    held = (j.claimed, "claimed") if j.is_pool else (j.holding, "holding")
+    for names, what in ((j.spares, "free"), held):
         if len(names) > 2:
             parts.append(f"{len(names)} {what} ({names[0]} +{len(names) - 1})")
         else:
@@ -139,6 +140,9 @@ def membership_grid(jobs: Sequence[JobInfo], now: float) -> Grid:
     spares, the resize under way and the last one."""
     rows: list[tuple[Cell, ...]] = []
     for j in jobs:
+        if j.is_pool:  # a pool of spares: runs nothing, only its spares
+            rows.append((f"{j.job} (pool)", "-", "-", "-", spares_cell(j), "-", "-"))
+            continue
         resize: Cell = "-"
         if j.resize:
             since = f" {age(j.resize_since, now)}" if j.resize_since else ""
@@ -154,7 +158,7 @@ def membership_grid(jobs: Sequence[JobInfo], now: float) -> Grid:
         nodes = f"{j.nodes:,}"
         rows.append(
             (
-                j.job,
+                f"{j.job} (pool {j.pool})" if j.pool else j.job,
                 (nodes, "red") if j.nodes < j.min_nodes else nodes,
                 f"{j.min_nodes}:{j.max_nodes}",
                 f"{j.world_size:,}",

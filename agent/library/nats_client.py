@@ -75,6 +75,9 @@ class AsyncClient(CommandInbox):
         # epoch of the command that carried it; set (and ``membership_changed``) on news.
         self.membership: tuple[int, wire.Membership] | None = None
         self.membership_changed = asyncio.Event()
+        # A spare of a pool that a job claimed (RegisterReply.claimed_by): it registers there
+        # now (``membership_changed`` is set when this is).
+        self.claimed_by: str | None = None
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -199,6 +202,11 @@ class AsyncClient(CommandInbox):
         renewal interval, the command of the current epoch (a fresh process is past it)."""
         o = self.opts
         self.stats["registrations"] += 1
+        if reply.claimed_by is not None:  # nothing else of the reply applies
+            self._registered_once = True
+            self.claimed_by = reply.claimed_by
+            self.membership_changed.set()
+            return
         if reply.unusable_devices != self.unusable_devices:
             self.unusable_devices = list(reply.unusable_devices)
             if self.unusable_devices:

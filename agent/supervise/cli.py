@@ -239,6 +239,18 @@ def run(
             "register and start nothing until a member is lost, then take its ranks.",
         ),
     ] = False,
+    spare_pool: Annotated[
+        str | None,
+        typer.Option(
+            "--spare-pool",
+            envvar="MARDUK_SPARE_POOL",
+            help="A pool of hot spares shared by jobs. With --spare: this agent is a spare of "
+            "the pool NAME (it registers under the job NAME, no job of its own) and serves the "
+            "first job that claims it, for good. Without: the job may draw a spare from NAME "
+            "when a member is lost and none of its own spares fits (--nnodes MIN:MAX).",
+            metavar="NAME",
+        ),
+    ] = None,
     master_addr: Annotated[
         str | None,
         typer.Option(

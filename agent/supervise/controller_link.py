@@ -49,6 +49,7 @@ class ControllerLink:
         self._join_interval_s = join_interval_s
         self._spawn = spawn
         self._join_task: asyncio.Task[None] | None = None
+        self._collector: StatsCollector | None = None
 
     async def connect(self) -> AsyncClient:
         """Register now, within the options' timeout (MardukError: no controller answered)."""
@@ -63,8 +64,43 @@ class ControllerLink:
         client = AsyncClient(opts, on_command=self._on_command, deliver=lambda _c: None)
         await client.start()
         # The library client's counters (commands, dropped forgeries, ...) are exported too.
-        self._registry.register(StatsCollector(client.stats, lambda: []))
+        if self._collector is not None:
+            self._registry.unregister(self._collector)
+        self._collector = StatsCollector(client.stats, lambda: [])
+        self._registry.register(self._collector)
         return client
+
+    async def move(self, job: str) -> None:
+        """A job claimed this spare of a pool (``AsyncClient.claimed_by``): from now on it is
+        that job's worker, registered under it (same replica and worker). Keeps trying until
+        the job's controller answers (the claim is durable; a failover costs a retry)."""
+        pool = self.opts.job
+        log.warning(
+            "this spare of pool %s is claimed by job %s: registering there, for good", pool, job
+        )
+        old, self.client = self.client, None
+        if old is not None:
+            await old.close(deregister=False)
+        self.opts.job = job
+        said = False
+        while True:
+            try:
+                self.client = await self._register(self.opts)
+                return
+            except MardukError as e:
+                if "may not publish" in str(e) and not said:  # a credential of one job
+                    log.error(
+                        "this spare's NATS credential may not register under job %s (%s): a "
+                        "spare of a pool needs an agent credential valid for every job that "
+                        "may claim it (docs/operations.md, Pools of spares)",
+                        job,
+                        e,
+                    )
+                    said = True
+                elif not said:
+                    log.warning("registering under job %s failed (%s); still trying", job, e)
+                    said = True
+                await asyncio.sleep(self._join_interval_s)
 
     async def _join(self, on_joined: Callable[[AsyncClient], Awaitable[None]]) -> None:
         opts = dataclasses.replace(self.opts, timeout=min(self.opts.timeout, JOIN_TIMEOUT_S))

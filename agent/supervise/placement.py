@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 
@@ -28,14 +28,21 @@ ASK_EVERY_S = 1.0  # while waiting: register again this often (level-triggered)
 
 
 async def membership_for(
-    client: Callable[[], AsyncClient | None], opts: Options, epoch: int
+    client: Callable[[], AsyncClient | None],
+    opts: Options,
+    epoch: int,
+    move: Callable[[str], Awaitable[None]],
 ) -> tuple[int, Membership, Member]:
     """The newest membership naming this worker, carried by a command at ``epoch`` or later:
     (that command's epoch, the membership, this worker's entry). Waits as long as it takes
-    (the caller races it against signals)."""
+    (the caller races it against signals). A spare of a pool that a job claims ``move``s to
+    that job first (``ControllerLink.move``) and has its membership from there."""
     said = ""
     while True:
         c = client()
+        if c is not None and c.claimed_by is not None:
+            await move(c.claimed_by)
+            continue
         if c is not None:
             c.membership_changed.clear()
             got = c.membership

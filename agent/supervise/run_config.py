@@ -32,7 +32,7 @@ from agent.supervise.launch import (
 from agent.supervise.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
 from marduk.shell import options
 from marduk.wire.protocol import Rendezvous
-from marduk.wire.subjects import DEFAULT_PREFIX
+from marduk.wire.subjects import DEFAULT_PREFIX, check_job
 
 if TYPE_CHECKING:
     from agent.library.options import Options
@@ -79,6 +79,7 @@ class RunArgs:
     nnodes: str | None = None
     node_rank: int | None = None
     spare: bool = False
+    spare_pool: str | None = None
     master_addr: str | None = None
     master_port: int | None = None
     local_addr: str | None = None
@@ -145,6 +146,7 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
     """The supervisor's configuration (with its options, launch and log specs) from ``args``;
     ConfigError, one line naming the option, for anything that cannot work."""
     look = lookups or Lookups()
+    job = _job(args)
     try:
         _check_regex(args.step_regex)
         opts = look.resolve(
@@ -152,7 +154,7 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
             devices=[d.strip() for d in args.devices.split(",") if d.strip()]
             if args.devices
             else None,
-            job=args.job,
+            job=job,
             addr=args.addr,
             scope=args.scope,
             worker=args.worker if args.worker is not None else (args.node_rank or 0),
@@ -171,9 +173,13 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
                 addr=args.local_addr or opts.host,
                 ports=look.free_ports(),
                 spare=args.spare,
+                pool=args.spare_pool or None,
             )
-        elif args.spare:
-            raise ConfigError("--spare needs --nnodes MIN:MAX without --node-rank (--scope job)")
+        elif args.spare or args.spare_pool:
+            raise ConfigError(
+                f"--{'spare' if args.spare else 'spare-pool'} needs --nnodes MIN:MAX without "
+                "--node-rank (--scope job)"
+            )
         logs = _logs(args, launch, look)
     except (AgentError, LaunchError) as e:
         raise ConfigError(str(e)) from None
@@ -212,6 +218,24 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
             else [m.strip() for m in args.preload.split(",") if m.strip() and m.strip() != "none"]
         ),
     )
+
+
+def _job(args: RunArgs) -> str:
+    """The job to register under: a spare of a pool registers under the pool's name until a
+    job claims it (marduk/core/pools.py)."""
+    if args.spare_pool:
+        try:
+            check_job(args.spare_pool)
+        except ValueError as e:
+            raise ConfigError(f"--spare-pool: {e}") from None
+    if not (args.spare and args.spare_pool):
+        return args.job
+    if args.job not in (library.DEFAULT_JOB, args.spare_pool):
+        raise ConfigError(
+            f"--spare --spare-pool {args.spare_pool} is a spare of the pool, of no job: drop "
+            f"--job {args.job} (the job that claims it is the one it serves)"
+        )
+    return args.spare_pool
 
 
 def _replica(args: RunArgs, look: Lookups) -> str:

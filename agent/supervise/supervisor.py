@@ -385,7 +385,7 @@ class Supervisor:
         for; a newer one moves the epoch up to its command's)."""
         assert self.launch is not None
         epoch, m, me = await placement.membership_for(
-            lambda: self.link.client, self.opts, self.epoch
+            lambda: self.link.client, self.opts, self.epoch, self.link.move
         )
         self.core.restarting_at(epoch)
         client = self.link.client

@@ -96,6 +96,7 @@ class Handlers:
             command=result.command,
             renew_interval=result.renew_interval,
             unusable_devices=result.unusable,
+            claimed_by=result.claimed_by,
         )
 
     async def deregister(self, req: Deregistration, subject: str) -> DeregisterReply:

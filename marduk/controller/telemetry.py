@@ -33,6 +33,7 @@ _WARN_EVENTS = frozenset(
         "job_shrunk",
         "job_held",
         "grow_abandoned",
+        "spare_claimed",
     }
 )
 
@@ -62,7 +63,9 @@ def gauges(ctl: Controller) -> Iterator[Metric]:
         spares,
         "job",
     )
-    yield from job_gauges(p.job_infos(time.time()))
+    infos = p.job_infos(time.time())
+    yield from job_gauges([j for j in infos if not j.is_pool])
+    yield from pool_gauges([j for j in infos if j.is_pool])
     standbys = float(len(ctl.takeover.live_standbys()))
     yield gauge("marduk_standbys", "Hot standbys heard from.", {"all": standbys}, "scope")
 
@@ -100,6 +103,21 @@ def job_gauges(jobs: list[JobInfo]) -> Iterator[Metric]:
         per_job(lambda j: j.last_resize_at),
         "job",
     )
+
+
+def pool_gauges(pools: list[JobInfo]) -> Iterator[Metric]:
+    """Pools of spares (``--spare-pool``): free spares, and those claimed, by job."""
+    free = {j.job: float(sum("(unusable" not in s for s in j.spares)) for j in pools}
+    yield gauge("marduk_pool_spares_free", "Free, usable spares of each pool.", free, "pool")
+    claimed = GaugeMetricFamily(
+        "marduk_pool_spares_claimed",
+        "Spares of each pool that a job claimed and still holds.",
+        labels=["pool", "job"],
+    )
+    for j in pools:
+        for job, n in Counter(c.rpartition(" by ")[2] for c in j.claimed).items():
+            claimed.add_metric([j.job, job], float(n))
+    yield claimed
 
 
 def log_event(event: ControllerEvent, limited: Callable[[str, str, int], None]) -> None:

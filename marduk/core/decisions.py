@@ -115,6 +115,7 @@ class Registered:
     command: Command | None
     renew_interval: float = 0.0
     unusable: list[str] = field(default_factory=list)  # devices out of service
+    claimed_by: str | None = None  # a pool spare a job claimed: it registers there now
 
 
 @dataclass(slots=True)

@@ -65,6 +65,12 @@ class Fleet:
         # Each job's last membership change (one of ``RESIZE_EVENTS``), for status: shown, not
         # persisted (a new leader shows the changes it made).
         self.last_change: dict[str, ControllerEvent] = {}
+        # Pool spares claimed by a job (marduk/core/pools.py): the spare's key in its pool ->
+        # the job. Derived from the jobs' epoch records (``EpochRecord.claims``).
+        self.claims: dict[WorkerKey, str] = {}
+        # Claims a new leader finished on reading them (job key, pool key): saved by its first
+        # tick (``PoolRules.flush``).
+        self.unsaved_moves: list[tuple[WorkerKey, WorkerKey]] = []
 
     @property
     def epochs(self) -> dict[EpochKey, EpochRecord]:
@@ -117,6 +123,7 @@ class Fleet:
         self.stale.discard(key)
         self.reports.pop(key, None)
         out.deleted_workers.append(key)
+        self._release(key, out)
         ekey = self.epoch_key_of(rec)
         self.scopes.confirm(ekey, key)
         # The scope's epoch record stays with nobody left in it, for ``epoch_retention_s``: a
@@ -124,6 +131,21 @@ class Fleet:
         if not self.scope_workers(ekey):
             self.scopes.vacated(ekey, now)
         return True
+
+    def _release(self, key: WorkerKey, out: Outcome) -> None:
+        """The job lets go of worker ``key``: a pool's claim of it ends (the spare does not go
+        back to the pool: marduk/core/pools.py)."""
+        state = self.epochs.get(EpochKey(key.job, None))
+        if state is None or not state.claims:
+            return
+        mine = [c for c in state.claims if (c.replica, c.worker) == (key.replica, key.worker)]
+        if not mine:
+            return
+        for c in mine:
+            self.claims.pop(WorkerKey(c.pool, c.replica, c.worker), None)
+        state.claims = [c for c in state.claims if c not in mine]
+        if state not in out.write_ahead and state not in out.put_epochs:
+            out.put_epochs.append(state)
 
     def live_takers(self, ekey: EpochKey, state: EpochRecord) -> list[WorkerKey]:
         """The scope's live workers that run trainers at its epoch: those that must confirm it."""
@@ -202,9 +224,12 @@ class Fleet:
 
     def in_play(self, workers: Iterable[WorkerKey]) -> frozenset[WorkerKey]:
         """Of ``workers``, those whose failure concerns their scope: all of them, except in a
-        job with a membership, where spares and retired workers run nothing to restart."""
+        job with a membership, where spares and retired workers run nothing to restart, and in
+        a pool of spares, where nobody does."""
         out = set()
         for w in workers:
+            if self.pool_spare(w):
+                continue
             state = self.epochs.get(self.epoch_key(w))
             if (
                 state is None
@@ -213,6 +238,12 @@ class Fleet:
             ):
                 out.add(w)
         return frozenset(out)
+
+    def pool_spare(self, key: WorkerKey) -> bool:
+        """Is ``key`` a spare of a pool, registered under it (marduk/core/pools.py)? It runs
+        nothing: no failure of it restarts anything."""
+        r = self.workers[key].registration.rendezvous
+        return r is not None and r.spare and r.pool == key.job
 
     def changed(self, event: ControllerEvent, out: Outcome) -> None:
         """Announce a change of a job's membership (``event``, one of ``RESIZE_EVENTS``): the

@@ -39,9 +39,13 @@ class JobViews:
             for key, rec in self.fleet.workers.items()
             if rec.registration.rendezvous is not None and (job is None or key.job == job)
         }
+        # A pool whose spares jobs all claimed is still shown.
+        jobs |= {key.job for key in self.fleet.claims if job is None or key.job == job}
         return [self.info(name, now) for name in sorted(jobs)]
 
     def info(self, job: str, now: float) -> JobInfo:
+        if self._is_pool(job):
+            return self._pool(job, now)
         ekey = EpochKey(job, None)
         state = self.fleet.epochs.get(ekey)
         m = state.membership if state is not None else None
@@ -66,6 +70,41 @@ class JobViews:
             last_resize_epoch=(last.epoch or 0) if last is not None else 0,
             last_resize_at=last.ts if last is not None else 0.0,
             last_resize_detail=last.detail if last is not None else "",
+            pool=self._pool_of(job),
+            claimed=[f"{c.replica}/{c.worker}" for c in state.claims] if state else [],
+        )
+
+    def _is_pool(self, job: str) -> bool:
+        """Is ``job`` a pool of spares (its workers register under the pool's name)?"""
+        fleet = self.fleet
+        if any(fleet.pool_spare(key) for key in fleet.job_workers.get(job, ())):
+            return True
+        return any(key.job == job for key in fleet.claims)
+
+    def _pool_of(self, job: str) -> str:
+        for c in self.fleet.candidates(job):
+            if not c.rendezvous.spare:
+                return c.rendezvous.pool or ""
+        return ""
+
+    def _pool(self, pool: str, now: float) -> JobInfo:
+        """A pool: its free spares (an unusable one says why) and the ones jobs claimed."""
+        fleet = self.fleet
+        free = []
+        for c in fleet.candidates(pool):
+            why = fleet.unfit(c.key, now)
+            free.append(_name(c.key) + (f" (unusable: {why})" if why else ""))
+        claimed = sorted(
+            f"{_name(key)} by {job}" for key, job in fleet.claims.items() if key.job == pool
+        )
+        return JobInfo(
+            job=pool,
+            min_nodes=0,
+            max_nodes=0,
+            pool=pool,
+            is_pool=True,
+            spares=free,
+            claimed=claimed,
         )
 
     def _parts(

@@ -32,7 +32,7 @@ in every command of the job (``Command.membership``); docs/decisions.md #14.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -62,6 +62,7 @@ class Candidate:
     key: WorkerKey
     rendezvous: Rendezvous
     registered_at: float = 0.0
+    devices: int = 0  # how many devices it registered (a pool spare's shape; 0: not asked)
 
 
 def check(new: Candidate, others: Iterable[Candidate], current: Membership | None) -> None:
@@ -201,15 +202,21 @@ def replace(
     lost: Collection[WorkerKey],
     candidates: Sequence[Candidate],
     min_nodes: int,
+    pool: Sequence[Candidate] = (),
+    sizes: Mapping[WorkerKey, int] | None = None,
 ) -> Change:
     """The membership at ``epoch`` without the members ``lost``. Each lost member's node rank
     and ranks go to a free spare of its shape (same world size: the checkpoint restores
     unchanged); each spare takes one rank at most. A lost member no spare fits is dropped: the
     others keep their order with node ranks contiguous again (the coordinator moves with
     node 0); fewer than ``min_nodes`` left: no membership (held). ``candidates``: the live
-    workers of the job that may take part (the caller leaves out those out of service)."""
+    workers of the job that may take part (the caller leaves out those out of service).
+    ``pool``: spares of the job's pool, taken after its own, as keys of the job; one fits a
+    member of its local ranks with as many devices as the member had (``sizes``)."""
     live = {c.key: c for c in candidates if c.key not in lost}
     free = [c for c in free_spares(previous, job, candidates) if c.key not in lost]
+    free += [c for c in pool if c.key not in live and c.key not in lost]
+    sizes = sizes or {}
     by_rank: dict[int, Candidate | Member] = {}
     replaced: list[tuple[Member, Candidate]] = []
     dropped: list[Member] = []
@@ -218,7 +225,8 @@ def replace(
         if key not in lost:
             by_rank[m.node_rank] = live.get(key, m)
             continue
-        spare = next((c for c in free if c.rendezvous.nproc == m.nproc), None)
+        size = sizes.get(key)
+        spare = next((c for c in free if _fits(c, m, size)), None)
         if spare is None:
             dropped.append(m)
             continue
@@ -235,6 +243,14 @@ def replace(
             for new, (_, held) in enumerate(sorted(by_rank.items()))
         }
     return Change(_membership(epoch, by_rank, previous), tuple(replaced), tuple(dropped))
+
+
+def _fits(c: Candidate, m: Member, size: int | None) -> bool:
+    """Can spare ``c`` take member ``m``'s ranks: its local ranks, and a pool spare's devices
+    (``size``: the member's device count, when known)."""
+    if c.rendezvous.nproc != m.nproc:
+        return False
+    return not c.devices or size is None or c.devices == size
 
 
 def grow(

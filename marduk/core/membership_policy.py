@@ -23,11 +23,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from marduk.core import membership as rdzv
+from marduk.core import pools as pool
 from marduk.core.decisions import Outcome, PolicyError, event_at, worker_key
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet
 from marduk.core.grow_policy import GrowRules
 from marduk.core.issuer import Issuer
+from marduk.core.pools import PoolRules
 from marduk.core.records import EpochKey, EpochRecord
 from marduk.wire.protocol import Command, CommandKind, Member, Registration
 
@@ -35,10 +37,11 @@ from marduk.wire.protocol import Command, CommandKind, Member, Registration
 class MembershipRules:
     """Admission, forming and the members lost of jobs whose ranks the controller assigns."""
 
-    def __init__(self, fleet: Fleet, issuer: Issuer, grow: GrowRules) -> None:
+    def __init__(self, fleet: Fleet, issuer: Issuer, grow: GrowRules, pools: PoolRules) -> None:
         self.fleet = fleet
         self.issuer = issuer
         self.grow = grow
+        self.pools = pools
         # Jobs with MIN workers but no membership yet: since when (the join timeout counts
         # from there). In memory: a new leader starts the timeout over.
         self.quorum_since: dict[str, float] = {}
@@ -66,6 +69,7 @@ class MembershipRules:
             return
         if reg.scope != "job":
             raise PolicyError("invalid", "ranks from the controller need scope job")
+        pool.check(reg, (workers[k].registration for k in others))
         if any(workers[k].registration.rendezvous is None for k in others):
             raise PolicyError(
                 "shape_mismatch",
@@ -126,8 +130,11 @@ class MembershipRules:
     ) -> Command | None:
         """``kind`` for the scope; but a ``fail`` (``devices`` out of service or past their
         budget) of a job with a membership takes out only the members that use them
-        (``replace_members``); None when no member does (only spares: nothing to send)."""
+        (``replace_members``); None when no member does (only spares: nothing to send), and
+        for a pool of spares."""
         state = self.fleet.epochs.get(ekey)
+        if ekey.replica is None and self.pools.is_pool(ekey.job):
+            return None  # a pool runs nothing: its spare is unusable, not told (nor the others)
         if kind != "fail" or ekey.replica is not None or state is None or not state.membership:
             return self.issuer.issue(ekey, kind, reason, devices, cause, now, out)
         used = set(devices)
@@ -189,6 +196,7 @@ class MembershipRules:
         assert previous is not None
         self._retire(lost, now, out)
         lowest = self.fleet.nnodes(ekey.job)[0]  # the job's MIN (a non-spare's --nnodes)
+        claimable = self.pools.claimable(ekey.job, now)
         change = rdzv.replace(
             previous,
             self.fleet.scopes.next_epoch_peek(ekey),
@@ -196,7 +204,12 @@ class MembershipRules:
             lost,
             self.fleet.usable(ekey.job, now),
             lowest,
+            claimable,
+            {k: len(self.fleet.workers[k].registration.devices) for k in lost},
         )
+        if change.membership is not None:
+            chosen = {spare.key for _, spare in change.replaced}
+            self.pools.claim(state, [c for c in claimable if c.key in chosen], now, out)
         why = "; ".join(sorted(set(lost.values())))
         m = change.membership
         if change.dropped or m is None:

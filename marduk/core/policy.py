@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from marduk.core import views
+from marduk.core import pools, views
 from marduk.core.acks import AckRules
 from marduk.core.decisions import (
     DrainResult,
@@ -61,6 +61,7 @@ from marduk.core.grow_policy import GrowRules
 from marduk.core.issuer import Issuer
 from marduk.core.job_views import JobViews
 from marduk.core.membership_policy import MembershipRules
+from marduk.core.pools import PoolRules
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
 from marduk.core.registration import RegistrationRules
 from marduk.core.reports import FAILURE_STATUSES, ReportRules
@@ -96,7 +97,8 @@ class Policy:
         self.fleet = fleet = Fleet(config or PolicyConfig())
         issuer = Issuer(fleet)
         self._grow = GrowRules(fleet, issuer)
-        self._membership = MembershipRules(fleet, issuer, self._grow)
+        self._pools = PoolRules(fleet)
+        self._membership = MembershipRules(fleet, issuer, self._grow, self._pools)
         self._service = ServiceRules(fleet, self._membership.issue_or_replace)
         self._devices = DeviceRules(
             fleet,
@@ -105,7 +107,9 @@ class Policy:
             self._membership.issue_or_replace,
             self._membership.spends_budget,
         )
-        self._registration = RegistrationRules(fleet, self._membership, self._grow, self._service)
+        self._registration = RegistrationRules(
+            fleet, self._membership, self._grow, self._service, self._pools
+        )
         self._acks = AckRules(fleet, issuer)
         self._reports = ReportRules(fleet, issuer, self._acks, self._grow)
         self._tick = TickRules(fleet, issuer, self._membership, self._grow)
@@ -192,6 +196,8 @@ class Policy:
         """The map, epochs and devices the records describe; ``resume`` before leading."""
         policy = cls(config)
         fleet = policy.fleet
+        # A claim of a pool spare written ahead but not its move (marduk/core/pools.py).
+        workers, fleet.claims, fleet.unsaved_moves = pools.reconcile(workers, epochs)
         for epoch in epochs:
             # Commands up to the ceiling may have gone out after the last exact write.
             fleet.scopes.restore(epoch)
@@ -248,7 +254,9 @@ class Policy:
 
     def tick(self, now: float) -> Outcome:
         """Time passes: silent workers go stale, then expire; unconfirmed commands are resent."""
-        return self._tick.tick(now)
+        out = self._tick.tick(now)
+        self._pools.flush(out)
+        return out
 
     # --- queries ---------------------------------------------------------------------------------
 

@@ -44,6 +44,18 @@ class GrowRecord(msgspec.Struct, kw_only=True):
     joining: list[WorkerRef] = []
 
 
+class PoolClaim(msgspec.Struct, kw_only=True, frozen=True):
+    """A spare of ``pool`` (registered as worker ``replica``/``worker`` of the job named like the
+    pool) that a job took (marduk/core/pools.py): kept on that job's epoch record, written ahead
+    with the membership that gives it ranks, so a new leader neither loses the claim nor gives
+    the spare to a second job."""
+
+    pool: str
+    replica: str
+    worker: int = 0
+    claimed_at: float = 0.0
+
+
 class EpochRecord(msgspec.Struct, kw_only=True):
     job: str
     replica: str | None
@@ -59,6 +71,8 @@ class EpochRecord(msgspec.Struct, kw_only=True):
     membership: Membership | None = None
     # A grow waiting for the checkpoint it asked for; void once another command follows.
     grow: GrowRecord | None = None
+    # Spares of pools this job claimed and still holds (scope ``job`` only).
+    claims: list[PoolClaim] = []
 
 
 class DeviceRecord(msgspec.Struct, kw_only=True):

@@ -28,6 +28,7 @@ from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet, awaited, takes_part
 from marduk.core.grow_policy import GrowRules
 from marduk.core.membership_policy import MembershipRules
+from marduk.core.pools import PoolRules, is_pool_spare
 from marduk.core.records import EpochKey, EpochRecord, WorkerRecord
 from marduk.core.service_policy import ServiceRules
 from marduk.wire.protocol import MAX_EPOCH, ControllerEvent, Registration, same_process
@@ -134,17 +135,23 @@ class RegistrationRules:
         membership: MembershipRules,
         grow: GrowRules,
         service: ServiceRules,
+        pools: PoolRules,
     ) -> None:
         self.fleet = fleet
         self.membership = membership
         self.grow = grow
         self.service = service
+        self.pools = pools
 
     def register(self, reg: Registration, now: float) -> Registered:
         """Check, then record the worker: its scope's epoch (adopting one it saw), whether it
         must still confirm it, and what the registration announces or starts (a membership
         forming, a grow)."""
         fleet, key = self.fleet, worker_key(reg)
+        claimed = self.pools.claimed_by(reg)
+        if claimed is not None:  # a job took this pool spare: it registers there now
+            interval = fleet.config.renew_interval_s
+            return Registered(Outcome(), "unchanged", 0, None, interval, claimed_by=claimed)
         check_scope(reg, (fleet.workers[k] for k in fleet.job_workers.get(reg.job, ())))
         self.service.check_claims(reg, now)
         out = Outcome()
@@ -190,7 +197,7 @@ class RegistrationRules:
             # nor announced.
             out.put_workers.append(rec)
         out.events.extend(registration_events(reg, result, was_stale, state.epoch, now))
-        if reg.rendezvous is not None:
+        if reg.rendezvous is not None and not is_pool_spare(reg):  # a pool forms nothing
             self.membership.rendezvous(ekey, now, out)
             self.grow.registered(key, fresh_process or was_stale, now, out)
         unusable = fleet.unusable(reg.devices)

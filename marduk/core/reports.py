@@ -67,6 +67,8 @@ class ReportRules:
                 self.grow.checkpointed(key, now, out)
             return ReportResult(out, [])
         out.events.append(worker_event(f"worker_{report.status}", key, report, now))
+        if self.fleet.pool_spare(key):  # a pool spare stopping (preempted): nothing to restart
+            return ReportResult(out, [])
         return ReportResult(out, [self._restart(key, report, now, out)])
 
     def _restart(self, key: WorkerKey, report: Report, now: float, out: Outcome) -> Action:

@@ -9,7 +9,16 @@ from typing import Annotated
 
 import msgspec
 
-from marduk.wire.fields import MAX_MEMBERS, Epoch, NonNegInt, Port, PosInt, ShortText, Token
+from marduk.wire.fields import (
+    MAX_MEMBERS,
+    Epoch,
+    JobName,
+    NonNegInt,
+    Port,
+    PosInt,
+    ShortText,
+    Token,
+)
 
 
 class Rendezvous(msgspec.Struct, kw_only=True):
@@ -29,6 +38,11 @@ class Rendezvous(msgspec.Struct, kw_only=True):
     # A hot spare (``--spare``): registered, no trainer, never in the first membership; it
     # takes the ranks of a member that goes out of service. Workers beyond MAX are spares too.
     spare: bool = False
+    # A pool of hot spares (``--spare-pool NAME``). On a job's worker: the pool the job may
+    # draw a spare from when no spare of its own fits. On a spare (``--spare``) registered under
+    # the job named like the pool: a spare of that pool, free for any job that names it; once
+    # a job claims it, it registers under that job (``RegisterReply.claimed_by``).
+    pool: JobName | None = None
 
 
 class Member(msgspec.Struct, kw_only=True, frozen=True):
@@ -91,3 +105,9 @@ class JobInfo(msgspec.Struct, kw_only=True):
     last_resize_epoch: int = 0
     last_resize_at: float = 0.0
     last_resize_detail: str = ""
+    # Pools of spares (``--spare-pool``). On a job: the pool it draws from, and the pool spares
+    # it claimed ("replica/worker"). On a pool (``is_pool``: ``job`` is the pool's name, every
+    # worker a pool spare): ``spares`` are the free ones, ``claimed`` "replica/worker by JOB".
+    pool: str = ""
+    is_pool: bool = False
+    claimed: list[str] = []

@@ -146,6 +146,10 @@ class RegisterReply(Message, tag="register_reply", kw_only=True):
     # Seconds between renewals (re-registrations) the controller expects; a worker silent for
     # three of them is shown ``stale``. 0: the agent keeps its own default.
     renew_interval: float = 0.0
+    # A spare of a pool (``--spare-pool``) registered under the pool's name that a job has
+    # claimed: it is that job's worker now (same replica and worker), and registers under
+    # ``claimed_by`` from now on. Nothing else of the reply applies to it.
+    claimed_by: JobName | None = None
 
 
 class Deregistration(Message, tag="deregister", kw_only=True):
@@ -277,6 +281,7 @@ EventKind = Literal[
     "grow_started",
     "member_added",
     "grow_abandoned",
+    "spare_claimed",
     # decisions
     "restart_issued",
     "fail_issued",

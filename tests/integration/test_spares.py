@@ -22,11 +22,19 @@ JOB = "mesh"
 
 
 def registration(
-    replica: str, pid: int, *, nproc: int = 2, lo: int = 1, hi: int = 2, spare: bool = False
+    replica: str,
+    pid: int,
+    *,
+    nproc: int = 2,
+    lo: int = 1,
+    hi: int = 2,
+    spare: bool = False,
+    job: str = JOB,
+    pool: str | None = None,
 ) -> bytes:
     return encode(
         wire.Registration(
-            job=JOB,
+            job=job,
             replica=replica,
             host=f"host-{replica}",
             devices=[f"{replica}-d0"],
@@ -40,6 +48,7 @@ def registration(
                 addr=f"10.0.0.{pid}",
                 ports=[30000 + pid],
                 spare=spare,
+                pool=pool,
             ),
         )
     )

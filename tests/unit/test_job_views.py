@@ -153,3 +153,35 @@ def test_status_and_top_show_the_membership() -> None:
     assert "membership:" in top
     many = JobInfo(job="j", min_nodes=1, max_nodes=2, spares=["a/0", "b/0", "c/0"])
     assert sv.spares_cell(many) == "3 free (a/0 +2)"
+
+
+def test_status_shows_a_pool_its_free_and_claimed_spares_and_the_job_drawing_from_it() -> None:
+    reply = QueryReply(
+        controller=controller(),
+        jobs=[
+            JobInfo(
+                job="ja",
+                min_nodes=1,
+                max_nodes=2,
+                nodes=2,
+                world_size=4,
+                pool="gpu8",
+                holding=["s0/0"],
+                claimed=["s0/0"],
+            ),
+            JobInfo(
+                job="gpu8",
+                min_nodes=0,
+                max_nodes=0,
+                pool="gpu8",
+                is_pool=True,
+                spares=["s1/0"],
+                claimed=["s0/0 by ja"],
+            ),
+        ],
+    )
+    lines = sv.plain_lines(sv.status_blocks(reply, sv.Filters(), NOW))
+    start = lines.index("membership:")
+    rows = [re.split(r"\s{2,}", line.strip()) for line in lines[start + 1 :]]
+    assert rows[1][:5] == ["ja (pool gpu8)", "2", "1:2", "4", "s0/0 holding"]
+    assert rows[2] == ["gpu8 (pool)", "-", "-", "-", "s1/0 free, s0/0 by ja claimed", "-", "-"]

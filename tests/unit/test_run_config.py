@@ -221,3 +221,27 @@ def test_torchruns_line_prefix_template_from_the_environment() -> None:
     fakes.environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = "${role_name}/${rank}|"
     assert build(fakes, nproc_per_node="2").logs.prefix_template == "${role_name}/${rank}|"
     assert build(Fakes(), nproc_per_node="1").logs.prefix_template is None
+
+
+def test_a_spare_of_a_pool_registers_under_the_pool_and_a_job_names_the_pool() -> None:
+    spare = build(Fakes(), nnodes="1:2", scope="job", spare=True, spare_pool="gpu8")
+    assert spare.opts.job == "gpu8"
+    r = spare.opts.rendezvous
+    assert r is not None and r.spare and r.pool == "gpu8"
+    worker = build(Fakes(), job="llama", nnodes="1:2", scope="job", spare_pool="gpu8")
+    assert worker.opts.job == "llama" and worker.opts.rendezvous.pool == "gpu8"
+    assert build(Fakes(), job="llama", nnodes="1:2", scope="job").opts.rendezvous.pool is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"spare": True, "spare_pool": "gpu8", "job": "llama"}, "of no job"),
+        ({"spare_pool": "gpu 8"}, "--spare-pool: invalid job name"),
+        ({"spare_pool": "gpu8", "nnodes": "2", "node_rank": 1, "scope": "replica"}, "--spare-pool"),
+    ],
+)
+def test_a_pool_option_that_cannot_work_is_refused(kw: dict[str, Any], says: str) -> None:
+    kw = {"nnodes": "1:2", "scope": "job", **kw}
+    with pytest.raises(ConfigError, match=says):
+        build(Fakes(), **kw)
