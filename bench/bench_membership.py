@@ -37,7 +37,8 @@ on two nodes of loopback, one process each, a membership change each way, at eac
 
 Dampings (``DAMPING``): ``1`` (both 1 s), ``min`` (the smallest each accepts: Marduk's settle
 and interval 0; c10d reads ``last_call_timeout`` as a positive whole number of seconds, so 1),
-``default`` (neither set: Marduk's settle 30 s and resize interval 60 s, torchrun's 30 s). MAX
+``default`` (neither set: Marduk's settle 30 s and resize interval 60 s, torchrun's 30 s), ``30``
+(all three 30 s). MAX
 is 2 unless ``--max-nodes`` says more: at MAX the c10d round closes as soon as the second node
 joins, so ``last_call_timeout`` only damps a grow that stays below MAX.
 
@@ -205,7 +206,9 @@ DAMPING: dict[str, tuple[float | None, float | None, int | None]] = {
     "1": (1.0, 1.0, 1),
     "min": (0.0, 0.0, 1),  # c10d: int(last_call_timeout) > 0 (dynamic_rendezvous.py)
     "default": (None, None, None),
+    "30": (30.0, 30.0, 30),  # torchrun's default; Marduk's settle default, interval 30 not 60
 }
+LONG = ("default", "30")  # run --long-trials times
 MARDUK_GROW = ("register", "wait", "checkpoint", "restart", "init", "first step")
 TORCHRUN_GROW = ("detect", "stop", "rendezvous", "start+init", "first step")
 
@@ -560,7 +563,7 @@ def torch_part(args: argparse.Namespace, work: Path, load: LoadSampler) -> dict[
     """Each damping in turn, Marduk then torchrun, each with fresh processes."""
     out: dict[str, object] = {}
     for damping in args.damping.split(","):
-        trials = args.long_trials if damping == "default" else args.trials
+        trials = args.long_trials if damping in LONG else args.trials
         settle, interval, last_call = DAMPING[damping]
         row: dict[str, object] = {
             "marduk_grow_settle_s": settle if settle is not None else "default (30)",
@@ -598,7 +601,7 @@ def summary(values: list[float]) -> dict[str, float]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--trials", type=int, default=3)
-    p.add_argument("--long-trials", type=int, default=2, help="trials at damping 'default'")
+    p.add_argument("--long-trials", type=int, default=2, help="trials at a damping of LONG")
     p.add_argument("--parts", default="jax,torch")
     p.add_argument("--settle", type=float, default=0.5, help="seconds stepping before a fault")
     p.add_argument(
