@@ -67,7 +67,7 @@ bench-torchft: $(STAMP)
 
 ## A member out of service -> every rank stepping again: in-place restart, spare swap and shrink
 ## of the 2-process jax.distributed mesh; shrink and grow of a torch gloo job, Marduk against
-## torchrun --nnodes 1:2 (~6 min; torch and jax come with the dev extra).
+## torchrun --nnodes 1:2 (~12 min: three dampings; torch and jax come with the dev extra).
 bench-membership: $(STAMP)
 	$(PY) bench/bench_membership.py --trials 3 --out bench/results/membership.json
 
