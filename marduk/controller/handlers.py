@@ -149,12 +149,6 @@ class Handlers:
             devices=result.devices, actions=result.actions, conflicts=result.conflicts
         )
 
-    async def health(self, event: DeviceHealth) -> msgspec.Struct:
-        """Decide, then wait until the commit is durable (``NotServing`` if it was dropped)."""
-        decided = self.decide_health(event)
-        await self.health_committed(decided)
-        return decided.reply
-
     def decide_health(self, event: DeviceHealth) -> HealthDecided:
         """Decide a health event and queue its commit, without yielding: called in delivery
         order, the decisions (and their commands) keep it."""
