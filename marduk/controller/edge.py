@@ -10,8 +10,8 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import nats.errors
@@ -32,6 +32,7 @@ from marduk.wire.protocol import (
 from marduk.wire.subjects import REPLY_HEADER
 
 if TYPE_CHECKING:
+    from marduk.controller.handlers import HealthDecided
     from marduk.controller.shell import Controller
 
 log = logging.getLogger("marduk.controller")
@@ -233,16 +234,22 @@ class Edge:
             raise ProtocolError("subject_mismatch", f"message for job {job!r} sent on {subject}")
 
     async def on_health_msg(self, msg: Msg) -> None:
-        # One task per event, started in delivery order (so decided in it): the next event is
-        # decided and its command published while this one's records are written. The
-        # consumer's max_ack_pending bounds how many are in flight.
-        self.ctl.spawn_background(self.handle_health_msg(msg), "health-event")
+        """One event from the durable consumer, decided here, in the consumer's callback: in
+        delivery order, and with no task (a turn of the event loop, and whatever else is ready
+        then) between its delivery and its command going out. What waits (the commit's records,
+        the answer, the acknowledgement) goes on in a task of its own, so the next event is
+        decided and its command published while this one's records are written; the
+        consumer's max_ack_pending bounds how many are in flight."""
+        finish = self.decide_health_msg(msg)
+        if finish is not None:
+            self.ctl.spawn_background(finish, "health-event")
 
-    async def handle_health_msg(self, msg: Msg) -> None:
-        """One event from the durable consumer: decide, commit, answer, then acknowledge."""
+    def decide_health_msg(self, msg: Msg) -> Coroutine[Any, Any, None] | None:
+        """Decide an event without yielding; return what is left to do (None: nothing, and
+        the event is not acked: redelivered to whoever leads after ack_wait)."""
         self.ctl.stats["received.devicehealth"] += 1
         if not self.ctl.leading():
-            return  # not acked: redelivered to whoever leads after ack_wait
+            return None
         reply_to = (msg.headers or {}).get(REPLY_HEADER, "")
         if reply_to and (
             len(reply_to) > _REPLY_SUBJECT_MAX or not _REPLY_SUBJECT.fullmatch(reply_to)
@@ -251,29 +258,44 @@ class Edge:
             # publish fail and nats-py drop the connection: decide, but answer nobody.
             self.reject("devicehealth", "reply_header", f"bad {REPLY_HEADER} header", msg.subject)
             reply_to = ""
-        reply: msgspec.Struct
         try:
             event = decode(msg.data, DeviceHealth, max_bytes=self.ctl.settings.max_message_bytes)
             if not event.event_id:
                 # Stable across redeliveries: the stream sequence names the event.
                 event.event_id = f"{self.ctl.subjects.prefix}.health#{msg.metadata.sequence.stream}"
-            reply = await self.ctl.handlers.health(event)
-        except NotServing:
-            return
+            decided = self.ctl.handlers.decide_health(event)
         except ProtocolError as e:
-            reply = self.reject("devicehealth", e.reason, str(e), msg.subject)
+            rejected = self.reject("devicehealth", e.reason, str(e), msg.subject)
             # Named as a valid event would be: its own id, or its stream sequence.
-            reply.event_id = (
+            rejected.event_id = (
                 _event_id_of(msg.data)
                 or f"{self.ctl.subjects.prefix}.health#{msg.metadata.sequence.stream}"
             )
+            return self._answer_health(msg, reply_to, rejected)
         except Exception:
-            # Not the event's fault (a publish failed mid-commit, a bug): it is not terminated
-            # but left for redelivery (bounded by the consumer's max_deliver), and since our
-            # state may now be ahead of the store we step down; whoever leads rebuilds.
-            self.log_internal("devicehealth")
-            self.ctl.takeover.spawn_step_down("internal error while handling a health event")
+            self._health_failed()
+            return None
+        return self._commit_health(msg, reply_to, decided)
+
+    async def _commit_health(self, msg: Msg, reply_to: str, decided: HealthDecided) -> None:
+        """Wait for the decision's commit, then answer and acknowledge."""
+        try:
+            await self.ctl.handlers.health_committed(decided)
+        except NotServing:
             return
+        except Exception:
+            self._health_failed()
+            return
+        await self._answer_health(msg, reply_to, decided.reply)
+
+    def _health_failed(self) -> None:
+        # Not the event's fault (a publish failed mid-commit, a bug): it is not terminated
+        # but left for redelivery (bounded by the consumer's max_deliver), and since our
+        # state may now be ahead of the store we step down; whoever leads rebuilds.
+        self.log_internal("devicehealth")
+        self.ctl.takeover.spawn_step_down("internal error while handling a health event")
+
+    async def _answer_health(self, msg: Msg, reply_to: str, reply: msgspec.Struct) -> None:
         if not isinstance(reply, ErrorReply) and not self.ctl.leading():
             # Its records are stored under our term (the store fenced them), so an ack landing
             # late would be harmless; still, a lapsed leader neither answers nor acks: the

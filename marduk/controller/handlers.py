@@ -8,10 +8,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from marduk.controller.commit import Commit
 from marduk.core.drmap import WorkerKey
 from marduk.core.paging import ENVELOPE_BYTES, SnapshotCache
 from marduk.core.policy import PolicyError
@@ -27,6 +29,7 @@ from marduk.wire.protocol import (
     DrainReply,
     Forget,
     ForgetReply,
+    HealthReply,
     Query,
     QueryReply,
     RegisterReply,
@@ -40,6 +43,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("marduk.controller")
 Handler = Callable[[Any, str], Awaitable[msgspec.Struct | None]]
+
+
+@dataclass(slots=True)
+class HealthDecided:
+    """A health event decided: the reply, and its commit on its way out. ``started``: when its
+    decision began (``perf_counter``), for the notice latency; None if it sent no command."""
+
+    reply: HealthReply
+    commit: Commit
+    started: float | None
 
 
 class Handlers:
@@ -137,7 +150,9 @@ class Handlers:
             devices=result.devices, actions=result.actions, conflicts=result.conflicts
         )
 
-    async def health(self, event: DeviceHealth) -> msgspec.Struct:
+    def decide_health(self, event: DeviceHealth) -> HealthDecided:
+        """Decide a health event and queue its commit, without yielding: called in delivery
+        order, the decisions (and their commands) keep it."""
         now = time.time()
         if not event.timestamp:
             event.timestamp = now
@@ -157,11 +172,14 @@ class Handlers:
                 else:
                     self.ctl.stats[f"restarts.device/{action.kind}"] += 1
         commit = self.ctl.pipeline.submit(result.outcome)
-        await commit.published
-        if result.outcome.commands:
-            self._notice_latency.observe(time.perf_counter() - t0)
-        await commit.durable
-        return reply
+        return HealthDecided(reply, commit, t0 if result.outcome.commands else None)
+
+    async def health_committed(self, decided: HealthDecided) -> None:
+        """Back once the decision's commands are out (timed) and its records are durable."""
+        await decided.commit.published
+        if decided.started is not None:
+            self._notice_latency.observe(time.perf_counter() - decided.started)
+        await decided.commit.durable
 
     def count_source(self, source: str) -> None:
         self.count_bounded("sources", source or "unknown")

@@ -56,6 +56,7 @@ class Outbox:
 
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl
+        self._signer: auth.Signer | None = None  # for ctl.signing_seed, made on first use
 
     async def commit(self, outcome: Outcome) -> None:
         """Commit a decision (``commit``): back once its records are written; raises
@@ -152,10 +153,19 @@ class Outbox:
     async def publish_command(self, command: Command) -> None:
         assert self.ctl.nc is not None
         payload = encode(command)
-        headers = None
-        if self.ctl.signing_seed is not None:
-            headers = {auth.SIG_HEADER: auth.sign(self.ctl.signing_seed, payload)}
+        signature = self.signature(payload)
+        headers = {auth.SIG_HEADER: signature} if signature is not None else None
         await self.ctl.nc.publish(self.command_subject(command), payload, headers=headers)
+
+    def signature(self, payload: bytes) -> str | None:
+        """The command's ``Marduk-Sig`` (None: the controller does not sign), by a key pair made
+        once per seed, not once per command."""
+        seed = self.ctl.signing_seed
+        if seed is None:
+            return None
+        if self._signer is None or self._signer.seed != seed:
+            self._signer = auth.Signer(seed)
+        return self._signer.sign(payload)
 
     def command_subject(self, command: Command) -> str:
         if command.replica is None:

@@ -52,6 +52,9 @@ class Fleet:
         self.drmap = DRMap()
         self.workers: dict[WorkerKey, WorkerRecord] = {}
         self.job_workers: dict[str, set[WorkerKey]] = {}
+        # The workers of each job that asked for peer notices: ``notice_replicas`` looks at
+        # these on every restart, not at all of the job's workers (1k of them: ~50 us a restart).
+        self.notice_workers: dict[str, set[WorkerKey]] = {}
         # Each restart scope's epoch record, and what is derived from it (marduk/core/scopes.py).
         self.scopes = Scopes()
         self.devices: dict[str, DeviceRecord] = {}
@@ -107,13 +110,25 @@ class Fleet:
         key = worker_key(rec.registration)
         self.workers[key] = rec
         self.job_workers.setdefault(key.job, set()).add(key)
+        if rec.registration.peer_notices:
+            self.notice_workers.setdefault(key.job, set()).add(key)
+        else:
+            self._no_notices(key)
         return self.drmap.set_worker(key, rec.registration.devices)
+
+    def _no_notices(self, key: WorkerKey) -> None:
+        notice = self.notice_workers.get(key.job)
+        if notice is not None:
+            notice.discard(key)
+            if not notice:
+                del self.notice_workers[key.job]
 
     def remove_worker(self, key: WorkerKey, out: Outcome, now: float) -> bool:
         """Forget a worker (deregistered, expired, forgotten); False if it was unknown."""
         rec = self.workers.pop(key, None)
         if rec is None:
             return False
+        self._no_notices(key)
         self.forget_unused(self.drmap.remove_worker(key), out)
         job_workers = self.job_workers[key.job]
         job_workers.discard(key)
@@ -153,11 +168,7 @@ class Fleet:
 
     def notice_replicas(self, job: str) -> set[str]:
         """Replicas of ``job`` with a live worker that asked for peer notices."""
-        return {
-            k.replica
-            for k in self.job_workers.get(job, ())
-            if k not in self.stale and self.workers[k].registration.peer_notices
-        }
+        return {k.replica for k in self.notice_workers.get(job, ()) if k not in self.stale}
 
     # --- devices ---------------------------------------------------------------------------------
 

@@ -805,3 +805,38 @@ async def test_a_registration_is_answered_only_once_its_worker_record_is_durable
         tools.kv.gate.set()
         await nc.close()
         await c.stop()
+
+
+async def test_a_health_event_is_decided_in_the_consumers_callback(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A health event is decided, and its commit queued, before the consumer's callback
+    returns, in delivery order: no task (a turn of the event loop, and whatever else is ready
+    then) stands between its delivery and its command. Only the wait for its records, the
+    answer and the ack go on in a task. Broken on purpose by handing the whole event to a task
+    again (``on_health_msg`` spawning ``decide_health_msg`` and its continuation)."""
+    from nats.aio.msg import Msg
+
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    nc = await nats.connect(nats_server.url)
+    try:
+        for replica in ("r1", "r2"):
+            await register(nc, replica, [f"{replica}-d"])
+        tools = instrument(c)
+        acks = await nc.subscribe("$JS.ACK.not_the_stream.>")
+        for i, replica in enumerate(("r2", "r1"), 1):
+            event = wire.DeviceHealth(device=f"{replica}-d", state="failed", event_id=f"cb{i}")
+            reply = f"$JS.ACK.not_the_stream.marduk-controller.1.{i}.{i}.0.0"
+            await c.edge.on_health_msg(
+                Msg(_client=c.nc, subject=S.health, reply=reply, data=encode(event))  # type: ignore[arg-type]
+            )
+        # Nothing else has run yet: both decided, both commits queued, nothing published.
+        assert [c.policy.epoch_of_worker(WorkerKey(JOB, r, 0)) for r in ("r1", "r2")] == [1, 1]
+        assert c.pipeline.busy() and not tools.sent
+        await eventually(lambda: len(tools.sent) == 2)
+        assert [s.command.replica for s in tools.sent] == ["r2", "r1"]  # in delivery order
+        for i in (1, 2):  # each acknowledged once durable
+            assert (await acks.next_msg(timeout=5)).subject.endswith(f".{i}.{i}.0.0")
+    finally:
+        await nc.close()
+        await c.stop()

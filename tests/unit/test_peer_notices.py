@@ -188,3 +188,43 @@ def test_a_command_round_trips_its_peers() -> None:
     assert wired.kind == "peer_failed" and [(p.replica, p.epoch) for p in wired.peers] == [
         ("g2", 2)
     ]
+
+
+def test_a_replica_that_registers_again_is_told_as_its_last_registration_asked() -> None:
+    p = three_groups()
+    p.register(reg("g3", "d3", notices=False, pid=3), now=1)  # asks no more
+    p.register(reg("g4", "d4", notices=False, pid=4), now=1)
+    p.register(reg("g4", "d4", notices=True, pid=4), now=1)  # asks now
+    out = p.on_health(failed("d2", "e1"), now=2).outcome
+    assert sorted(notices_of(out)) == ["g1", "g4"]
+
+
+def test_the_replicas_told_are_those_a_scan_of_every_worker_finds() -> None:
+    """``Fleet.notice_replicas`` keeps an index of the workers that asked, not a scan of the
+    job's workers on every restart: after any mix of registrations, registrations again with
+    and without asking, deregistrations and workers going stale, it names the same replicas."""
+    import random
+
+    rng = random.Random(7)
+    p = Policy()
+    for step in range(600):
+        job = rng.choice(["j", "k"])
+        replica, worker = f"g{rng.randrange(12)}", rng.randrange(2)
+        keys = [k for k in p.workers if k.job == job]
+        roll = rng.random()
+        if roll < 0.6 or not keys:
+            registration = reg(replica, f"{job}-{replica}-{worker}", job=job, pid=worker + 1)
+            registration.worker = worker
+            registration.peer_notices = rng.random() < 0.5
+            p.register(registration, now=step)
+        elif roll < 0.8:
+            p.deregister(rng.choice(keys), "gone", now=step)
+        else:
+            p.fleet.stale.add(rng.choice(keys))
+        for j in ("j", "k"):
+            scanned = {
+                k.replica
+                for k, rec in p.workers.items()
+                if k.job == j and k not in p.fleet.stale and rec.registration.peer_notices
+            }
+            assert p.fleet.notice_replicas(j) == scanned, step
