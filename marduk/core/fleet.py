@@ -62,8 +62,8 @@ class Fleet:
         # workers that have been silent for a TTL, not at all 25k of them four times a second.
         self.last_seen: dict[WorkerKey, float] = {}
         self.stale: set[WorkerKey] = set()
-        # Each job's last membership change (one of ``RESIZE_EVENTS``), for status: shown, not
-        # persisted (a new leader shows the changes it made).
+        # Each job's last membership change (one of ``RESIZE_EVENTS``), for status. Derived
+        # from the jobs' epoch records (``EpochRecord.last_change``): a new leader shows it too.
         self.last_change: dict[str, ControllerEvent] = {}
         # Pool spares claimed by a job (marduk/core/pools.py): the spare's key in its pool ->
         # the job. Derived from the jobs' epoch records (``EpochRecord.claims``).
@@ -251,6 +251,11 @@ class Fleet:
         assert event.kind in RESIZE_EVENTS and event.job is not None
         out.events.append(event)
         self.last_change[event.job] = event
+        state = self.epochs.get(EpochKey(event.job, None))
+        if state is not None:  # kept with the membership it changed (written ahead with it)
+            state.last_change = event
+            if state not in out.write_ahead and state not in out.put_epochs:
+                out.put_epochs.append(state)
 
     def retired(self, ekey: EpochKey) -> list[WorkerRef]:
         """The job's retired workers still registered (``Command.retired``)."""

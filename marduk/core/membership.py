@@ -130,6 +130,18 @@ def ready(
     return len(fit) >= r.min_nodes and since is not None and now - since >= join_timeout
 
 
+def quorum_since(candidates: Sequence[Candidate]) -> float | None:
+    """Since when MIN of ``candidates`` (of the job's shape) have been registered: the
+    registration time of the MIN-th, oldest first (None: fewer than MIN are here). Derived from
+    the workers' records, which are persisted, so the join timeout survives a new leader."""
+    if not candidates:
+        return None
+    r = _bounds(candidates)
+    times = sorted(c.registered_at for c in candidates if c.rendezvous.nproc == r.nproc)
+    n = max(r.min_nodes, 1)
+    return times[n - 1] if len(times) >= n else None
+
+
 def form(epoch: int, candidates: Sequence[Candidate]) -> Membership | None:
     """The first membership, at ``epoch``, of the live ``candidates`` (checked); None when the
     given node ranks do not fit the workers there are (a rank 3 among two workers: wait)."""

@@ -43,8 +43,29 @@ class MembershipRules:
         self.grow = grow
         self.pools = pools
         # Jobs with MIN workers but no membership yet: since when (the join timeout counts
-        # from there). In memory: a new leader starts the timeout over.
+        # from there). Derived from the workers' records and the job's epoch record
+        # (``since``), so a new leader goes on counting (``resume``).
         self.quorum_since: dict[str, float] = {}
+
+    def resume(self) -> None:
+        """A new leader: the jobs waiting for a membership (forming, or held) are watched again,
+        their join timeout counting from when it did before."""
+        fleet = self.fleet
+        for job in sorted(fleet.job_workers):
+            state = fleet.epochs.get(EpochKey(job, None))
+            if (state is None or state.membership is None) and not self.pools.is_pool(job):
+                since = self.since(state, fleet.candidates(job))
+                if since is not None:
+                    self.quorum_since[job] = since
+
+    def since(self, state: EpochRecord | None, candidates: list[rdzv.Candidate]) -> float | None:
+        """Since when the job has had MIN workers (None: it has not): the registration of the
+        MIN-th of those here, and, for a job held below MIN, not before it was held (its last
+        resize). Wall-clock times from the records, so any leader finds the same."""
+        at = rdzv.quorum_since(candidates)
+        if at is None or state is None:
+            return at
+        return max(at, state.resized_at)
 
     def tick(self, now: float, out: Outcome) -> None:
         """The join timeout may have passed for jobs waiting for their first membership."""
@@ -93,17 +114,17 @@ class MembershipRules:
             self.quorum_since.pop(ekey.job, None)
             return
         candidates = self.fleet.candidates(ekey.job)
-        if not candidates or len(candidates) < candidates[0].rendezvous.min_nodes:
+        since = self.since(state, candidates)
+        if since is None:
             self.quorum_since.pop(ekey.job, None)
             return
-        since = self.quorum_since.setdefault(ekey.job, now)
+        self.quorum_since[ekey.job] = since
         if not rdzv.ready(candidates, since, now, self.fleet.config.join_timeout_s):
             return
         membership = rdzv.form(self.fleet.scopes.next_epoch_peek(ekey), candidates)
         if membership is None:
             return  # given node ranks that the workers here cannot fill yet
         self.quorum_since.pop(ekey.job, None)
-        self.grow.resized(ekey.job, now)
         reason = (
             f"membership formed: {len(membership.members)} node(s), world size "
             f"{membership.world_size}, coordinator {membership.coordinator_addr}:"
@@ -112,6 +133,7 @@ class MembershipRules:
         command = self.issuer.issue(
             ekey, "restart", reason, [], "rendezvous", now, out, membership=membership
         )
+        self.grow.resized(ekey.job, now)  # on the epoch record the restart wrote ahead
         self.fleet.changed(
             event_at(ekey, "membership_formed", now, epoch=command.epoch, detail=reason), out
         )
