@@ -359,3 +359,31 @@ def test_a_held_job_claims_a_pool_spare_to_form_again_and_one_spare_serves_one_j
     assert not p.tick(now=20).commands  # odd and big stay in the pool
     [pool] = p.job_infos(21, POOL)
     assert sorted(pool.spares) == ["big/0", "odd/0"] and pool.claimed == [f"s0/0 by {job}"]
+
+
+def test_a_new_leader_watches_held_jobs_for_pool_spares() -> None:
+    """A pool spare's registration forms nothing by itself: a new leader must look at the held
+    jobs it read from the store on its ticks, as the leader that held them did."""
+    p = Policy(PolicyConfig(device_max_failures=0, join_timeout_s=5, worker_ttl_s=100))
+    for i, w in enumerate(("a0", "a1")):
+        r = reg("ja", w, pid=1 + i)
+        assert r.rendezvous is not None
+        p.register(msgspec.structs.replace(r, rendezvous=_nodes(r.rendezvous, 2)), now=0)
+    [held] = p.on_health(fail("a0-d0"), now=2).outcome.commands
+    assert held.membership is None
+
+    def again(rec):  # type: ignore[no-untyped-def]
+        return msgspec.json.decode(msgspec.json.encode(rec), type=type(rec))
+
+    q = Policy.restore(
+        PolicyConfig(device_max_failures=0, join_timeout_s=5, worker_ttl_s=100),
+        [again(w) for w in p.workers.values()],
+        [again(e) for e in p.epochs.values()],
+        list(p.devices.values()),
+        now=3,
+    )
+    q.register(spare("s0", pid=30), now=4)
+    assert not q.tick(now=8).commands
+    [cmd] = q.tick(now=9).commands
+    assert ranks(cmd) == [("a1", 0, 0), ("s0", 1, 2)]
+    assert [c.replica for c in q.epochs[EpochKey("ja", None)].claims] == ["s0"]
