@@ -34,6 +34,7 @@ _WARN_EVENTS = frozenset(
         "job_held",
         "grow_abandoned",
         "spare_claimed",
+        "command_oversized",
     }
 )
 
