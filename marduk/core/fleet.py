@@ -224,18 +224,21 @@ class Fleet:
 
     def in_play(self, workers: Iterable[WorkerKey]) -> frozenset[WorkerKey]:
         """Of ``workers``, those whose failure concerns their scope: all of them, except in a
-        job with a membership, where spares and retired workers run nothing to restart, and in
-        a pool of spares, where nobody does."""
+        job with a membership, where spares and retired workers run nothing to restart, a
+        declared spare (``--spare``) not a member, whether or not the job has a membership yet,
+        and in a pool of spares, where nobody does."""
         out = set()
         for w in workers:
             if self.pool_spare(w):
                 continue
             state = self.epochs.get(self.epoch_key(w))
-            if (
-                state is None
-                or state.membership is None
-                or state.membership.member(w.replica, w.worker)
-            ):
+            m = state.membership if state is not None else None
+            if m is not None:
+                if m.member(w.replica, w.worker):
+                    out.add(w)
+                continue
+            r = self.workers[w].registration.rendezvous
+            if r is None or not r.spare:
                 out.add(w)
         return frozenset(out)
 

@@ -341,3 +341,16 @@ def test_a_free_spares_own_failure_report_restarts_nothing_a_holding_one_as_any_
     r = p.on_report(Report(job="j", replica="s0", status="preempted", epoch=swap.epoch), now=6)
     [action] = r.actions
     assert action.kind == "restart" and not action.coalesced and action.epoch > swap.epoch
+
+
+def test_a_spares_report_restarts_nothing_while_the_job_forms_or_is_held() -> None:
+    """Before the first membership (and while held) nobody runs a trainer, a declared spare
+    least of all: its report (or its device failing) must not restart the job either."""
+    p = Policy(PolicyConfig(device_max_failures=0))
+    p.register(reg("a", pid=1, lo=2, hi=3), now=0)
+    p.register(reg("s0", pid=10, lo=2, hi=3, spare=True), now=0)
+    assert p.epochs[JOB].membership is None
+    r = p.on_report(Report(job="j", replica="s0", status="preempted", epoch=0), now=1)
+    assert not r.actions and not r.outcome.commands
+    assert not p.on_health(fail("s0-d0", 1), now=2).outcome.commands
+    assert p.epochs[JOB].epoch == 0
