@@ -89,6 +89,8 @@ class Outbox:
 
     async def announce(self, event: ControllerEvent) -> None:
         log_event(event, self.ctl.edge.log_limited)
+        if event.kind == "command_oversized":  # marduk_errors_total{kind="command_oversized"}
+            self.ctl.stats["errors.command_oversized"] += 1
         if self.ctl.nc is not None:
             with contextlib.suppress(Exception):
                 await self.ctl.nc.publish(self.ctl.subjects.events(event.job), encode(event))

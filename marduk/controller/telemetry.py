@@ -34,6 +34,7 @@ _WARN_EVENTS = frozenset(
         "job_held",
         "grow_abandoned",
         "spare_claimed",
+        "command_oversized",
     }
 )
 
@@ -99,7 +100,7 @@ def job_gauges(jobs: list[JobInfo]) -> Iterator[Metric]:
     yield resizing
     yield gauge(
         "marduk_job_last_resize_timestamp_seconds",
-        "When this leader last changed the job's membership (Unix time; 0: not since it leads).",
+        "When the job's membership last changed (Unix time, from its epoch record; 0: never).",
         per_job(lambda j: j.last_resize_at),
         "job",
     )

@@ -65,8 +65,8 @@ class Fleet:
         # workers that have been silent for a TTL, not at all 25k of them four times a second.
         self.last_seen: dict[WorkerKey, float] = {}
         self.stale: set[WorkerKey] = set()
-        # Each job's last membership change (one of ``RESIZE_EVENTS``), for status: shown, not
-        # persisted (a new leader shows the changes it made).
+        # Each job's last membership change (one of ``RESIZE_EVENTS``), for status. Derived
+        # from the jobs' epoch records (``EpochRecord.last_change``): a new leader shows it too.
         self.last_change: dict[str, ControllerEvent] = {}
         # Pool spares claimed by a job (marduk/core/pools.py): the spare's key in its pool ->
         # the job. Derived from the jobs' epoch records (``EpochRecord.claims``).
@@ -235,18 +235,21 @@ class Fleet:
 
     def in_play(self, workers: Iterable[WorkerKey]) -> frozenset[WorkerKey]:
         """Of ``workers``, those whose failure concerns their scope: all of them, except in a
-        job with a membership, where spares and retired workers run nothing to restart, and in
-        a pool of spares, where nobody does."""
+        job with a membership, where spares and retired workers run nothing to restart, a
+        declared spare (``--spare``) not a member, whether or not the job has a membership yet,
+        and in a pool of spares, where nobody does."""
         out = set()
         for w in workers:
             if self.pool_spare(w):
                 continue
             state = self.epochs.get(self.epoch_key(w))
-            if (
-                state is None
-                or state.membership is None
-                or state.membership.member(w.replica, w.worker)
-            ):
+            m = state.membership if state is not None else None
+            if m is not None:
+                if m.member(w.replica, w.worker):
+                    out.add(w)
+                continue
+            r = self.workers[w].registration.rendezvous
+            if r is None or not r.spare:
                 out.add(w)
         return frozenset(out)
 
@@ -262,6 +265,11 @@ class Fleet:
         assert event.kind in RESIZE_EVENTS and event.job is not None
         out.events.append(event)
         self.last_change[event.job] = event
+        state = self.epochs.get(EpochKey(event.job, None))
+        if state is not None:  # kept with the membership it changed (written ahead with it)
+            state.last_change = event
+            if state not in out.write_ahead and state not in out.put_epochs:
+                out.put_epochs.append(state)
 
     def retired(self, ekey: EpochKey) -> list[WorkerRef]:
         """The job's retired workers still registered (``Command.retired``)."""

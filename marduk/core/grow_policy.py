@@ -50,7 +50,8 @@ class GrowRules:
         # Since when each worker of a rendezvous job has been live without going stale.
         self.live_since: dict[WorkerKey, float] = {}
         # When each job's membership last changed size (formed, shrank, held, grew): a grow
-        # waits ``resize_interval_s`` after it. In memory: a new leader counts from its start.
+        # waits ``resize_interval_s`` after it. Kept on the job's epoch record too
+        # (``EpochRecord.resized_at``), so a new leader counts from the same time.
         self.last_resize: dict[str, float] = {}
 
     # --- what the rest of the policy tells us ---------------------------------------------------
@@ -82,18 +83,23 @@ class GrowRules:
             self._step(job, now, out)
 
     def resume(self, now: float) -> None:
-        """A new leader: every worker counts as live from now, every job's last resize as now
-        (when they were is not stored), and grows read from the store are watched."""
+        """A new leader: every worker counts as live from now (renewals are not stored), every
+        job's last resize is the one its epoch record says (now for a record written before it
+        said one), and grows read from the store are watched."""
         fleet = self.fleet
         self.live_since = {k: now for k in fleet.workers if k not in fleet.stale}
         for ekey, state in fleet.epochs.items():
             if ekey.replica is None and state.membership is not None:
-                self.last_resize[ekey.job] = now
+                self.last_resize[ekey.job] = state.resized_at or now
                 self.watch.add(ekey.job)
 
     def resized(self, job: str, now: float) -> None:
-        """The job's membership changed size at ``now`` (formed, shrank, held): a grow waits."""
+        """The job's membership changed size at ``now`` (formed, shrank, held, grew): a grow
+        waits. Noted on its epoch record, which the caller writes ahead with the membership."""
         self.last_resize[job] = now
+        state = self.fleet.epochs.get(EpochKey(job, None))
+        if state is not None:
+            state.resized_at = now
 
     def abandon(
         self, ekey: EpochKey, state: EpochRecord, why: str, now: float, out: Outcome
@@ -230,7 +236,7 @@ class GrowRules:
         command = self.issuer.issue(
             ekey, "restart", reason, [], f"grow:{job}", now, out, membership=m
         )
-        self.last_resize[job] = now
+        self.resized(job, now)
         added = {c.key for c in joining}
         for member in m.members:
             key = WorkerKey(job, member.replica, member.worker)

@@ -7,16 +7,26 @@ reserved ceiling need no write of their own, one above it reserves the next bloc
 (``Outcome.write_ahead``). A restart is *pending* while live workers have not confirmed it and
 for at most ``pending_timeout_s``: further failures of the scope coalesce into it, and ``tick``
 resends it.
+
+A command that carries a membership is as large as its job (about 105 bytes a node with usual
+names: 107 KB at ``MAX_MEMBERS``) and is sent whole with every resend and registration reply:
+one encoding past ``COMMAND_BUDGET`` (agents refuse a message over ``MAX_MESSAGE_BYTES``) is
+announced when issued (event ``command_oversized``), not found when published or decoded.
 """
 
 from __future__ import annotations
 
 from marduk.core import membership as rdzv
-from marduk.core.decisions import Outcome
+from marduk.core.decisions import Outcome, event_at
 from marduk.core.fleet import Fleet
 from marduk.core.notices import failed_peers, peer_notices
 from marduk.core.records import EpochKey, EpochRecord
-from marduk.wire.protocol import Command, CommandKind, Membership
+from marduk.wire.protocol import MAX_MESSAGE_BYTES, Command, CommandKind, Membership, encode
+
+# The most a command may encode to: it also travels inside a registration reply, whose other
+# fields need room. Agents refuse (``oversized``) any message over MAX_MESSAGE_BYTES, well
+# under the NATS server's default max payload (1 MiB).
+COMMAND_BUDGET = MAX_MESSAGE_BYTES - 4 * 1024
 
 
 class Issuer:
@@ -72,6 +82,8 @@ class Issuer:
         fleet.scopes.put(ekey, state)
         fleet.scopes.issued(ekey, fleet.live_takers(ekey, state) if pending else None, now)
         out.commands.append(command)
+        if command.membership is not None or command.retired:
+            self._check_size(ekey, command, now, out)
         if state not in out.write_ahead:
             out.put_epochs.append(state)
         if kind in ("restart", "fail") and ekey.replica is not None:
@@ -84,6 +96,25 @@ class Issuer:
         if state is None or not self.fleet.scopes.in_flight(ekey):
             return False
         return now - state.issued_at < self.fleet.config.pending_timeout_s
+
+    def _check_size(self, ekey: EpochKey, command: Command, now: float, out: Outcome) -> None:
+        """Announce a command too large for its agents to read (``COMMAND_BUDGET``): it is
+        still sent (nothing smaller would do: every member needs the whole membership), but the
+        operator learns of it now, with what to shorten, not from agents refusing it."""
+        size = len(encode(command))
+        if size <= COMMAND_BUDGET:
+            return
+        nodes = len(command.membership.members) if command.membership is not None else 0
+        detail = (
+            f"the {command.kind} at epoch {command.epoch} encodes to {size} bytes, over the "
+            f"{COMMAND_BUDGET}-byte budget of a command (agents refuse messages over "
+            f"{MAX_MESSAGE_BYTES} bytes as oversized): its membership lists {nodes} node(s), "
+            f"{len(command.retired)} retired worker(s); shorten the agents' --local-addr and "
+            "replica names, or run fewer nodes per job"
+        )
+        out.events.append(
+            event_at(ekey, "command_oversized", now, epoch=command.epoch, detail=detail)
+        )
 
     def _next_membership(
         self, ekey: EpochKey, state: EpochRecord, kind: CommandKind, epoch: int

@@ -123,11 +123,23 @@ def ready(
     timeout (``since``: when MIN were first here; None: not yet)."""
     if not candidates:
         return False
-    r = _bounds(candidates)
+    r = bounds(candidates)
     fit = [c for c in candidates if c.rendezvous.nproc == r.nproc]
     if sum(not c.rendezvous.spare for c in fit) >= r.max_nodes:
         return True
     return len(fit) >= r.min_nodes and since is not None and now - since >= join_timeout
+
+
+def quorum_since(candidates: Sequence[Candidate]) -> float | None:
+    """Since when MIN of ``candidates`` (of the job's shape) have been registered: the
+    registration time of the MIN-th, oldest first (None: fewer than MIN are here). Derived from
+    the workers' records, which are persisted, so the join timeout survives a new leader."""
+    if not candidates:
+        return None
+    r = bounds(candidates)
+    times = sorted(c.registered_at for c in candidates if c.rendezvous.nproc == r.nproc)
+    n = max(r.min_nodes, 1)
+    return times[n - 1] if len(times) >= n else None
 
 
 def form(epoch: int, candidates: Sequence[Candidate]) -> Membership | None:
@@ -137,7 +149,7 @@ def form(epoch: int, candidates: Sequence[Candidate]) -> Membership | None:
         return None
     # Spares last: they are members only when the job cannot form without them.
     ordered = sorted(candidates, key=lambda c: (c.rendezvous.spare, c.registered_at, c.key))
-    shape = _bounds(ordered)
+    shape = bounds(ordered)
     ordered = [c for c in ordered if c.rendezvous.nproc == shape.nproc]
     n = min(len(ordered), shape.max_nodes)
     given = [c for c in ordered if c.rendezvous.node_rank is not None]
@@ -344,7 +356,7 @@ def span(m: Member) -> str:
     return f"{m.first_rank}-{m.first_rank + m.nproc - 1}"
 
 
-def _bounds(candidates: Sequence[Candidate]) -> Rendezvous:
+def bounds(candidates: Sequence[Candidate]) -> Rendezvous:
     """The job's shape and MIN:MAX: a non-spare's (spares may have another shape)."""
     return next(
         (c.rendezvous for c in candidates if not c.rendezvous.spare), candidates[0].rendezvous

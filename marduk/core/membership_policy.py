@@ -13,7 +13,9 @@ of a lost member. The rule itself (who, which ranks, which coordinator port) is
   the write-ahead with its epoch record.
 * **A member out of service** (the device policy would ``fail`` the job, or ``tick`` finds it
   stale) is retired and leaves the membership in one restart: a spare takes its ranks, or the job
-  shrinks, or it is held below MIN (``replace_members``; docs/decisions.md #16). A failure that
+  shrinks, or it is held below MIN (``replace_members``; docs/decisions.md #16). A held job forms
+  again as a new one does, with free spares of its pool counted up to MIN (claimed, written
+  ahead with that membership: docs/decisions.md #18). A failure that
   spends its device's budget does so even while a restart of the job is in flight: the device
   policy asks ``spends_budget`` before merging it into that restart.
 """
@@ -43,12 +45,39 @@ class MembershipRules:
         self.grow = grow
         self.pools = pools
         # Jobs with MIN workers but no membership yet: since when (the join timeout counts
-        # from there). In memory: a new leader starts the timeout over.
+        # from there). Derived from the workers' records and the job's epoch record
+        # (``since``), so a new leader goes on counting (``resume``).
         self.quorum_since: dict[str, float] = {}
+        # Held jobs that draw from a pool: looked at on every tick, as a spare of the pool may
+        # register (or become usable) and bring them back to MIN.
+        self.held: set[str] = set()
+
+    def resume(self) -> None:
+        """A new leader: the jobs waiting for a membership (forming, or held) are watched again,
+        their join timeout counting from when it did before."""
+        fleet = self.fleet
+        for job in sorted(fleet.job_workers):
+            state = fleet.epochs.get(EpochKey(job, None))
+            if (state is None or state.membership is None) and not self.pools.is_pool(job):
+                since = self.since(state, fleet.candidates(job))
+                if since is not None:
+                    self.quorum_since[job] = since
+                if held(state) and self.pools.pool_of(job) is not None:
+                    self.held.add(job)
+
+    def since(self, state: EpochRecord | None, candidates: list[rdzv.Candidate]) -> float | None:
+        """Since when the job has had MIN workers (None: it has not): the registration of the
+        MIN-th of those here, and, for a job held below MIN, not before it was held (its last
+        resize). Wall-clock times from the records, so any leader finds the same."""
+        at = rdzv.quorum_since(candidates)
+        if at is None or state is None:
+            return at
+        return max(at, state.resized_at)
 
     def tick(self, now: float, out: Outcome) -> None:
-        """The join timeout may have passed for jobs waiting for their first membership."""
-        for job in list(self.quorum_since):
+        """The join timeout may have passed for jobs waiting for a membership (their first, or
+        held), or a pool spare may bring a held job back to MIN."""
+        for job in sorted(self.quorum_since.keys() | self.held):
             self.rendezvous(EpochKey(job, None), now, out)
 
     def check(self, reg: Registration, state: EpochRecord | None) -> None:
@@ -89,21 +118,28 @@ class MembershipRules:
         """Form the job's first membership once enough workers are here (a restart at a new
         epoch that carries it), or note since when MIN of them are."""
         state = self.fleet.epochs.get(ekey)
-        if state is not None and state.membership is not None:
+        if state is None or state.membership is not None:
+            self.quorum_since.pop(ekey.job, None)
+            self.held.discard(ekey.job)
+            return
+        own = self.fleet.candidates(ekey.job)
+        pool = self._pool_spares(ekey.job, state, own, now)
+        candidates = [*own, *pool]
+        since = self.since(state, candidates)
+        if since is None:
             self.quorum_since.pop(ekey.job, None)
             return
-        candidates = self.fleet.candidates(ekey.job)
-        if not candidates or len(candidates) < candidates[0].rendezvous.min_nodes:
-            self.quorum_since.pop(ekey.job, None)
-            return
-        since = self.quorum_since.setdefault(ekey.job, now)
+        self.quorum_since[ekey.job] = since
         if not rdzv.ready(candidates, since, now, self.fleet.config.join_timeout_s):
             return
         membership = rdzv.form(self.fleet.scopes.next_epoch_peek(ekey), candidates)
         if membership is None:
             return  # given node ranks that the workers here cannot fill yet
         self.quorum_since.pop(ekey.job, None)
-        self.grow.resized(ekey.job, now)
+        self.held.discard(ekey.job)
+        placed = {(m.replica, m.worker) for m in membership.members}
+        chosen = [c for c in pool if (c.key.replica, c.key.worker) in placed]
+        self.pools.claim(state, chosen, now, out)  # written ahead with the membership
         reason = (
             f"membership formed: {len(membership.members)} node(s), world size "
             f"{membership.world_size}, coordinator {membership.coordinator_addr}:"
@@ -112,9 +148,33 @@ class MembershipRules:
         command = self.issuer.issue(
             ekey, "restart", reason, [], "rendezvous", now, out, membership=membership
         )
+        self.grow.resized(ekey.job, now)  # on the epoch record the restart wrote ahead
         self.fleet.changed(
             event_at(ekey, "membership_formed", now, epoch=command.epoch, detail=reason), out
         )
+
+    def _pool_spares(
+        self, job: str, state: EpochRecord, own: list[rdzv.Candidate], now: float
+    ) -> list[rdzv.Candidate]:
+        """For a job held below MIN: the free spares of its pool that would bring it back to
+        MIN (of its local ranks and devices per node, oldest first, no more than it lacks), as
+        candidates of the job; none for any other job (a pool is for members lost, not for
+        forming a job's first membership)."""
+        if not held(state) or not own:
+            return []
+        shape = rdzv.bounds(own)
+        fit = [c for c in own if c.rendezvous.nproc == shape.nproc]
+        lacking = shape.min_nodes - len(fit)
+        if lacking <= 0:
+            return []
+        workers = self.fleet.workers
+        sizes = [len(workers[c.key].registration.devices) for c in fit if not c.rendezvous.spare]
+        spares = [
+            c
+            for c in self.pools.claimable(job, now)
+            if c.rendezvous.nproc == shape.nproc and (not sizes or c.devices == sizes[0])
+        ]
+        return spares[:lacking]
 
     # --- members out of service: a spare takes their ranks, or the job shrinks, or it is held --
 
@@ -243,6 +303,8 @@ class MembershipRules:
         )
         self._announce(ekey.job, change, lost, command.epoch, (why, what), now, out)
         if m is None:
+            if self.pools.pool_of(ekey.job) is not None:
+                self.held.add(ekey.job)  # a spare of its pool may bring it back
             self.rendezvous(ekey, now, out)
         return command
 
@@ -290,6 +352,11 @@ class MembershipRules:
                 EpochKey(job, None), "job_held", now, epoch=epoch, detail=f"{why}; {what}"
             )
             self.fleet.changed(held, out)
+
+
+def held(state: EpochRecord | None) -> bool:
+    """Is the job held below MIN: no membership, after it had one (its last resize the hold)?"""
+    return state is not None and state.membership is None and state.resized_at > 0
 
 
 def _key(job: str, m: Member) -> WorkerKey:

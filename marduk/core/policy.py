@@ -184,6 +184,7 @@ class Policy:
         # Vacant scopes' retention counts from now: when they were vacated was not stored.
         fleet.scopes.vacant_all({fleet.epoch_key(k) for k in fleet.workers}, now)
         self._grow.resume(now)
+        self._membership.resume()
 
     @classmethod
     def from_records(
@@ -201,6 +202,8 @@ class Policy:
         for epoch in epochs:
             # Commands up to the ceiling may have gone out after the last exact write.
             fleet.scopes.restore(epoch)
+            if epoch.replica is None and epoch.last_change is not None:
+                fleet.last_change[epoch.job] = epoch.last_change
         for device in devices:
             fleet.devices[device.device] = device
         for rec in workers:

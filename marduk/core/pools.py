@@ -13,7 +13,10 @@ docs/decisions.md #18.
   spare does. The spare's record moves to the job at once (same replica and worker) and the
   claim (``PoolClaim``) goes on the job's epoch record, written ahead with the membership that
   gives it the ranks: a new leader reads the claim and finishes the move (``reconcile``), and
-  the spare is never free in the pool again, so no second job gets it.
+  the spare is never free in the pool again, so no second job gets it. A job held below MIN
+  (no spare was free when it lost the member) claims, the same way, as many free spares of its
+  shape as bring it back to MIN when it forms again (``MembershipRules.rendezvous``); a job
+  forming its first membership claims none.
 * **The hand-over.** The spare, still registered under the pool, learns of the claim at its
   next registration (a spare waiting for ranks registers again each second): the reply's
   ``claimed_by`` names the job, and its agent registers there, as the job's worker, and starts

@@ -11,7 +11,14 @@ from typing import NamedTuple
 
 import msgspec
 
-from marduk.wire.protocol import Command, HealthState, Membership, Registration, WorkerRef
+from marduk.wire.protocol import (
+    Command,
+    ControllerEvent,
+    HealthState,
+    Membership,
+    Registration,
+    WorkerRef,
+)
 
 
 class EpochKey(NamedTuple):
@@ -73,6 +80,13 @@ class EpochRecord(msgspec.Struct, kw_only=True):
     grow: GrowRecord | None = None
     # Spares of pools this job claimed and still holds (scope ``job`` only).
     claims: list[PoolClaim] = []
+    # The job's last membership change (an event of ``fleet.RESIZE_EVENTS``, for status) and
+    # when its size last changed (formed, shrank, held, grew: a grow waits the resize interval
+    # after it; a held job's join timeout counts from it). Written with the membership they
+    # changed (no write of their own), so a new leader goes on from them. Wall-clock times, as
+    # every time here: comparable across controllers up to their clocks' skew.
+    last_change: ControllerEvent | None = None
+    resized_at: float = 0.0
 
 
 class DeviceRecord(msgspec.Struct, kw_only=True):

@@ -4,7 +4,9 @@ a failure that restarts the worker's scope. Pure: no I/O, no clock (``now`` is a
 acknowledges its epoch) and the ``GrowRules`` (a saved checkpoint confirms a grow).
 
 The latest report of each worker is kept for ``status`` (in memory: not persisted). A failure
-that a restart in flight already covers is answered with that restart (``coalesced``).
+that a restart in flight already covers is answered with that restart (``coalesced``); one of a
+worker that runs no trainer of its job (``Fleet.in_play``: a free spare, a retired member)
+restarts nothing.
 """
 
 from __future__ import annotations
@@ -67,7 +69,10 @@ class ReportRules:
                 self.grow.checkpointed(key, now, out)
             return ReportResult(out, [])
         out.events.append(worker_event(f"worker_{report.status}", key, report, now))
-        if self.fleet.pool_spare(key):  # a pool spare stopping (preempted): nothing to restart
+        if key not in self.fleet.in_play((key,)):
+            # A spare (the job's own while free, or a pool's) or a retired worker runs no
+            # trainer of the job: its agent stopping (preempted) restarts nobody. A spare
+            # holding a lost member's ranks is a member, and restarts the job as any member.
             return ReportResult(out, [])
         return ReportResult(out, [self._restart(key, report, now, out)])
 

@@ -287,6 +287,7 @@ EventKind = Literal[
     "fail_issued",
     "checkpoint_issued",
     "coalesced",
+    "command_oversized",
     # devices
     "unknown_device",
     "device_failed",

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from marduk.core import grow as rule
 from marduk.core import membership as rdzv
 from marduk.core.policy import Outcome, Policy, PolicyConfig
-from marduk.core.records import EpochKey, EpochRecord
+from marduk.core.records import EpochKey
 from marduk.wire.protocol import Command, DeviceHealth, Registration, Report
 from tests.unit.test_spares import cand, key, rz
 from tests.unit.test_spares import reg as spares_reg
@@ -69,6 +69,17 @@ def shrunk(p: Policy, *, lo: int = 1, hi: int = 2) -> Command:
     ).outcome.commands
     assert ranks(cmd) == [(w, i, 2 * i) for i, w in enumerate(names[1:])]
     return cmd
+
+
+def restored(p: Policy, now: float, **kw) -> Policy:
+    """A new leader at ``now``, from what ``p`` stored (its records, through JSON)."""
+
+    def again(rec):  # type: ignore[no-untyped-def]
+        return msgspec.json.decode(msgspec.json.encode(rec), type=type(rec))
+
+    epochs = [again(e) for e in p.epochs.values()]
+    workers = [again(w) for w in p.workers.values()]
+    return Policy.restore(config(**kw), workers, epochs, list(p.devices.values()), now=now)
 
 
 # --- the rules ---------------------------------------------------------------------------------
@@ -304,12 +315,7 @@ def test_a_new_leader_finishes_a_grow_and_keeps_the_membership() -> None:
     [ask] = p.tick(now=23).commands
 
     def reborn(now: float) -> Policy:
-        epochs = [
-            msgspec.json.decode(msgspec.json.encode(e), type=EpochRecord) for e in p.epochs.values()
-        ]
-        return Policy.restore(
-            config(), list(p.workers.values()), epochs, list(p.devices.values()), now=now
-        )
+        return restored(p, now)
 
     q = reborn(24)
     assert q.epochs[JOB].grow == p.epochs[JOB].grow
@@ -321,3 +327,52 @@ def test_a_new_leader_finishes_a_grow_and_keeps_the_membership() -> None:
     r = reborn(54)  # killed right after: the membership written ahead stands
     assert r.epochs[JOB].membership == restart.membership and r.epochs[JOB].grow is None
     assert r.register(reg("c"), now=55).command == restart
+
+
+def test_the_join_timeout_goes_on_counting_on_a_new_leader() -> None:
+    """The join timeout counts from when MIN workers had registered (their records say when),
+    not from a new leader's start; a held job's counts from the hold at the earliest."""
+    p = Policy(config(join_timeout_s=30))
+    p.register(reg("a", lo=2, hi=3), now=0)
+    p.register(reg("b", lo=2, hi=3), now=2)  # MIN from 2: forms at 32 without a third
+    assert not p.tick(now=20).commands
+    q = restored(p, 25, join_timeout_s=30)
+    [info] = q.job_infos(25)
+    assert (info.resize, info.resize_since) == ("forming", 2)
+    for w in ("a", "b"):  # the agents answer the new leader's hello
+        assert q.register(reg(w, lo=2, hi=3), now=26).command is None
+    assert not q.tick(now=31).commands
+    [first] = q.tick(now=32).commands
+    assert ranks(first) == [("a", 0, 0), ("b", 1, 2)]
+    # Held below MIN at 40; a worker back at 50: the timeout counts from 50, on any leader.
+    running(q, 33, "a", "b")
+    [held] = q.on_health(
+        DeviceHealth(device="a-d0", state="failed", event_id="x"), now=40
+    ).outcome.commands
+    assert held.membership is None
+    q.register(reg("c", lo=2, hi=3), now=50)
+    r = restored(q, 60, join_timeout_s=30)
+    for w in ("b", "c"):
+        r.register(reg(w, lo=2, hi=3), now=61)
+    assert not r.tick(now=79).commands
+    [again] = r.tick(now=80).commands
+    assert ranks(again) == [("b", 0, 0), ("c", 1, 2)]
+
+
+def test_the_last_resize_survives_a_new_leader() -> None:
+    """The resize interval counts from the last resize, which the job's epoch record keeps
+    (written ahead with the membership it changed), and status shows that change."""
+    p = Policy(config(resize_interval_s=20, grow_settle_s=5))
+    shrunk_at = shrunk(p)  # at 3
+    running(p, 4, "b")
+    p.register(reg("c"), now=5)
+    q = restored(p, 10, resize_interval_s=20, grow_settle_s=5)
+    [info] = q.job_infos(10)
+    assert (info.last_resize, info.last_resize_epoch) == ("job_shrunk", shrunk_at.epoch)
+    assert info.last_resize_at == 3
+    for t in (10, 16, 22):
+        q.register(reg("b"), now=t)
+        q.register(reg("c"), now=t)
+        assert not q.tick(now=t).commands
+    [ask] = q.tick(now=23).commands  # 20 s after the shrink at 3, not after the takeover at 10
+    assert ask.kind == "checkpoint"

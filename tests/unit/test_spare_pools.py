@@ -319,3 +319,71 @@ def test_with_a_pool_no_rank_is_given_twice_and_shapes_fit(
     used_pool = [c for _, c in change.replaced if c.key.replica.startswith("p")]
     free_own = [s for s in spares if s.rendezvous.nproc == 2 and s.key.replica not in names]
     assert not (used_pool and free_own)
+
+
+def test_a_held_job_claims_a_pool_spare_to_form_again_and_one_spare_serves_one_job() -> None:
+    """Two jobs of MIN 2 held after losing a member with no spare free; a pool spare that
+    registers later (of their shape) brings one of them back to MIN once the join timeout has
+    run since it registered (as for a worker of the job's own), claimed and written ahead with the membership as in a swap; the other
+    job stays held (a spare of another shape is never claimed)."""
+    p = Policy(PolicyConfig(device_max_failures=0, join_timeout_s=5, worker_ttl_s=100))
+    for job, names, pid in (("ja", ("a0", "a1"), 1), ("jb", ("b0", "b1"), 11)):
+        for i, w in enumerate(names):
+            r = reg(job, w, pid=pid + i)
+            assert r.rendezvous is not None
+            p.register(msgspec.structs.replace(r, rendezvous=_nodes(r.rendezvous, 2)), now=0)
+        cmd = p.epochs[EpochKey(job, None)].command
+        assert cmd is not None and cmd.membership is not None
+        for w in names:
+            p.on_report(Report(job=job, replica=w, status="running", epoch=cmd.epoch), now=1)
+    for device in ("a0-d0", "b0-d0"):
+        [held] = p.on_health(fail(device), now=2).outcome.commands
+        assert held.membership is None
+    p.register(spare("odd", pid=29, nproc=1), now=3)
+    p.register(spare("big", pid=28, devices=2), now=3)
+    p.register(spare("s0", pid=30), now=3)
+    assert not p.tick(now=7).commands  # the join timeout runs from MIN here (s0, at 3)
+    out = p.tick(now=8)
+    [cmd] = out.commands
+    job = cmd.job
+    state = p.epochs[EpochKey(job, None)]
+    first = {"ja": "a1", "jb": "b1"}[job]
+    assert ranks(cmd) == [(first, 0, 0), ("s0", 1, 2)]
+    assert [(c.pool, c.replica) for c in state.claims] == [(POOL, "s0")]
+    assert state in out.write_ahead  # the claim is durable with the membership
+    assert WorkerKey(job, "s0", 0) in p.workers and WorkerKey(POOL, "s0", 0) not in p.workers
+    assert {"spare_claimed", "membership_formed"} <= {e.kind for e in out.events}
+    other = ({"ja", "jb"} - {job}).pop()
+    assert p.epochs[EpochKey(other, None)].membership is None
+    assert p.epochs[EpochKey(other, None)].claims == []
+    assert not p.tick(now=20).commands  # odd and big stay in the pool
+    [pool] = p.job_infos(21, POOL)
+    assert sorted(pool.spares) == ["big/0", "odd/0"] and pool.claimed == [f"s0/0 by {job}"]
+
+
+def test_a_new_leader_watches_held_jobs_for_pool_spares() -> None:
+    """A pool spare's registration forms nothing by itself: a new leader must look at the held
+    jobs it read from the store on its ticks, as the leader that held them did."""
+    p = Policy(PolicyConfig(device_max_failures=0, join_timeout_s=5, worker_ttl_s=100))
+    for i, w in enumerate(("a0", "a1")):
+        r = reg("ja", w, pid=1 + i)
+        assert r.rendezvous is not None
+        p.register(msgspec.structs.replace(r, rendezvous=_nodes(r.rendezvous, 2)), now=0)
+    [held] = p.on_health(fail("a0-d0"), now=2).outcome.commands
+    assert held.membership is None
+
+    def again(rec):  # type: ignore[no-untyped-def]
+        return msgspec.json.decode(msgspec.json.encode(rec), type=type(rec))
+
+    q = Policy.restore(
+        PolicyConfig(device_max_failures=0, join_timeout_s=5, worker_ttl_s=100),
+        [again(w) for w in p.workers.values()],
+        [again(e) for e in p.epochs.values()],
+        list(p.devices.values()),
+        now=3,
+    )
+    q.register(spare("s0", pid=30), now=4)
+    assert not q.tick(now=8).commands
+    [cmd] = q.tick(now=9).commands
+    assert ranks(cmd) == [("a1", 0, 0), ("s0", 1, 2)]
+    assert [c.replica for c in q.epochs[EpochKey("ja", None)].claims] == ["s0"]

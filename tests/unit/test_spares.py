@@ -321,3 +321,36 @@ def test_a_failure_within_the_budget_or_a_repeat_still_joins_the_restart_in_flig
     other = p.on_health(fail("a-d0", 1), now=3.6)
     assert not other.outcome.commands and [a.coalesced for a in other.reply.actions] == [True]
     assert p.epochs[JOB].epoch == first.epoch and not p.workers[key("b")].retired
+
+
+def test_a_free_spares_own_failure_report_restarts_nothing_a_holding_one_as_any_member() -> None:
+    """A free spare runs no trainer: its agent reporting ``preempted`` (its pod evicted) or
+    ``crashed`` must not restart the job's members. Once it holds a lost member's ranks it is a
+    member, and its report restarts the job like any member's."""
+    p = Policy(PolicyConfig(device_max_failures=0))
+    first = formed(p)
+    for status in ("preempted", "crashed", "gave_up"):
+        r = p.on_report(Report(job="j", replica="s0", status=status, epoch=first.epoch), now=3)
+        assert not r.actions and not r.outcome.commands, status
+        assert f"worker_{status}" in {e.kind for e in r.outcome.events}
+    assert p.epochs[JOB].epoch == first.epoch
+    [swap] = p.on_health(fail("b-d0", 1), now=4).outcome.commands  # s0 takes b's ranks
+    assert ranks(swap) == [("a", 0, 0), ("s0", 1, 2)]
+    for w in ("a", "s0"):
+        p.on_report(Report(job="j", replica=w, status="running", epoch=swap.epoch), now=5)
+    r = p.on_report(Report(job="j", replica="s0", status="preempted", epoch=swap.epoch), now=6)
+    [action] = r.actions
+    assert action.kind == "restart" and not action.coalesced and action.epoch > swap.epoch
+
+
+def test_a_spares_report_restarts_nothing_while_the_job_forms_or_is_held() -> None:
+    """Before the first membership (and while held) nobody runs a trainer, a declared spare
+    least of all: its report (or its device failing) must not restart the job either."""
+    p = Policy(PolicyConfig(device_max_failures=0))
+    p.register(reg("a", pid=1, lo=2, hi=3), now=0)
+    p.register(reg("s0", pid=10, lo=2, hi=3, spare=True), now=0)
+    assert p.epochs[JOB].membership is None
+    r = p.on_report(Report(job="j", replica="s0", status="preempted", epoch=0), now=1)
+    assert not r.actions and not r.outcome.commands
+    assert not p.on_health(fail("s0-d0", 1), now=2).outcome.commands
+    assert p.epochs[JOB].epoch == 0

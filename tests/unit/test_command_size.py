@@ -1,0 +1,91 @@
+"""The size of a command that carries a membership (it is sent in full, with every resend and in
+every registration reply): measured at MAX_MEMBERS nodes (the most a job may have), and one that
+agents would refuse as oversized is announced when it is issued (``command_oversized``), not
+found at publish."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from marduk.core import membership as rdzv
+from marduk.core.drmap import WorkerKey
+from marduk.core.issuer import COMMAND_BUDGET
+from marduk.core.policy import Outcome, Policy, PolicyConfig
+from marduk.wire.protocol import (
+    MAX_MEMBERS,
+    Command,
+    Registration,
+    Rendezvous,
+    encode,
+)
+
+
+def formed(n: int, replica: str, addr: str) -> tuple[Policy, Command, Outcome]:
+    """A job of ``n`` nodes of 8 ranks whose ranks the controller assigns, formed at MAX."""
+    p = Policy(PolicyConfig(worker_ttl_s=1000, worker_expiry_s=10_000))
+    out = Outcome()
+    for i in range(n):
+        r = Registration(
+            job="llama",
+            replica=replica.format(i),
+            host=f"h{i}",
+            devices=[f"h{i}-gpu{d}" for d in range(8)],
+            scope="job",
+            pid=i + 1,
+            rendezvous=Rendezvous(
+                nproc=8, min_nodes=n, max_nodes=n, addr=addr.format(i), ports=[40000]
+            ),
+        )
+        out = p.register(r, now=i / 1000).outcome
+    [cmd] = out.commands
+    assert cmd.membership is not None and len(cmd.membership.members) == n
+    return p, cmd, out
+
+
+def test_a_membership_of_max_members_with_usual_names_fits_with_room() -> None:
+    """About 105 bytes a member (a pod name and an IPv4 address): 1,024 nodes, the most a job
+    may have, are about 107 KB, under half the cap agents read. 4,096 cannot be asked for."""
+    r = Rendezvous(nproc=8, min_nodes=1, max_nodes=MAX_MEMBERS, addr="", ports=[40000])
+    candidates = [
+        rdzv.Candidate(
+            WorkerKey("llama", f"llama-70b-{i:05d}", 0),
+            msgspec.structs.replace(r, addr=f"10.0.{i // 256}.{i % 256}"),
+            float(i),
+        )
+        for i in range(MAX_MEMBERS)
+    ]
+    m = rdzv.form(123_456, candidates)
+    assert m is not None and len(m.members) == MAX_MEMBERS
+    reason = f"membership formed: {MAX_MEMBERS} node(s), world size {m.world_size}, ..."
+    cmd = Command(
+        command_id="llama/*/123456",
+        job="llama",
+        replica=None,
+        scope="job",
+        kind="restart",
+        epoch=123_456,
+        reason=reason,
+        event_id="rendezvous",
+        issued_at=1.8e9,
+        membership=m,
+    )
+    size = len(encode(cmd))
+    assert 90_000 < size < 120_000 and size < COMMAND_BUDGET / 2
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"nproc": 8, "min_nodes": 1, "max_nodes": 4096, "addr": "h"}, Rendezvous)
+
+
+def test_a_command_agents_would_refuse_is_announced_when_issued_not_at_publish() -> None:
+    """Replica names and addresses as long as the wire allows (128 and 256 characters) at 620
+    nodes: the restart that forms the membership encodes past the budget; the policy says so,
+    once, with the size, the budget and what to shorten (the resends are the same bytes)."""
+    p, cmd, out = formed(620, "r{:04d}" + "x" * 123, "node-{:04d}." + "a" * 246)
+    size = len(encode(cmd))
+    assert size > COMMAND_BUDGET
+    [event] = [e for e in out.events if e.kind == "command_oversized"]
+    assert event.job == "llama" and event.epoch == cmd.epoch
+    assert f"{size} bytes" in event.detail and f"{COMMAND_BUDGET}" in event.detail
+    assert "620 node(s)" in event.detail and "--local-addr" in event.detail
+    resend = p.tick(now=3.0)
+    assert resend.resent == [cmd] and "command_oversized" not in {e.kind for e in resend.events}
