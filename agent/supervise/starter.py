@@ -166,6 +166,18 @@ class Starter:
         if self._warming is None and self.zygote is None:
             self._warming = self._spawn(self._warm(base_env), "fork-server-warm-up")
 
+    async def warmed(self) -> None:
+        """Until the fork server ``warm_up`` started can fork a trainer at once: it has imported
+        the framework, or failed, or stayed silent for ``fork_server_timeout_s`` (the trainers
+        then start cold). At once if there is none."""
+        if self._warming is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self._warming)
+        zygote = self.zygote
+        if zygote is not None:
+            with contextlib.suppress(ZygoteError):
+                await zygote.wait_ready(self.fork_server_timeout_s)
+
     async def _warm(self, env: dict[str, str]) -> None:
         if needs_import_check(self.facts):
             await self._check_warm_starts(env)

@@ -42,6 +42,7 @@ from collections import Counter
 from collections.abc import Coroutine, Iterator
 from typing import Any
 
+import msgspec
 from prometheus_client.core import Metric
 
 from agent.channel import messages
@@ -68,6 +69,7 @@ from agent.supervise.rules import (
     Supervision,
 )
 from agent.supervise.signals import CANCEL_WAIT_S, Signals
+from agent.supervise.start_mode import StartMode
 from agent.supervise.starter import Starter, standby_command
 from agent.supervise.startup import join_controller, warn_about_setup
 from agent.supervise.supervisor_config import SupervisorConfig, default_preload
@@ -134,6 +136,11 @@ class Supervisor:
             Rank(i, os.path.join(self.socket_dir, name), config.tail_lines)
             for i, name in enumerate(names)
         ]
+        if self.launch is not None and self.launch.from_controller and o.rendezvous is not None:
+            # Its fork server will import the framework while it waits for its place: the
+            # controller grows a job with it only once that is done (docs/decisions.md #17).
+            warms = self.starter.mode() is StartMode.ZYGOTE
+            o.rendezvous = msgspec.structs.replace(o.rendezvous, ready=not warms)
         self.channels = TrainerChannels()  # each rank's library (agent/channel/messages.py)
         # Where this node's ranks sit at the current incarnation (the controller's membership
         # with --nnodes MIN:MAX; else the launch spec as given).
@@ -397,6 +404,22 @@ class Supervisor:
             len(m.members), me.node_rank, m.coordinator_addr, m.coordinator_port
         )
 
+    async def _tell_warm(self) -> None:
+        """Register again, ``ready``, once the fork server can fork this node's trainers at
+        once (or gave up: they start cold)."""
+        if self.opts.rendezvous is None or self.opts.rendezvous.ready:
+            return
+        await self.starter.warmed()
+        r = self.opts.rendezvous
+        if r is None or r.ready:
+            return
+        self.opts.rendezvous = msgspec.structs.replace(r, ready=True)
+        client = self.link.client
+        log.info("the fork server is ready: this node can start its trainers at once")
+        if client is not None:
+            client.opts.rendezvous = self.opts.rendezvous
+            await client.reregister()
+
     async def _start_all(self) -> None:
         """Start every rank. A signal meanwhile: the ranks not started yet are not (the loop
         then stops those that are)."""
@@ -404,6 +427,7 @@ class Supervisor:
             # The fork server imports the framework while this node waits for its place (a
             # spare may wait for hours): its first trainers are then forked, as a restart's are.
             self.starter.warm_up(self._trainer_env())
+            self._spawn(self._tell_warm(), "warm")
             placed = await self.signals.or_signal(self._placement())
             if placed is None:
                 log.warning("%s before this node had its ranks: not starting", self.signals.name)

@@ -49,6 +49,10 @@ class GrowRules:
         self.confirmed: dict[str, set[WorkerKey]] = {}
         # Since when each worker of a rendezvous job has been live without going stale.
         self.live_since: dict[WorkerKey, float] = {}
+        # Since when each worker that registered warming (``Rendezvous.ready`` false) has been
+        # ready; ``warming``: those not ready yet. Neither: ready since live.
+        self.ready_since: dict[WorkerKey, float] = {}
+        self.warming: set[WorkerKey] = set()
         # When each job's membership last changed size (formed, shrank, held, grew): a grow
         # waits ``resize_interval_s`` after it. Kept on the job's epoch record too
         # (``EpochRecord.resized_at``), so a new leader counts from the same time.
@@ -62,6 +66,8 @@ class GrowRules:
         grow (a member's renewals, by the thousand, need no look)."""
         if afresh or key not in self.live_since:
             self.live_since[key] = now
+            self.ready_since.pop(key, None)
+        self._warm(key, now)
         state = self.fleet.epochs.get(EpochKey(key.job, None))
         m = state.membership if state is not None else None
         if m is not None and m.member(key.replica, key.worker) is None:
@@ -79,6 +85,7 @@ class GrowRules:
         """Stale workers start their live time over; waiting grows may start or finish."""
         for key in newly_stale:
             self.live_since.pop(key, None)
+            self.ready_since.pop(key, None)
         for job in sorted(self.watch):
             self._step(job, now, out)
 
@@ -111,6 +118,17 @@ class GrowRules:
         if state not in out.write_ahead and state not in out.put_epochs:
             out.put_epochs.append(state)
         out.events.append(event_at(ekey, "grow_abandoned", now, epoch=state.epoch, detail=why))
+
+    def _warm(self, key: WorkerKey, now: float) -> None:
+        """Whether ``key`` is ready to start a trainer at once, from its registration: the
+        settle counts from when it became so."""
+        r = self.fleet.workers[key].registration.rendezvous
+        if r is not None and not r.ready:
+            self.warming.add(key)
+            self.ready_since.pop(key, None)
+        elif key in self.warming:
+            self.warming.discard(key)
+            self.ready_since[key] = now
 
     # --- the decision -----------------------------------------------------------------------------
 
@@ -146,6 +164,7 @@ class GrowRules:
             cfg.grow_settle_s,
             2 * cfg.renew_interval_s,
             hi,
+            ready_since=self.ready_since,
         )
         in_flight = self.issuer.pending(ekey, now)
         if not joining or rule.wait_reason(

@@ -18,7 +18,7 @@ from marduk.core.fleet import Fleet
 from marduk.core.grow_policy import GrowRules
 from marduk.core.issuer import Issuer
 from marduk.core.membership_policy import MembershipRules
-from marduk.core.records import EpochKey, EpochRecord
+from marduk.core.records import EpochKey, EpochRecord, WorkerRecord
 from marduk.wire.protocol import JobInfo, Membership
 
 
@@ -163,9 +163,15 @@ class JobViews:
         if joining:
             who = ", ".join(_name(k) for k in joining)
             first = min(grow.live_since.get(k, now) for k in joining)
-            live = now - max(grow.live_since.get(k, now) for k in joining)
-            if live < cfg.grow_settle_s:
-                why = f"live {live:.0f}s of --grow-settle {cfg.grow_settle_s:g}s"
+            ready = [
+                max(grow.live_since.get(k, now), grow.ready_since.get(k, 0.0)) for k in joining
+            ]
+            live = now - max(ready)
+            warming = [_name(k) for k in joining if not _ready(fleet.workers[k])]
+            if warming:
+                why = f"{', '.join(warming)} warming (fork server importing)"
+            elif live < cfg.grow_settle_s:
+                why = f"ready {live:.0f}s of --grow-settle {cfg.grow_settle_s:g}s"
             else:
                 last_resize = grow.last_resize.get(ekey.job)
                 why = rule.wait_reason(now, last_resize, cfg.resize_interval_s, in_flight)
@@ -184,6 +190,12 @@ class JobViews:
         timeout = self.fleet.config.join_timeout_s
         left = f", forms within {max(0.0, since + timeout - now):.0f}s" if since else ""
         return "forming", f"{n} of {lo}:{hi} worker(s) registered{left}", since
+
+
+def _ready(rec: WorkerRecord) -> bool:
+    """Can the worker start a trainer at once (``Rendezvous.ready``)?"""
+    r = rec.registration.rendezvous
+    return r is None or r.ready
 
 
 def _name(key: WorkerKey) -> str:

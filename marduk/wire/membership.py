@@ -43,6 +43,10 @@ class Rendezvous(msgspec.Struct, kw_only=True):
     # the job named like the pool: a spare of that pool, free for any job that names it; once
     # a job claims it, it registers under that job (``RegisterReply.claimed_by``).
     pool: JobName | None = None
+    # Can it start a trainer at once (its fork server has imported the framework, or it has
+    # none)? False while the fork server warms up; the agent registers again once it is ready.
+    # A grow's settle counts from then (docs/decisions.md #17). Older agents: always true.
+    ready: bool = True
 
 
 class Member(msgspec.Struct, kw_only=True, frozen=True):

@@ -55,6 +55,9 @@ def test_a_new_agent_grows_the_shrunk_mesh_back_after_a_checkpoint(
         grown = job.wait_stepping(t_start, alone.epoch, timeout=120)
         t_registered, _ = first_line(job, new, "holding the trainers", t_start)
         t_saved, line = first_line(job, 0, SAVED.pattern, t_registered)
+        # Its fork server warmed up first: the grow never keeps the member waiting for it.
+        t_warm, _ = first_line(job, new, "the fork server is ready", t_start)
+        assert t_warm <= t_saved
         m = SAVED.search(line)
         assert m is not None
         saved = int(m.group(1))

@@ -17,9 +17,17 @@ from marduk.controller import Controller
 from marduk.core.records import EpochRecord
 from marduk.store.state import StateStore
 from marduk.wire import protocol as wire
-from marduk.wire.protocol import encode
+from marduk.wire.protocol import decode, encode
 from tests.conftest import NatsServer, controller_settings, health_event, start_serving
-from tests.integration.test_spares import JOB, S, kinds, listen, ranks, register
+from tests.integration.test_spares import (
+    JOB,
+    S,
+    kinds,
+    listen,
+    ranks,
+    register,
+    registration,
+)
 from tests.processes import Proc
 
 GROW = {
@@ -93,6 +101,40 @@ async def test_a_new_worker_grows_the_job_after_a_checkpoint(
         assert (seen[-1].replica, seen[-1].epoch) == ("c", grow.epoch)
         done = await record(nc)
         assert done.membership == grow.membership and done.grow is None
+    finally:
+        await nc.close()
+        await c.stop()
+
+
+async def test_a_joiner_warming_up_is_taken_once_ready(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """``rendezvous.ready`` false (its fork server imports): no grow however long the settle is
+    past; the registration that says ready starts it, after the settle."""
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path, **GROW)))
+    nc = await nats.connect(nats_server.url)
+
+    async def c_registers(ready: bool) -> wire.RegisterReply:
+        reg = decode(registration("c", 3), wire.Registration)
+        assert reg.rendezvous is not None
+        reg.rendezvous.ready = ready
+        msg = await nc.request(S.register(JOB), encode(reg), timeout=5)
+        return decode(msg.data, wire.RegisterReply)
+
+    try:
+        sent = await listen(nc, S.job_commands(JOB), wire.Command)
+        shrink = await shrunk(nc, sent)
+        assert (await c_registers(False)).outcome == "new"
+        for _ in range(3):  # settle and interval long past, renewals on time: c still warms
+            await asyncio.sleep(0.5)
+            await c_registers(False)
+        assert sent.empty()
+        loop = asyncio.get_running_loop()
+        before = loop.time()
+        assert (await c_registers(True)).outcome == "updated"
+        ask = await next_kind(sent, "checkpoint")
+        assert loop.time() - before >= GROW["grow_settle_s"]  # the settle counts from ready
+        assert ask.epoch > shrink.epoch and "c/0 joining" in ask.reason
     finally:
         await nc.close()
         await c.stop()

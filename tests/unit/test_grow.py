@@ -376,3 +376,79 @@ def test_the_last_resize_survives_a_new_leader() -> None:
         assert not q.tick(now=t).commands
     [ask] = q.tick(now=23).commands  # 20 s after the shrink at 3, not after the takeover at 10
     assert ask.kind == "checkpoint"
+
+
+# --- a joiner warming up (its fork server imports the framework) ---------------------------------
+
+
+def warming(replica: str, *, ready: bool = False, **kw) -> Registration:
+    """``replica`` registering while its fork server imports (``ready``: once it has)."""
+    r = reg(replica, **kw)
+    assert r.rendezvous is not None
+    return msgspec.structs.replace(r, rendezvous=msgspec.structs.replace(r.rendezvous, ready=ready))
+
+
+def test_the_settle_counts_from_when_the_joiner_can_start_its_trainer() -> None:
+    p = Policy(config(grow_settle_s=5))
+    shrunk(p)
+    running(p, 4, "b")
+    p.register(warming("c"), now=5)
+    for t in (23, 30, 40):  # settled and past the interval, but c would keep b waiting
+        p.register(warming("c"), now=t)
+        assert not p.tick(now=t).commands
+    assert p.register(warming("c", ready=True), now=41).result == "updated"  # warm now
+    p.register(reg("c"), now=45)  # renewals as any agent's (ready is the default)
+    assert not p.tick(now=45.9).commands
+    [ask] = p.tick(now=46).commands  # ready since 41
+    assert ask.kind == "checkpoint"
+    [restart] = checkpointed(p, "b", now=47).commands
+    assert ranks(restart) == [("b", 0, 0), ("c", 1, 2)]
+
+
+def test_a_joiner_that_never_warms_up_is_taken_after_a_bound() -> None:
+    p = Policy(config(grow_settle_s=5))
+    shrunk(p)
+    running(p, 4, "b")
+    bound = 5 + 5 + rule.WARM_UP_CAP_S  # registered at 5: settle, then the cap
+    for t in (5, 30, bound - 1):
+        p.register(warming("c"), now=t)
+        assert not p.tick(now=t).commands
+    [ask] = p.register(warming("c"), now=bound).outcome.commands  # its renewal: it starts cold
+    assert ask.kind == "checkpoint"
+
+
+def test_a_joiner_warming_again_after_a_new_process_starts_over() -> None:
+    """Ready, then its pod restarts (a new process, warming again): not taken until ready."""
+    p = Policy(config(grow_settle_s=5, resize_interval_s=1))
+    shrunk(p)
+    running(p, 4, "b")
+    p.register(warming("c", ready=True), now=5)
+    again = msgspec.structs.replace(warming("c"), instance="2")  # a new process (a pod's PID 1)
+    p.register(again, now=9)  # live and warming from 9
+    assert not p.tick(now=12).commands
+    p.register(msgspec.structs.replace(warming("c", ready=True), instance="2"), now=13)
+    assert not p.tick(now=17).commands
+    [ask] = p.tick(now=18).commands
+    assert ask.kind == "checkpoint"
+
+
+@pytest.mark.parametrize(
+    ("ready", "live", "ready_at", "now", "taken"),
+    [
+        (True, 0.0, None, 5.0, True),  # ready on registration (an older agent too)
+        (True, 0.0, 3.0, 7.9, False),  # warmed at 3: settles at 8
+        (True, 0.0, 3.0, 8.0, True),
+        (True, 10.0, 3.0, 15.0, True),  # a stale readiness of an earlier life counts from live
+        (False, 0.0, None, 64.9, False),  # warming: settle + cap
+        (False, 0.0, None, 65.0, True),
+        (True, None, 0.0, 100.0, False),  # not live
+    ],
+)
+def test_settled(
+    ready: bool, live: float | None, ready_at: float | None, now: float, taken: bool
+) -> None:
+    c = cand("c")
+    c = rdzv.Candidate(c.key, msgspec.structs.replace(c.rendezvous, ready=ready), 0.0)
+    live_since = {} if live is None else {c.key: live}
+    ready_since = {} if ready_at is None else {c.key: ready_at}
+    assert rule.settled(c, live_since, ready_since, now, 5.0) is taken

@@ -10,7 +10,7 @@ from marduk.controller.telemetry import job_gauges
 from marduk.core.policy import Policy
 from marduk.wire.protocol import DeviceHealth, JobInfo, QueryReply
 from monitor_cli import status_view as sv
-from tests.unit.test_grow import checkpointed, config, reg, running, shrunk
+from tests.unit.test_grow import checkpointed, config, reg, running, shrunk, warming
 from tests.unit.test_status_view import NOW, controller
 
 
@@ -56,7 +56,7 @@ def test_a_shrunk_job_shows_the_grow_joining_then_waiting_for_its_checkpoint() -
     p.register(reg("c"), now=5)
     info = one(p, 6)
     assert info.joining == ["c/0"] and info.resize == "joining"
-    assert info.resize_detail == "c/0 joining: live 1s of --grow-settle 5s"
+    assert info.resize_detail == "c/0 joining: ready 1s of --grow-settle 5s"
     info = one(p, 12)
     assert info.resize_detail.startswith("c/0 joining: the last resize was 9s ago")
     p.tick(now=23)
@@ -185,3 +185,15 @@ def test_status_shows_a_pool_its_free_and_claimed_spares_and_the_job_drawing_fro
     rows = [re.split(r"\s{2,}", line.strip()) for line in lines[start + 1 :]]
     assert rows[1][:5] == ["ja (pool gpu8)", "2", "1:2", "4", "s0/0 holding"]
     assert rows[2] == ["gpu8 (pool)", "-", "-", "-", "s1/0 free, s0/0 by ja claimed", "-", "-"]
+
+
+def test_a_joiner_warming_up_shows_so() -> None:
+    p = Policy(config())
+    shrunk(p)
+    running(p, 4, "b")
+    p.register(warming("c"), now=5)
+    info = one(p, 30)
+    assert info.joining == ["c/0"] and info.resize == "joining"
+    assert info.resize_detail == "c/0 joining: c/0 warming (fork server importing)"
+    p.register(warming("c", ready=True), now=31)
+    assert one(p, 33).resize_detail == "c/0 joining: ready 2s of --grow-settle 5s"
