@@ -191,11 +191,21 @@ class Fleet:
         """The live workers of ``job`` that brought a rendezvous and were not retired."""
         out = []
         for key in sorted(self.job_workers.get(job, ())):
-            rec = self.workers[key]
-            r = rec.registration.rendezvous
-            if r is not None and key not in self.stale and not rec.retired:
-                out.append(rdzv.Candidate(key, r, rec.registered_at))
+            if self.is_candidate(key):
+                rec = self.workers[key]
+                assert rec.registration.rendezvous is not None
+                out.append(rdzv.Candidate(key, rec.registration.rendezvous, rec.registered_at))
         return out
+
+    def is_candidate(self, key: WorkerKey) -> bool:
+        """Would ``candidates`` list ``key``? (Registered with a rendezvous, live, not retired.)"""
+        rec = self.workers.get(key)
+        return (
+            rec is not None
+            and rec.registration.rendezvous is not None
+            and key not in self.stale
+            and not rec.retired
+        )
 
     def member_keys(self, job: str, membership: Membership) -> list[WorkerKey]:
         """The registered workers of ``membership``."""

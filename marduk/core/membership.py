@@ -32,7 +32,7 @@ in every command of the job (``Command.membership``); docs/decisions.md #14.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -104,10 +104,19 @@ def check(new: Candidate, others: Iterable[Candidate], current: Membership | Non
                 f"node rank {r.node_rank} of job {new.key.job!r} is claimed by live worker "
                 f"{_name(other.key)}; worker {_name(new.key)} may not claim it too",
             )
+    check_claim(new, live.__contains__, current)
+
+
+def check_claim(
+    new: Candidate, is_live: Callable[[WorkerKey], bool], current: Membership | None
+) -> None:
+    """Refuse (MembershipError) a worker's ``--node-rank`` that a live member of the job's
+    ``current`` membership holds (a spare that took it, say)."""
+    r = new.rendezvous
     if current is not None and r.node_rank is not None:
         for m in current.members:
             key = WorkerKey(new.key.job, m.replica, m.worker)
-            if m.node_rank == r.node_rank and key != new.key and key in live:
+            if m.node_rank == r.node_rank and key != new.key and is_live(key):
                 raise MembershipError(
                     "rank_conflict",
                     f"node rank {r.node_rank} of job {new.key.job!r} is held by live worker "

@@ -80,10 +80,24 @@ class MembershipRules:
         for job in sorted(self.quorum_since.keys() | self.held):
             self.rendezvous(EpochKey(job, None), now, out)
 
-    def check(self, reg: Registration, state: EpochRecord | None) -> None:
+    def check(self, reg: Registration, state: EpochRecord | None, *, renewal: bool = False) -> None:
         """Refuse a worker that cannot take part in its job's membership (or, without a
-        rendezvous, a worker of a job that has one, and the reverse)."""
+        rendezvous, a worker of a job that has one, and the reverse).
+
+        ``renewal``: the live worker's process renews the registration it was admitted with.
+        Every worker admitted since was checked against it, so only its claim on a node rank
+        is checked again, against the current membership (a spare may hold that rank now):
+        a renewal of a 1,024-node job's worker then costs no scan of the other 1,023."""
         key = worker_key(reg)
+        membership = state.membership if state is not None else None
+        if renewal and reg.rendezvous is not None:
+            try:
+                rdzv.check_claim(
+                    rdzv.Candidate(key, reg.rendezvous), self.fleet.is_candidate, membership
+                )
+            except rdzv.MembershipError as e:
+                raise PolicyError(e.code, str(e)) from None
+            return
         workers = self.fleet.workers
         others = [k for k in self.fleet.job_workers.get(reg.job, ()) if k != key]
         if reg.rendezvous is None:

@@ -165,7 +165,8 @@ class RegistrationRules:
         # Every check before the first change: a refused registration leaves no trace (a
         # worker heard from but never recorded would expire, and fail, forever).
         check_adoptable(max(reg.epoch, reg.seen_epoch), state, fleet.config.epoch_block)
-        self.membership.check(reg, state)
+        renewal = old is not None and old.registration == reg and not was_stale
+        self.membership.check(reg, state, renewal=renewal)
         fleet.heard(key, now)
         fleet.stale.discard(key)
         fresh_process = old is None or is_fresh_process(old.registration, reg)

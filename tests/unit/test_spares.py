@@ -4,6 +4,7 @@ when a member goes out of service (failure budget spent, quarantine or drain, si
 from __future__ import annotations
 
 import msgspec
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -16,11 +17,20 @@ from marduk.wire.protocol import Command, DeviceHealth, Registration, Rendezvous
 JOB = EpochKey("j", None)
 
 
-def rz(*, nproc: int = 2, lo: int = 1, hi: int = 2, spare: bool = False, port: int = 40001):
+def rz(
+    *,
+    nproc: int = 2,
+    lo: int = 1,
+    hi: int = 2,
+    spare: bool = False,
+    port: int = 40001,
+    rank: int | None = None,
+):
     return Rendezvous(
         nproc=nproc,
         min_nodes=lo,
         max_nodes=hi,
+        node_rank=rank,
         addr="10.0.0.1",
         ports=[port, port + 1],
         spare=spare,
@@ -189,6 +199,28 @@ def test_a_device_past_its_budget_hands_its_members_ranks_to_a_spare() -> None:
     assert again.command is not None and again.command.retired == [WorkerRef(replica="b")]
     with_new_pod = p.register(reg("b", pid=99), now=100)
     assert not p.workers[key("b")].retired and with_new_pod.outcome.put_workers
+
+
+def test_a_renewal_checks_its_rank_claim_but_scans_no_other_worker(monkeypatch) -> None:
+    """A live worker renewing the registration it was admitted with is not checked against the
+    job's other workers again (each admitted since was checked against it: at 1,024 nodes that
+    scan was most of a renewal's cost), but its --node-rank still is, against the membership:
+    a spare may hold that rank now."""
+    p = Policy(PolicyConfig(device_max_failures=0))
+    p.register(reg("a", pid=1, rank=0), now=0)
+    p.register(reg("b", pid=2, rank=1), now=0)
+    p.register(reg("s0", pid=10, spare=True), now=1)
+    [swap] = p.on_health(fail("b-d0", 1), now=3).outcome.commands
+    assert ranks(swap) == [("a", 0, 0), ("s0", 1, 2)]
+
+    def no_scan(*_a: object) -> None:
+        raise AssertionError("a renewal scanned the job's workers")
+
+    monkeypatch.setattr("marduk.core.membership.check", no_scan)
+    assert p.register(reg("a", pid=1, rank=0), now=4).result == "unchanged"
+    with pytest.raises(PolicyError) as e:  # b, retired, still claims node rank 1: s0 holds it
+        p.register(reg("b", pid=2, rank=1), now=4)
+    assert e.value.code == "rank_conflict" and "s0/0" in str(e.value)
 
 
 def test_a_replaced_container_with_the_same_host_and_pid_is_not_retired() -> None:
