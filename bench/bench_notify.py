@@ -14,10 +14,16 @@ Measured:
   with explicit acks), which is how health events reach the controller;
 * registration time for all replicas, and the controller's peak RSS (VmHWM).
 
+The agents acknowledge each restart as a trainer does once it applied it (``client.ack``, not
+awaited, as ``marduk agent run`` does): the controller stops resending it. ``--no-ack`` leaves
+them unacknowledged, as every run before issue 15's tail work did: each restart is then resent
+once a second until ``pending_timeout`` (4,000+ resends a run, in the measured window).
+
 Timestamps are CLOCK_MONOTONIC (time.monotonic_ns), shared by all processes on Linux.
 
     .venv/bin/python bench/bench_notify.py                      # 1,000 replicas x 8 devices
     .venv/bin/python bench/bench_notify.py --scope job --trials 50
+    .venv/bin/python bench/bench_notify.py --no-ack                  # the figures before
 """
 
 from __future__ import annotations
@@ -119,17 +125,27 @@ def machine() -> dict[str, str | int]:
 # --- agent side (runs in child processes) --------------------------------------------------------
 
 
-async def agents_main(url: str, first: int, count: int, dpr: int, scope: str) -> None:
+async def agents_main(
+    url: str, first: int, count: int, dpr: int, scope: str, ack: bool = True
+) -> None:
     from agent.library.client import AsyncClient, Options
 
     received: list[tuple[str, int, int]] = []  # (event_id, epoch, recv_ns)
     pings: list[tuple[int, int]] = []
     js_pings: list[tuple[int, int]] = []
     clients = []
+    acks: dict[bool, int] = {True: 0, False: 0}  # confirmed by the controller, or not
+    by_index: dict[int, AsyncClient] = {}
+
+    async def applied(c: AsyncClient, cmd) -> None:  # type: ignore[no-untyped-def]
+        acks[await c.ack(cmd)] += 1
 
     def make_cb(idx: int):  # type: ignore[no-untyped-def]
-        def cb(cmd) -> None:  # type: ignore[no-untyped-def]
+        def cb(cmd):  # type: ignore[no-untyped-def]
             received.append((f"{cmd.command_id}|{idx}", cmd.epoch, time.monotonic_ns()))
+            # A trainer acks the restart once it applied it; here at once, and not awaited
+            # (the library runs the coroutine returned), as ``marduk agent run`` does.
+            return applied(by_index[idx], cmd) if ack and cmd.is_failure else None
 
         return cb
 
@@ -152,6 +168,7 @@ async def agents_main(url: str, first: int, count: int, dpr: int, scope: str) ->
         )
         async with sem:
             c = AsyncClient(opts, make_cb(i), deliver=lambda _c: None)
+            by_index[i] = c
             await c.start()
             clients.append(c)
 
@@ -180,7 +197,8 @@ async def agents_main(url: str, first: int, count: int, dpr: int, scope: str) ->
     await nc.flush()
     print(json.dumps({"ready": True, "registration_s": reg_s}), flush=True)
     await done.wait()
-    print(json.dumps({"received": received, "pings": pings, "js_pings": js_pings}), flush=True)
+    out = {"received": received, "pings": pings, "js_pings": js_pings, "acks": acks[True]}
+    print(json.dumps({**out, "acks_unconfirmed": acks[False]}), flush=True)
     for c in clients:
         await c.close(deregister=False)
     await nc.close()
@@ -264,6 +282,7 @@ async def driver(args: argparse.Namespace) -> None:
                         str(count),
                         str(args.devices_per_replica),
                         args.scope,
+                        "ack" if args.ack else "no-ack",
                     ],
                     cwd=ROOT,
                     stdout=subprocess.PIPE,
@@ -299,6 +318,7 @@ async def driver(args: argparse.Namespace) -> None:
         await nc.subscribe("marduk.bench.cmd.>", cb=on_tap)
         metrics_url = await metrics_address(tmp / "controller.log")
         before = await asyncio.to_thread(event_to_command, metrics_url)
+        stats_before = await controller_stats(nc)
         await nc.flush()
         sent: dict[str, int] = {}
         sent_by_event: dict[str, int] = {}
@@ -324,18 +344,22 @@ async def driver(args: argparse.Namespace) -> None:
                 await asyncio.sleep(args.gap)
         await asyncio.sleep(1.0)
         after = await asyncio.to_thread(event_to_command, metrics_url)
+        stats_after = await controller_stats(nc)
         rss_peak = vm_hwm_mib(ctl.pid)
         await nc.publish("bench.done", b"")
         await nc.flush()
         received: list[tuple[str, int, int]] = []
         pings: list[tuple[int, int]] = []
         js_pings: list[tuple[int, int]] = []
+        acks = acks_unconfirmed = 0
         for p in procs:
             out, _ = p.communicate(timeout=120)
             data = json.loads(out.strip().splitlines()[-1])
             received += [tuple(x) for x in data["received"]]  # type: ignore[misc]
             pings += [tuple(x) for x in data["pings"]]  # type: ignore[misc]
             js_pings += [tuple(x) for x in data["js_pings"]]  # type: ignore[misc]
+            acks += data["acks"]
+            acks_unconfirmed += data["acks_unconfirmed"]
         await nc.close()
     finally:
         for p in procs:
@@ -392,6 +416,14 @@ async def driver(args: argparse.Namespace) -> None:
         "scope": args.scope,
         "commands_sent": len(sent),
         "commands_received": sum(len(v) for v in by_command.values()),
+        "agents_ack": args.ack,
+        "acks_confirmed": acks,
+        "acks_unconfirmed": acks_unconfirmed,
+        # In the measured window (the events and the second after them), from the controller.
+        "controller_in_window": {
+            k: stats_after.get(k, 0) - stats_before.get(k, 0)
+            for k in ("commands.restart", "commands.resent", "received.ack")
+        },
         "registration_all_s": round(reg_all_s, 2),
         "controller_peak_rss_mib_after_registration": round(rss_after_reg, 1),
         "controller_peak_rss_mib": round(rss_peak, 1),
@@ -432,6 +464,12 @@ def event_to_command(url: str) -> dict[str, Any]:
     return out
 
 
+async def controller_stats(nc) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    """The controller's counters (``Controller.stats``), as a query answers them."""
+    msg = await nc.request("marduk.ctl.query", wire.encode(wire.Query(what="ping")), timeout=5)
+    return dict(wire.decode(msg.data, wire.QueryReply).stats)
+
+
 async def ack_all(nc, replicas: int, epoch: int) -> None:  # type: ignore[no-untyped-def]
     async def one(i: int) -> None:
         ack = wire.Ack(job="bench", replica=f"r{i}", worker=0, epoch=epoch)
@@ -442,8 +480,8 @@ async def ack_all(nc, replicas: int, epoch: int) -> None:  # type: ignore[no-unt
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--agents":
-        url, first, count, dpr, scope = sys.argv[2:7]
-        asyncio.run(agents_main(url, int(first), int(count), int(dpr), scope))
+        url, first, count, dpr, scope, ack = sys.argv[2:8]
+        asyncio.run(agents_main(url, int(first), int(count), int(dpr), scope, ack == "ack"))
         return
     p = argparse.ArgumentParser(description="Marduk notify-latency benchmark")
     p.add_argument("--replicas", type=int, default=1000)
@@ -452,6 +490,13 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=1000)
     p.add_argument("--gap", type=float, default=0.005, help="seconds between events")
     p.add_argument("--scope", choices=["replica", "job"], default="replica")
+    p.add_argument(
+        "--no-ack",
+        dest="ack",
+        action="store_false",
+        help="agents never acknowledge a restart, so the controller resends each once a second "
+        "(how this benchmark ran before issue 15's tail work)",
+    )
     asyncio.run(driver(p.parse_args()))
 
 

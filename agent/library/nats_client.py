@@ -8,6 +8,12 @@ After a reconnect, whenever a controller announces it took over, and every renew
 (the controller says how often), the client registers again; the reply carries the current
 epoch and the command that set it, so a command missed while disconnected is delivered then
 (level-triggered). Which commands are news is ``agent/channel/fencing.py``'s rule.
+
+Renewals are jittered (``renewal_delay``): the first comes at a random point of the first
+interval and a half, each later one at the interval +-20%. A fleet whose workers started
+together (one job's pods, a benchmark's 1,000 clients) would otherwise renew together, every
+interval, for as long as it runs: a burst of registrations at the controller and the server
+that lands on whatever else they are doing then (health events).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import secrets
 import time
 from collections.abc import Callable
@@ -41,6 +48,20 @@ log = logging.getLogger("agent")
 
 _instance: tuple[int, str] = (0, "")
 
+RENEW_JITTER = 0.2  # a later renewal comes at the interval +-20%
+FIRST_RENEWAL = (0.2, 1.2)  # the first, at a uniform point of this span (x the interval)
+
+
+def renewal_delay(interval: float, first: bool, rand: Callable[[], float]) -> float:
+    """Seconds until the next renewal, ``rand()`` uniform in [0, 1). The first is spread over
+    a whole interval (0.2-1.2 x), so workers registered together fall out of step at once; each
+    later one is 0.8-1.2 x, so they do not drift back into it. At most 1.2 x the interval: a
+    third of the worker TTL is the interval, so a worker is never close to going stale."""
+    if first:
+        lo, hi = FIRST_RENEWAL
+        return interval * (lo + (hi - lo) * rand())
+    return interval * (1.0 + RENEW_JITTER * (2.0 * rand() - 1.0))
+
 
 def process_instance() -> str:
     """A random token for this process, made at its first registration (a forked child makes
@@ -61,9 +82,11 @@ class AsyncClient(CommandInbox):
         on_command: OnCommand | None = None,
         *,
         deliver: Callable[[Command], None] | None = None,
+        rand: Callable[[], float] = random.random,
     ) -> None:
         super().__init__(opts, on_command, deliver)
         self.subjects = Subjects(opts.prefix)
+        self._rand = rand  # the renewals' jitter (a test makes it deterministic)
         self._nc: NATS | None = None
         self._register_lock = asyncio.Lock()
         self._registered_once = False
@@ -269,9 +292,12 @@ class AsyncClient(CommandInbox):
             self._spawn(self.reregister(), "register")
 
     async def _resync_loop(self) -> None:
-        # Renewals keep this worker live in the controller's eyes (and converge it).
+        # Renewals keep this worker live in the controller's eyes (and converge it); jittered,
+        # so a fleet started together does not renew together (``renewal_delay``).
+        first = True
         while True:
-            await asyncio.sleep(self.renew_interval)
+            await asyncio.sleep(renewal_delay(self.renew_interval, first, self._rand))
+            first = False
             if self._nc is not None and self._nc.is_connected:
                 await self.reregister()
 

@@ -139,6 +139,9 @@ class Controller:
     def _role_changed(self, before: Role, after: Role, event: Event, why: str) -> None:
         if before is Role.SERVING:
             self.serving.clear()
+        if self.mirror is not None:
+            # Serving, every write is ours: the mirror keeps them undecoded until it is read.
+            self.mirror.leading = after is Role.SERVING
         if after is Role.FAILED:
             self.fatal_reason = why
             self.fatal.set()

@@ -33,10 +33,16 @@ class StateMirror:
     """A hot standby's copy of the state bucket, kept current by a KV watch.
 
     Records are decoded as they arrive (the standby has time; a new leader does not), so
-    ``snapshot()`` only lists them. ``caught_up()`` says whether it has seen every revision the
-    bucket had when asked (so a new leader does not miss the old one's last writes). If the
-    watch breaks, the mirror is marked unusable and takeover falls back to
-    ``StateStore.load()``.
+    ``snapshot()`` only lists them. Not while this controller leads (``leading``): every
+    write is then its own, already in its policy, and decoding each one as the watch echoes it
+    back was ~3.5% of the leader's time under health events. Those are kept as the bytes
+    written and decoded when the mirror is read (``snapshot``) or the controller stops leading
+    (``leading = False``: a standby decodes as records come again), so the mirror is as
+    current at a takeover, or a re-election from it, as if each had been decoded on arrival.
+
+    ``caught_up()`` says whether it has seen every revision the bucket had when asked (so a new
+    leader does not miss the old one's last writes). If the watch breaks, the mirror is marked
+    unusable and takeover falls back to ``StateStore.load()``.
     """
 
     def __init__(self, store: StateStore) -> None:
@@ -45,6 +51,8 @@ class StateMirror:
         self._epochs: dict[str, EpochRecord] = {}
         self._devices: dict[str, DeviceRecord] = {}
         self._unreadable: set[str] = set()
+        self._undecoded: dict[str, bytes] = {}  # key -> value, written while leading
+        self._leading = False
         self.revision: dict[str, int] = {}  # bucket -> last revision seen
         self.version = 0  # bumped on every change to the records
         self.changed_at = time.monotonic()
@@ -60,8 +68,30 @@ class StateMirror:
             watcher = await kv.watchall()
             self._tasks.spawn(self._follow(watcher, bucket), bucket)
 
+    @property
+    def leading(self) -> bool:
+        return self._leading
+
+    @leading.setter
+    def leading(self, leading: bool) -> None:
+        """Set by the controller as it starts and stops serving."""
+        self._leading = leading
+        if not leading:
+            self._decode_held()
+
+    def _decode_held(self) -> None:
+        held, self._undecoded = self._undecoded, {}
+        for key, value in held.items():
+            self._decode(key, value)
+
     def _put(self, key: str, value: bytes) -> None:
         self._drop(key)
+        if self._leading:
+            self._undecoded[key] = value
+        else:
+            self._decode(key, value)
+
+    def _decode(self, key: str, value: bytes) -> None:
         try:
             if key.startswith("w."):
                 self._workers[key] = decode_worker(value)
@@ -79,6 +109,7 @@ class StateMirror:
         self.changed.notify()
         for records in (self._workers, self._epochs, self._devices):
             records.pop(key, None)
+        self._undecoded.pop(key, None)
         self._unreadable.discard(key)
 
     def _follow_failed(self, task: asyncio.Task[Any], e: BaseException) -> None:
@@ -142,6 +173,7 @@ class StateMirror:
         mirror must keep showing the bucket, not a leader's decisions (a leader that steps down
         drops the ones it never wrote, and leads again from the mirror). Shallow copies do: the
         policy replaces a record's lists and command, it never edits them."""
+        self._decode_held()  # written while leading (no await: the mirror holds still)
         return Loaded(
             [copy.copy(r) for r in self._workers.values()],
             [copy.copy(r) for r in self._epochs.values()],

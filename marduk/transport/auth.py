@@ -24,16 +24,21 @@ commands that are unsigned or signed by anyone else.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import nkeys
 
 from marduk.errors import MardukError
 from marduk.wire.subjects import DEFAULT_PREFIX, check_job
+
+if TYPE_CHECKING:
+    import nacl.signing
 
 SIG_HEADER = "Marduk-Sig"
 ROLES = ("controller", "agent", "monitor", "admin")
@@ -112,18 +117,30 @@ def verify(public_keys: list[str], data: bytes, signature: str | None) -> bool:
     except ValueError:
         return False
     import nacl.exceptions
-    import nacl.signing
 
     for key in public_keys:
-        raw = _raw_public_key(key)
-        if raw is None:
+        verify_key = _verify_key(key)
+        if verify_key is None:
             continue
         try:
-            nacl.signing.VerifyKey(raw).verify(data, sig)
+            verify_key.verify(data, sig)
             return True
         except (nacl.exceptions.BadSignatureError, ValueError):
             continue
     return False
+
+
+@functools.lru_cache(maxsize=64)
+def _verify_key(key: str) -> nacl.signing.VerifyKey | None:
+    """The verify key of an nkey public key, made once per key (as ``Signer`` makes the key
+    pair once per seed): decoding the key (base32, its CRC) and building the ``VerifyKey``
+    for each command was as much work again as checking its signature. Keyed by the key's
+    text, so a changed key (``controller.pub`` rotated) is a new entry; the keys an agent is
+    given are a handful, the cache's bound only keeps a process that is handed many small."""
+    import nacl.signing
+
+    raw = _raw_public_key(key)
+    return None if raw is None else nacl.signing.VerifyKey(raw)
 
 
 def _raw_public_key(key: str) -> bytes | None:

@@ -214,3 +214,102 @@ async def test_a_standby_prepares_its_policy_while_the_lease_runs_out(
         await nc.close()
         await c2.stop()
         await c1.stop()
+
+
+async def test_a_leaders_mirror_holds_its_own_writes_undecoded_and_reads_them_current(
+    nats_server: NatsServer,
+) -> None:
+    """While its controller leads, the mirror keeps the writes it sees as bytes (they are the
+    leader's own) and decodes them when read: a snapshot then finds exactly what a full read
+    of the bucket finds (puts, an overwrite, a delete, an unreadable record), and so does one
+    after the controller stops leading.
+
+    Kills: a leading mirror that drops its own writes, or hands out records not yet decoded."""
+    nc: NATS = await nats.connect(nats_server.url)
+    try:
+        store = await StateStore.open(nc, "lead")
+        await store.apply([Outcome(put_workers=[worker("r1", ["d1"]), worker("r2", ["d2"])])])
+        mirror = StateMirror(store)
+        await mirror.start()
+        assert await mirror.caught_up(nc.jetstream())
+        mirror.leading = True
+        await store.apply(
+            [
+                Outcome(
+                    put_workers=[worker("r3", ["d3"]), worker("r1", ["d1", "d9"])],
+                    deleted_workers=[WorkerKey("j", "r2", 0)],
+                    put_epochs=[EpochRecord(job="j", replica="r1", epoch=4, ceiling=100)],
+                    put_devices=[DeviceRecord(device="d1", state="failed")],
+                )
+            ]
+        )
+        await store.kv.put(device_kv_key("bad"), b"{not json")
+        assert await mirror.caught_up(nc.jetstream())
+        held = len(mirror._undecoded)
+        full, mirrored = await store.load(), mirror.snapshot()
+        assert as_set(mirrored.workers) == as_set(full.workers)
+        assert {w.registration.replica for w in mirrored.workers} == {"r1", "r3"}
+        assert as_set(mirrored.epochs) == as_set(full.epochs)
+        assert as_set(mirrored.devices) == as_set(full.devices)
+        assert mirrored.skipped == full.skipped == 1
+        assert held == 5 and not mirror._undecoded  # held while leading, decoded when read
+        # More of the leader's writes, then it stops leading: decoded at once, and from then
+        # on each write as it comes.
+        await store.apply([Outcome(put_devices=[DeviceRecord(device="bad")])])
+        await store.apply([Outcome(deleted_workers=[WorkerKey("j", "r3", 0)])])
+        assert await mirror.caught_up(nc.jetstream())
+        mirror.leading = False
+        assert not mirror._undecoded
+        assert mirror.snapshot().skipped == 0
+        await store.apply([Outcome(put_workers=[worker("r4", ["d4"])])])
+        assert await mirror.caught_up(nc.jetstream())
+        assert not mirror._undecoded
+        full, mirrored = await store.load(), mirror.snapshot()
+        assert as_set(mirrored.workers) == as_set(full.workers)
+        assert {w.registration.replica for w in mirrored.workers} == {"r1", "r4"}
+        await mirror.stop()
+    finally:
+        await nc.close()
+
+
+async def test_a_re_elected_leader_finds_its_own_writes_in_its_mirror(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """A leader registers workers and restarts a replica (records it writes while its mirror
+    holds them undecoded); deposed and re-elected, it leads from that mirror: its policy holds
+    the worker, the restart's epoch and the device's failure, as the bucket does.
+
+    Kills: a leading mirror that skips its own writes (the re-elected leader would lead from
+    the state before them: epoch 0, no failure, no worker r2)."""
+    from tests.integration.test_commit_ordering import register
+
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    nc = await nats.connect(nats_server.url)
+    try:
+        assert c.mirror is not None and c.mirror.leading
+        await register(nc, "r1", ["d1", "d2"])
+        await register(nc, "r2", ["d3"])
+        reply = await health_event(nc, "d1", event_id="e1")
+        [action] = reply.actions
+        assert action.replica == "r1" and action.epoch == 1
+        await eventually(lambda: not c.pipeline.busy())
+        assert await c.mirror.caught_up(nc.jetstream())
+        held = set(c.mirror._undecoded)
+        lead = c.leadership
+        assert lead is not None
+        term = lead.term
+        await lead._depose("test: as if a renewal had failed")
+        await eventually(lambda: lead.term == term + 1 and c.serving.is_set(), timeout=10)
+        assert c.mirror.leading
+        assert c.stats["leader.terms"] == 2
+        fleet = c.policy.fleet
+        assert {k.replica for k in fleet.workers} == {"r1", "r2"}
+        assert len(fleet.devices["d1"].failures) == 1
+        assert {k.replica: e.epoch for k, e in fleet.epochs.items()}["r1"] == 1
+        stored = await c.store.load()  # type: ignore[union-attr]
+        assert {d.device: len(d.failures) for d in stored.devices}["d1"] == 1
+        # The test ran while they were held: the workers, the epoch and the device record.
+        assert {"w.wal.r1.0", "w.wal.r2.0"} <= held and {k[:2] for k in held} == {"w.", "e.", "d."}
+    finally:
+        await nc.close()
+        await c.stop()
