@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.conftest import eventually_sync, marduk_cli
+from tests.jax_mesh import TimedProc
 from tests.processes import Proc, external_controller, status
 
 RANKS = "tests/trainers/ranks.py"
@@ -20,6 +21,7 @@ PLACED = re.compile(r"epoch (\d+): node rank (\d+) of (\d+)")
 STARTED = re.compile(
     r"start rank (\d+)/(\d+) \(group rank (\d+)\), epoch (\d+), resuming at step (\d+)"
 )
+PIDS = re.compile(r"(trainers?|fork server) started: pids? ([\d, ]+)")
 
 
 class ElasticJob:
@@ -40,7 +42,7 @@ class ElasticJob:
         self.controllers = [
             external_controller(env, str(tmp / f"c{i}")) for i in range(controllers)
         ]
-        self.agents: dict[str, Proc] = {}
+        self.agents: dict[str, TimedProc] = {}  # each output line with when it came
 
     def leader(self) -> tuple[Proc, Proc]:
         """(leader, standby), once one serves and the other stands by."""
@@ -55,8 +57,8 @@ class ElasticJob:
         [standby] = [c for c in self.controllers if c is not lead]
         return lead, standby
 
-    def start(self, replica: str, *extra: str) -> Proc:
-        self.agents[replica] = Proc(
+    def start(self, replica: str, *extra: str) -> TimedProc:
+        self.agents[replica] = TimedProc(
             [
                 *(sys.executable, "-m", "marduk", "agent", "run", "--job", self.name),
                 *("--scope", "job", "--devices", f"{self.name}-{replica}"),
@@ -89,6 +91,16 @@ class ElasticJob:
                     }
                 )
         return out
+
+    def pids(self, replica: str, trainers_only: bool = False) -> list[int]:
+        """Every trainer (and fork server, unless ``trainers_only``) pid the agent started, in
+        order (its logged ``trainer started: pid N`` / ``fork server started: pid N``)."""
+        return [
+            int(pid)
+            for line in self.agents[replica].all
+            if (m := PIDS.search(line)) and not (trainers_only and m.group(1) == "fork server")
+            for pid in m.group(2).replace(",", " ").split()
+        ]
 
     def mark(self, replica: str) -> int:
         """Where the agent's output is now (for ``starts(after=...)``)."""
