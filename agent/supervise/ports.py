@@ -5,6 +5,7 @@ MASTER_PORT, and whether a rank listens on it yet. Kept apart from the launch co
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -95,3 +96,91 @@ class MasterFirst:
                 self.wanted = False
                 return
             await asyncio.sleep(0.002)
+
+
+COORDINATOR_WAIT_S = 2.0  # at most, for the coordinator to accept before this node starts
+PROBE_EVERY_S = 0.005  # between connect probes of the coordinator while waiting for it
+PROBE_TIMEOUT_S = 0.25  # one connect probe (a refused one returns at once)
+
+
+def coordinator_first(applies: bool, node_rank: int, nnodes: int, learned: bool) -> bool:
+    """Whether this node's trainers start only once the coordinator's address:port accepts:
+    for a job with a membership (``applies``), on a node that does not host the coordinator,
+    and once this agent saw the coordinator accept there in an earlier incarnation
+    (``learned``): a job whose trainers never listen there never waits."""
+    return applies and nnodes > 1 and node_rank != 0 and learned
+
+
+def keep_waiting(accepted: bool, waited_s: float, limit_s: float = COORDINATOR_WAIT_S) -> bool:
+    """While waiting for the coordinator: True to probe again, False to start (it accepted,
+    or ``limit_s`` passed: start anyway)."""
+    return not accepted and waited_s <= limit_s
+
+
+async def accepts(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """``host:port`` accepts a TCP connection (closed at once, nothing sent).
+
+    Harmless to the servers that listen there, checked with 50 such probes before a real
+    client (torch 2.13, jax 0.10.2): torch's TCPStore server (libuv backend) takes a client
+    that closes before its validation message as a disconnect, and its log
+    (TORCH_CPP_LOG_LEVEL=INFO) is the same as without the probes; JAX's coordination service
+    (gRPC) drops a connection closed before the HTTP/2 preface, and its log (GRPC_VERBOSITY=info,
+    TF_CPP_MIN_LOG_LEVEL=0) is the same as without them. Both then served a client's set/get."""
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
+    except (OSError, TimeoutError):
+        return False
+    writer.close()
+    with contextlib.suppress(OSError):
+        await writer.wait_closed()
+    return True
+
+
+class CoordinatorFirst:
+    """Across nodes, rank 0's trainer hosts the rendezvous store at the coordinator's
+    address:port (torch's TCPStore, JAX's coordination service): a rank of another node that
+    tries it before it listens backs off for up to a second (torch: about 0.6 s). Once this
+    agent saw it accept after stepping, the next incarnations start this node's trainers once
+    it accepts, ``COORDINATOR_WAIT_S`` at most (then start anyway, and unlearn it)."""
+
+    def __init__(self, applies: bool) -> None:
+        self.applies = applies  # a job with a membership (--nnodes MIN:MAX)
+        self.node_rank = 0
+        self.nnodes = 1
+        self.addr = ""
+        self.port = 0  # the coordinator's, at the current incarnation
+        self.learned = False  # it accepted there after a local rank stepped
+
+    def placed(self, nnodes: int, node_rank: int, addr: str, port: int) -> None:
+        self.nnodes, self.node_rank, self.addr, self.port = nnodes, node_rank, addr, port
+
+    @property
+    def wanted(self) -> bool:
+        return coordinator_first(self.applies, self.node_rank, self.nnodes, self.learned)
+
+    def should_learn(self, rank: int) -> bool:
+        return rank == 0 and self.applies and self.nnodes > 1 and self.node_rank != 0
+
+    async def learn(self) -> None:
+        """After local rank 0 stepped: whether the coordinator accepts (it then has for the
+        whole incarnation: the store lives as long as rank 0's trainer)."""
+        self.learned = await accepts(self.addr, self.port)
+
+    async def wait(self) -> bool:
+        """Until the coordinator accepts (True), or ``COORDINATOR_WAIT_S`` passed (False; no
+        more waiting for it until it is seen accepting again)."""
+        start = time.monotonic()
+        while True:
+            accepted = await accepts(self.addr, self.port)
+            if not keep_waiting(accepted, time.monotonic() - start):
+                break
+            await asyncio.sleep(PROBE_EVERY_S)
+        if not accepted:
+            log.info(
+                "coordinator %s:%d did not accept within %gs: starting anyway",
+                self.addr,
+                self.port,
+                COORDINATOR_WAIT_S,
+            )
+            self.learned = False
+        return accepted

@@ -16,7 +16,7 @@ from typing import Any
 
 from agent.supervise.launch import LaunchSpec, Std
 from agent.supervise.output import RankOutput
-from agent.supervise.ports import MasterFirst
+from agent.supervise.ports import CoordinatorFirst, MasterFirst
 from agent.supervise.proctree import end_leftovers, find_leftovers, wait_groups_gone
 from agent.supervise.ranks import Fact, Rank, RankExited
 from agent.supervise.signals import Signals
@@ -63,9 +63,13 @@ class RankProcesses:
         env_of: Callable[[Rank], dict[str, str]],
         placed: LaunchSpec | None,
         master: MasterFirst,
+        coordinator: CoordinatorFirst,
     ) -> bool:
         """Start every rank (``base``: the environment the fork server imports with) and
         watch it. False: a signal came first; the ranks not started yet are not."""
+        if coordinator.wanted and await self._signals.or_signal(coordinator.wait()) is None:
+            log.warning("%s while waiting for the coordinator: not starting", self._signals.name)
+            return False
         for rank in self.ranks:
             rank.tail.clear()
             self._output.open_logs(rank, incarnation)

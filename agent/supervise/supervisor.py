@@ -52,7 +52,7 @@ from agent.supervise.between import BetweenIncarnations
 from agent.supervise.controller_link import ControllerLink
 from agent.supervise.launch import LaunchSpec
 from agent.supervise.output import RankOutput
-from agent.supervise.ports import MasterFirst, port_for_incarnation
+from agent.supervise.ports import CoordinatorFirst, MasterFirst, port_for_incarnation
 from agent.supervise.proctree import end_leftovers
 from agent.supervise.rank_procs import RankProcesses
 from agent.supervise.ranks import CommandArrived, Fact, Joined, Preempted, Rank, Tick, decide
@@ -147,6 +147,7 @@ class Supervisor:
         self.placed: LaunchSpec | None = config.launch
         launch = self.launch
         self.master = MasterFirst(launch is not None and nproc > 1 and launch.nnodes == 1)
+        self.coordinator = CoordinatorFirst(launch is not None and launch.from_controller)
         self.telemetry = Telemetry(self.stats, self._gauges)
         self.link = ControllerLink(
             o,
@@ -436,9 +437,16 @@ class Supervisor:
         incarnation = self.core.started(time.monotonic())
         if self.placed is not None:
             self.master.port = port_for_incarnation(self.placed, self.epoch)
+            p = self.placed
+            self.coordinator.placed(p.nnodes, p.node_rank, p.master_addr, self.master.port)
         base = self._trainer_env()
         if await self.procs.start_each(
-            incarnation, base, functools.partial(self._rank_env, base), self.placed, self.master
+            incarnation,
+            base,
+            functools.partial(self._rank_env, base),
+            self.placed,
+            self.master,
+            self.coordinator,
         ):
             self._started(incarnation)
 
@@ -493,6 +501,8 @@ class Supervisor:
         )
         self.starter.stepped(rank)
         self.master.stepped(rank)
+        if self.coordinator.should_learn(rank):
+            self._spawn(self.coordinator.learn(), "coordinator-probe")
 
     async def _on_trainer(self, rank: int, msg: messages.ToAgent) -> None:
         now = time.monotonic()
