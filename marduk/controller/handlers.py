@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from marduk.controller.commit import Commit
+from marduk.core import views
 from marduk.core.drmap import WorkerKey
 from marduk.core.paging import ENVELOPE_BYTES, SnapshotCache
 from marduk.core.policy import PolicyError
@@ -203,7 +204,10 @@ class Handlers:
             query.snapshot,
             now,
             lambda: (
-                self.ctl.policy.worker_infos(job) if query.what == "map" else [],
+                # With the time: a worker that will grow its job shows as joining.
+                views.worker_infos(self.ctl.policy.fleet, job, time.time())
+                if query.what == "map"
+                else [],
                 self.ctl.policy.device_infos(job) if query.what in ("map", "devices") else [],
             ),
         )

@@ -403,8 +403,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     step: int | None = None
     step_at: float = 0.0
     failure_class: str = ""  # of the last failure reported
-    # A job whose ranks the controller assigns: "member" (node_rank set), "spare" (registered,
-    # no trainer), "retired" (taken out of the job, told to exit 71); "" otherwise.
+    # A job whose ranks the controller assigns: "member" (node_rank set), "joining" (a free
+    # worker that will grow the job: ``JobInfo.joining``), "spare" (registered, no trainer),
+    # "retired" (taken out of the job, told to exit 71); "" otherwise.
     part: str = ""
     node_rank: int | None = None
     spare: bool = False  # started with --spare (a member with it holds a lost member's ranks)
