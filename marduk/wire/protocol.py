@@ -450,7 +450,9 @@ class QueryReply(Message, tag="query_reply", kw_only=True):
     standbys: list[ControllerInfo] = []
     workers: list[WorkerInfo] = []
     devices: list[DeviceInfo] = []
-    jobs: list[JobInfo] = []  # jobs with ranks from the controller (first page only)
+    # Jobs with ranks from the controller (``job``: that one), and the counters: they describe
+    # the whole answer, so only the page at offset 0 carries them (empty on later pages).
+    jobs: list[JobInfo] = []
     stats: dict[str, int] = {}
     # Paging: this page holds items [offset, next_offset) of the snapshot's answer; ask again
     # with next_offset (and the snapshot id) until it is null.
