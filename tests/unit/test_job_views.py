@@ -4,7 +4,10 @@ size against MIN:MAX, its spares (free, holding a lost member's ranks), the resi
 
 from __future__ import annotations
 
+import io
 import re
+
+from rich.console import Console
 
 from marduk.controller.telemetry import job_gauges
 from marduk.core import views
@@ -229,6 +232,14 @@ def test_each_worker_row_says_member_joining_or_spare_as_the_membership_does() -
     ]
     [summary] = [r for r in rows.values() if len(r) == 9]  # the jobs grid: one row
     assert summary[2] == "5 (1 spare, 2 joining)"
+
+    # On a terminal too (rich tables): each worker's row ends with its part.
+    buf = io.StringIO()
+    console = Console(file=buf, width=200, color_system=None, soft_wrap=True)
+    for r in sv.rich_renderables(sv.status_blocks(reply, sv.Filters(), 6), console.width):
+        console.print(r)
+    drawn = {line.split()[1]: line for line in buf.getvalue().splitlines() if line.startswith("j ")}
+    assert [drawn[w].split()[-2] for w in "acds"] == ["retired", "joining", "joining", "spare"]
 
 
 def test_a_joiner_is_a_spare_again_once_the_job_is_at_max() -> None:
