@@ -30,6 +30,7 @@ class JobSummary:
     last_failure: str
     last_failure_at: float
     spares: int = 0  # live hot spares (a job whose ranks the controller assigns)
+    joining: int = 0  # live free workers that will grow it
 
 
 def summarize(reply: QueryReply) -> list[JobSummary]:
@@ -65,6 +66,7 @@ def summarize(reply: QueryReply) -> list[JobSummary]:
                 last_failure=what,
                 last_failure_at=when,
                 spares=sum(w.part == "spare" and w.state == "live" for w in workers),
+                joining=sum(w.part == "joining" and w.state == "live" for w in workers),
             )
         )
     return out
@@ -98,7 +100,7 @@ def summary_grid(summaries: Sequence[JobSummary], now: float) -> Grid:
             (
                 s.job,
                 f"{s.replicas:,}",
-                f"{s.live:,}" + (f" ({s.spares:,} spare)" if s.spares else ""),
+                f"{s.live:,}" + _parts(s),
                 (f"{s.stale:,}", "yellow") if s.stale else "0",
                 f"{s.devices:,}",
                 (f"{s.unhealthy:,}", "red") if s.unhealthy else "0",
@@ -109,6 +111,12 @@ def summary_grid(summaries: Sequence[JobSummary], now: float) -> Grid:
         )
     columns = ("job", "replicas", "live", "stale", "devices", "unhealthy", "epoch", "restarts")
     return Grid("jobs", (*columns, "last failure"), rows, right=frozenset(range(1, 8)), wrap=8)
+
+
+def _parts(s: JobSummary) -> str:
+    """`` (2 spare, 1 joining)``: the live workers that are not members, in a job that has them."""
+    parts = [f"{n:,} {what}" for n, what in ((s.spares, "spare"), (s.joining, "joining")) if n]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 # --- jobs whose ranks the controller assigns -----------------------------------------------------

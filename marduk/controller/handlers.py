@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from marduk.controller.commit import Commit
+from marduk.core import views
 from marduk.core.drmap import WorkerKey
 from marduk.core.paging import ENVELOPE_BYTES, SnapshotCache
 from marduk.core.policy import PolicyError
@@ -195,28 +196,33 @@ class Handlers:
         self.ctl.stats[key] += 1
 
     async def query(self, query: Query, subject: str) -> QueryReply:
-        """Answer a query, one page at a time: every reply fits the server's max payload."""
-        now = time.monotonic()
+        """Answer a query, one page at a time: every reply fits the server's max payload.
+
+        The jobs and the counters describe the whole answer: they come with the page at
+        offset 0 only, and that page's budget counts them."""
+        now, wall = time.monotonic(), time.time()
         standbys = self.ctl.takeover.live_standbys()
-        job = query.job
+        job, policy = query.job, self.ctl.policy
         snap = self._snapshots.get(
             query.snapshot,
             now,
             lambda: (
-                self.ctl.policy.worker_infos(job) if query.what == "map" else [],
-                self.ctl.policy.device_infos(job) if query.what in ("map", "devices") else [],
+                # With the time: a worker that will grow its job shows as joining.
+                views.worker_infos(policy.fleet, job, wall) if query.what == "map" else [],
+                policy.device_infos(job) if query.what in ("map", "devices") else [],
+                policy.job_infos(wall, job) if query.what == "map" else [],
             ),
         )
+        first = min(query.offset, len(snap.sizes)) == 0
+        stats = dict(self.ctl.stats) if first else {}
         budget = (self.ctl.nc.max_payload if self.ctl.nc is not None else 1 << 20) - ENVELOPE_BYTES
-        page, next_offset = snap.page(query.offset, budget)
+        page, next_offset = snap.page(query.offset, budget - len(msgspec.json.encode(stats)))
         self.ctl.stats["queries.pages"] += 1
         return QueryReply(
             controller=self.ctl.info(),
             standbys=standbys,
-            stats=dict(self.ctl.stats) if page.offset == 0 else {},
-            jobs=self.ctl.policy.job_infos(time.time(), job)
-            if page.offset == 0 and query.what == "map"
-            else [],
+            stats=stats,
+            jobs=page.jobs,
             workers=page.workers,
             devices=page.devices,
             snapshot=snap.id,

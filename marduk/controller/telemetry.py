@@ -57,7 +57,7 @@ def gauges(ctl: Controller) -> Iterator[Metric]:
         {k: float(v) for k, v in devices.items()},
         "state",
     )
-    spares = {job: float(n) for job, n in spares_by_job(p.fleet).items()}
+    spares = {job: float(n) for job, n in spares_by_job(p.fleet, time.time()).items()}
     yield gauge(
         "marduk_spares",
         "Live hot spares of jobs whose ranks the controller assigns.",

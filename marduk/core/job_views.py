@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from marduk.core import grow as rule
+from marduk.core import views
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet
 from marduk.core.grow_policy import GrowRules
@@ -50,7 +51,7 @@ class JobViews:
         state = self.fleet.epochs.get(ekey)
         m = state.membership if state is not None else None
         lo, hi = self.fleet.nnodes(job)
-        spares, holding, joining = self._parts(job, m, hi, now)
+        spares, holding, joining = self._parts(job, m, now)
         resize, detail, since = self._resize(ekey, state, joining, now)
         last = self.fleet.last_change.get(job)
         return JobInfo(
@@ -108,7 +109,7 @@ class JobViews:
         )
 
     def _parts(
-        self, job: str, m: Membership | None, hi: int, now: float
+        self, job: str, m: Membership | None, now: float
     ) -> tuple[list[str], list[str], list[WorkerKey]]:
         """The job's free spares (unusable ones say why), the spares holding a lost member's
         ranks, and the free workers that will grow it (live, usable, not --spare, below MAX)."""
@@ -116,11 +117,7 @@ class JobViews:
         spares: list[str] = []
         holding: list[str] = []
         members = {WorkerKey(job, x.replica, x.worker) for x in m.members} if m else set()
-        grows = (
-            {c.key for c in rule.free_workers(m, job, fleet.usable(job, now))}
-            if m is not None and len(m.members) < hi
-            else set()
-        )
+        grows = views.joining(fleet, job, now)
         for key in sorted(fleet.job_workers.get(job, ())):
             rec = fleet.workers[key]
             r = rec.registration.rendezvous

@@ -3,16 +3,20 @@
 decisions.md #12: no message exceeds the server's max payload. The controller measures
 each item's encoded size once, then cuts pages greedily; a page always holds at least one item
 (an item larger than the budget is the caller's error to report).
+
+The items are the workers, then the devices. The jobs (``QueryReply.jobs``) describe the whole
+answer, not the items of a page: they are taken with the snapshot and sent once, with the page
+at offset 0, whose budget counts them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
-from marduk.wire.protocol import DeviceInfo, WorkerInfo
+from marduk.wire.protocol import DeviceInfo, JobInfo, WorkerInfo
 
 # Room for the envelope of a page (controller info, counters, paging fields).
 ENVELOPE_BYTES = 16 * 1024
@@ -42,16 +46,21 @@ class Snapshot:
     workers: list[WorkerInfo]
     devices: list[DeviceInfo]
     sizes: list[int]  # encoded size of each item: the workers, then the devices
+    jobs: list[JobInfo] = field(default_factory=list)  # sent with the page at offset 0 only
+    jobs_size: int = 0  # their encoded size
 
     def page(self, offset: int, budget: int) -> tuple[Page, int | None]:
-        """The items from ``offset`` that fit ``budget``, and the next offset (None: done)."""
+        """The items from ``offset`` that fit ``budget``, and the next offset (None: done).
+        The page at offset 0 carries the jobs too, in the same budget."""
         start = min(offset, len(self.sizes))
-        end = page_end(self.sizes, start, budget)
+        first = start == 0
+        end = page_end(self.sizes, start, budget - (self.jobs_size if first else 0))
         nw = len(self.workers)
         page = Page(
             start,
             self.workers[min(start, nw) : min(end, nw)],
             self.devices[max(start - nw, 0) : max(end - nw, 0)],
+            self.jobs if first else [],
         )
         return page, (end if end < len(self.sizes) else None)
 
@@ -61,6 +70,7 @@ class Page:
     offset: int
     workers: list[WorkerInfo]
     devices: list[DeviceInfo]
+    jobs: list[JobInfo] = field(default_factory=list)
 
 
 class SnapshotCache:
@@ -76,18 +86,19 @@ class SnapshotCache:
         self,
         snapshot_id: str,
         now: float,
-        compute: Callable[[], tuple[list[WorkerInfo], list[DeviceInfo]]],
+        compute: Callable[[], tuple[list[WorkerInfo], list[DeviceInfo], list[JobInfo]]],
     ) -> Snapshot:
         for key in [k for k, v in self._snapshots.items() if now - v.at > self.keep_s]:
             del self._snapshots[key]
         snap = self._snapshots.get(snapshot_id) if snapshot_id else None
         if snap is not None:
             return snap
-        workers, devices = compute()
+        workers, devices, jobs = compute()
         sizes = [len(self._enc.encode(w)) for w in workers]
         sizes += [len(self._enc.encode(d)) for d in devices]
         self._seq += 1
-        snap = Snapshot(f"q{self._seq}", now, workers, devices, sizes)
+        jobs_size = len(self._enc.encode(jobs))
+        snap = Snapshot(f"q{self._seq}", now, workers, devices, sizes, jobs, jobs_size)
         if sizes:
             self._snapshots[snap.id] = snap
             while len(self._snapshots) > self.capacity:

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from marduk.core import grow as rule
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet
+from marduk.core.records import EpochKey
 from marduk.wire.protocol import DeviceInfo, WorkerInfo
 
 # --- views for queries -----------------------------------------------------------------------
 
 
-def worker_infos(fleet: Fleet, job: str | None = None) -> list[WorkerInfo]:
+def worker_infos(
+    fleet: Fleet, job: str | None = None, now: float | None = None
+) -> list[WorkerInfo]:
+    """The workers (``job``: of that one only), sorted. With ``now``, a free worker that will
+    grow its job has part "joining" (as ``JobInfo.joining`` lists it); without, "spare"."""
+    grows: dict[str, set[WorkerKey]] = {}
     infos = []
     for key in sorted(fleet.workers):
         if job is not None and key.job != job:
@@ -38,24 +45,47 @@ def worker_infos(fleet: Fleet, job: str | None = None) -> list[WorkerInfo]:
                 registered_at=rec.registered_at,
                 updated_at=rec.updated_at,
                 **_report_fields(fleet, key),
-                **_part(fleet, key),
+                **_part(fleet, key, joining(fleet, key.job, now, grows)),
             )
         )
     return infos
 
 
-def spares_by_job(fleet: Fleet) -> dict[str, int]:
-    """Live hot spares per job (``marduk_spares``): only workers that brought a rendezvous."""
+def spares_by_job(fleet: Fleet, now: float) -> dict[str, int]:
+    """Live hot spares per job (``marduk_spares``): only workers that brought a rendezvous,
+    not those that will grow their job."""
     out: dict[str, int] = {}
+    grows: dict[str, set[WorkerKey]] = {}
     for key, rec in fleet.workers.items():
         live = rec.registration.rendezvous is not None and key not in fleet.stale
-        if live and _part(fleet, key).get("part") == "spare":
+        if live and _part(fleet, key, joining(fleet, key.job, now, grows)).get("part") == "spare":
             out[key.job] = out.get(key.job, 0) + 1
     return out
 
 
-def _part(fleet: Fleet, key: WorkerKey) -> dict[str, Any]:
-    """Member (at which node rank), spare or retired, in a job with a membership."""
+def joining(
+    fleet: Fleet, job: str, now: float | None, memo: dict[str, set[WorkerKey]] | None = None
+) -> set[WorkerKey]:
+    """The free workers that will grow ``job`` (``JobInfo.joining``): live, usable, not
+    --spare, of the members' shape, while the job has a membership below MAX. Empty without
+    ``now``. ``memo`` keeps each job's answer for a caller asking worker by worker."""
+    if now is None:
+        return set()
+    if memo is not None and job in memo:
+        return memo[job]
+    state = fleet.epochs.get(EpochKey(job, None))
+    m = state.membership if state is not None else None
+    grows: set[WorkerKey] = set()
+    if m is not None and len(m.members) < fleet.nnodes(job)[1]:
+        grows = {c.key for c in rule.free_workers(m, job, fleet.usable(job, now))}
+    if memo is not None:
+        memo[job] = grows
+    return grows
+
+
+def _part(fleet: Fleet, key: WorkerKey, grows: set[WorkerKey]) -> dict[str, Any]:
+    """Member (at which node rank), joining (will grow the job), spare or retired, in a job
+    with a membership."""
     rec = fleet.workers[key]
     if rec.registration.rendezvous is None:
         return {}
@@ -67,6 +97,8 @@ def _part(fleet: Fleet, key: WorkerKey) -> dict[str, Any]:
     spare = rec.registration.rendezvous.spare
     if me is not None:
         return {"part": "member", "node_rank": me.node_rank, "spare": spare}
+    if key in grows:
+        return {"part": "joining", "spare": spare}
     return {"part": "spare" if m is not None or spare else "", "spare": spare}
 
 

@@ -403,8 +403,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     step: int | None = None
     step_at: float = 0.0
     failure_class: str = ""  # of the last failure reported
-    # A job whose ranks the controller assigns: "member" (node_rank set), "spare" (registered,
-    # no trainer), "retired" (taken out of the job, told to exit 71); "" otherwise.
+    # A job whose ranks the controller assigns: "member" (node_rank set), "joining" (a free
+    # worker that will grow the job: ``JobInfo.joining``), "spare" (registered, no trainer),
+    # "retired" (taken out of the job, told to exit 71); "" otherwise.
     part: str = ""
     node_rank: int | None = None
     spare: bool = False  # started with --spare (a member with it holds a lost member's ranks)
@@ -449,7 +450,9 @@ class QueryReply(Message, tag="query_reply", kw_only=True):
     standbys: list[ControllerInfo] = []
     workers: list[WorkerInfo] = []
     devices: list[DeviceInfo] = []
-    jobs: list[JobInfo] = []  # jobs with ranks from the controller (first page only)
+    # Jobs with ranks from the controller (``job``: that one), and the counters: they describe
+    # the whole answer, so only the page at offset 0 carries them (empty on later pages).
+    jobs: list[JobInfo] = []
     stats: dict[str, int] = {}
     # Paging: this page holds items [offset, next_offset) of the snapshot's answer; ask again
     # with next_offset (and the snapshot id) until it is null.

@@ -4,9 +4,13 @@ size against MIN:MAX, its spares (free, holding a lost member's ranks), the resi
 
 from __future__ import annotations
 
+import io
 import re
 
+from rich.console import Console
+
 from marduk.controller.telemetry import job_gauges
+from marduk.core import views
 from marduk.core.policy import Policy
 from marduk.wire.protocol import DeviceHealth, JobInfo, QueryReply
 from monitor_cli import status_view as sv
@@ -197,3 +201,57 @@ def test_a_joiner_warming_up_shows_so() -> None:
     assert info.resize_detail == "c/0 joining: c/0 warming (fork server importing)"
     p.register(warming("c", ready=True), now=31)
     assert one(p, 33).resize_detail == "c/0 joining: ready 2s of --grow-settle 5s"
+
+
+def test_each_worker_row_says_member_joining_or_spare_as_the_membership_does() -> None:
+    """A worker that will grow the job (warming or ready) is joining, not a spare: in its row,
+    in the summary's count, in the metrics' spares and in the job's ``joining``."""
+    p = Policy(config())
+    shrunk(p)  # a retired, b the member at node 0
+    running(p, 4, "b")
+    p.register(reg("c"), now=5)  # will grow the job
+    p.register(warming("d"), now=5)  # will too, once its fork server is ready
+    p.register(reg("s", spare=True), now=5)  # a declared spare stays one
+    parts = {w.replica: w.part for w in views.worker_infos(p.fleet, None, 6)}
+    assert parts == {"a": "retired", "b": "member", "c": "joining", "d": "joining", "s": "spare"}
+    info = one(p, 6)
+    assert (info.joining, info.spares) == (["c/0", "d/0"], ["s/0"])
+    assert views.spares_by_job(p.fleet, 6) == {"j": 1}
+
+    reply = QueryReply(
+        controller=controller(), workers=views.worker_infos(p.fleet, None, 6), jobs=[info]
+    )
+    lines = sv.plain_lines(sv.status_blocks(reply, sv.Filters(), 6))
+    rows = {r[1]: r for r in (re.split(r"\s{2,}", line.strip()) for line in lines) if r[0] == "j"}
+    assert [rows[w][9] for w in "abcds"] == [
+        "retired",
+        "running, node 0",
+        "joining",
+        "joining",
+        "spare",
+    ]
+    [summary] = [r for r in rows.values() if len(r) == 9]  # the jobs grid: one row
+    assert summary[2] == "5 (1 spare, 2 joining)"
+
+    # On a terminal too (rich tables): each worker's row ends with its part.
+    buf = io.StringIO()
+    console = Console(file=buf, width=200, color_system=None, soft_wrap=True)
+    for r in sv.rich_renderables(sv.status_blocks(reply, sv.Filters(), 6), console.width):
+        console.print(r)
+    drawn = {line.split()[1]: line for line in buf.getvalue().splitlines() if line.startswith("j ")}
+    assert [drawn[w].split()[-2] for w in "acds"] == ["retired", "joining", "joining", "spare"]
+
+
+def test_a_joiner_is_a_spare_again_once_the_job_is_at_max() -> None:
+    p = Policy(config())
+    shrunk(p)
+    running(p, 4, "b")
+    p.register(reg("c"), now=5)
+    assert {w.replica: w.part for w in views.worker_infos(p.fleet, None, 6)}["c"] == "joining"
+    p.tick(now=24)  # the grow starts: c still joins until the new membership is out
+    checkpointed(p, "b", now=25)
+    parts = {w.replica: (w.part, w.node_rank) for w in views.worker_infos(p.fleet, None, 26)}
+    assert parts["c"] == ("member", 1)
+    p.register(reg("e"), now=27)  # beyond MAX: a spare, not a joiner
+    assert {w.replica: w.part for w in views.worker_infos(p.fleet, None, 28)}["e"] == "spare"
+    assert one(p, 28).joining == []
