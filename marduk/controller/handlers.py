@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from marduk.controller.commit import Commit
-from marduk.core import views
 from marduk.core.drmap import WorkerKey
 from marduk.core.paging import ENVELOPE_BYTES, SnapshotCache
 from marduk.core.policy import PolicyError
@@ -208,7 +207,7 @@ class Handlers:
             now,
             lambda: (
                 # With the time: a worker that will grow its job shows as joining.
-                views.worker_infos(policy.fleet, job, wall) if query.what == "map" else [],
+                policy.worker_infos(job, wall) if query.what == "map" else [],
                 policy.device_infos(job) if query.what in ("map", "devices") else [],
                 policy.job_infos(wall, job) if query.what == "map" else [],
             ),

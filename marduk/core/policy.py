@@ -276,8 +276,9 @@ class Policy:
         """The scope's live workers that have not confirmed its epoch."""
         return self.fleet.scopes.awaiting(ekey)
 
-    def worker_infos(self, job: str | None = None) -> list[WorkerInfo]:
-        return views.worker_infos(self.fleet, job)
+    def worker_infos(self, job: str | None = None, now: float | None = None) -> list[WorkerInfo]:
+        """The workers' rows; with ``now``, a worker that will grow its job is "joining"."""
+        return views.worker_infos(self.fleet, job, now)
 
     def device_infos(self, job: str | None = None) -> list[DeviceInfo]:
         return views.device_infos(self.fleet, job)
