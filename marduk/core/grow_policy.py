@@ -73,6 +73,17 @@ class GrowRules:
         if m is not None and m.member(key.replica, key.worker) is None:
             self._step(key.job, now, out)
 
+    def left(self, key: WorkerKey) -> None:
+        """The worker is gone (deregistered, forgotten, expired): nothing of it is kept, so
+        the maps stay as large as the fleet and a worker registering again under its name
+        starts as a new one."""
+        self.live_since.pop(key, None)
+        self.ready_since.pop(key, None)
+        self.warming.discard(key)
+        confirmed = self.confirmed.get(key.job)
+        if confirmed is not None:
+            confirmed.discard(key)
+
     def checkpointed(self, key: WorkerKey, now: float, out: Outcome) -> None:
         """A worker's trainer saved the checkpoint asked for: one confirmation of a grow."""
         state = self.fleet.epochs.get(EpochKey(key.job, None))

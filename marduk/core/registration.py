@@ -246,6 +246,7 @@ class RegistrationRules:
         out = Outcome()
         if not self.fleet.remove_worker(key, out, now):
             return out, False
+        self.grow.left(key)
         out.events.append(event_at(key, "deregistered", now, detail=reason))
         return out, True
 
@@ -259,6 +260,7 @@ class RegistrationRules:
         )
         for key in keys:
             self.fleet.remove_worker(key, out, now)
+            self.grow.left(key)
             out.events.append(event_at(key, "forgotten", now, detail="removed by an operator"))
         # The scopes' epoch records stay, as after a deregistration: a forgotten worker still
         # alive, or an id that comes back, must never see an epoch it has seen issued again

@@ -452,3 +452,26 @@ def test_settled(
     live_since = {} if live is None else {c.key: live}
     ready_since = {} if ready_at is None else {c.key: ready_at}
     assert rule.settled(c, live_since, ready_since, now, 5.0) is taken
+
+
+def test_a_worker_that_leaves_leaves_nothing_in_the_grow_rules() -> None:
+    """Deregistered, forgotten or expired: the grow's live and ready times of the worker go
+    with it (they grew with every worker ever seen), and its name registering again is new."""
+    p = Policy(config(grow_settle_s=5, worker_ttl_s=10, worker_expiry_s=20))
+    shrunk(p, hi=3)  # b, c members; a retired
+    grow = p._grow
+    for w, pid in (("d", 4), ("e", 5)):
+        p.register(warming(w, hi=3, pid=pid), now=4)
+        p.register(warming(w, hi=3, pid=pid, ready=True), now=5)
+    p.register(warming("s", hi=3), now=5)  # still warming
+    assert {key("d"), key("e"), key("s")} <= grow.live_since.keys()
+    assert {key("d"), key("e")} <= grow.ready_since.keys() and key("s") in grow.warming
+    p.deregister(key("d"), "exit", now=6)
+    p.forget("j", "e", None, now=6)
+    p.forget("j", "s", 0, now=6)
+    for k in (key("d"), key("e"), key("s")):
+        assert k not in grow.live_since and k not in grow.ready_since and k not in grow.warming
+    p.register(warming("d", hi=3, pid=4), now=7)  # back, warming: live from 7, not ready
+    assert grow.live_since[key("d")] == 7 and key("d") in grow.warming
+    p.tick(now=40)  # everyone silent past the expiry
+    assert not p.workers and not grow.live_since and not grow.ready_since and not grow.warming
