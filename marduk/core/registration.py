@@ -186,16 +186,19 @@ class RegistrationRules:
         )
         rec = WorkerRecord(
             registration=reg,
-            registered_at=old.registered_at if old else now,
+            # Back from stale, it arrives again: the join timeout (MIN here since the MIN-th
+            # registration) and the order of arrival count from its return, not from a
+            # presence that broke off.
+            registered_at=old.registered_at if old and not was_stale else now,
             updated_at=now,
             applied_epoch=applied,
             # Retired stays retired; a new process under its name starts afresh.
             retired=old.retired if old and same_process(old.registration, reg) else "",
         )
         self._record(ekey, state, rec, out)
-        if result != "unchanged":
+        if result != "unchanged" or was_stale:
             # Agents re-register every 30 s to converge; an unchanged one is neither written
-            # nor announced.
+            # nor announced (one back from stale is written: its new registration time).
             out.put_workers.append(rec)
         out.events.extend(registration_events(reg, result, was_stale, state.epoch, now))
         if reg.rendezvous is not None and not is_pool_spare(reg):  # a pool forms nothing

@@ -283,3 +283,32 @@ def test_commands_and_records_of_other_jobs_carry_no_membership() -> None:
     assert wire["membership"] is None
     assert msgspec.json.decode(msgspec.json.encode(cmd), type=Command) == cmd
     assert Membership.__struct_fields__[-1] == "members"
+
+
+def test_a_worker_back_from_stale_counts_as_arriving_for_the_join_timeout() -> None:
+    """MIN were here at 0, but b went silent before the join timeout: MIN are here again only
+    from b's return, so the job waits the timeout from then (it must not form at once, with
+    the workers it had long ago), and a new leader reading b's record counts the same."""
+    cfg = PolicyConfig(join_timeout_s=10, worker_ttl_s=3, worker_expiry_s=1000)
+    p = Policy(cfg)
+    p.register(reg("a", pid=1, lo=2, hi=3), now=0)
+    p.register(reg("b", pid=2, lo=2, hi=3), now=0)
+    for t in range(2, 21, 2):  # a renews; b is silent, stale from 3
+        p.register(reg("a", pid=1, lo=2, hi=3), now=t)
+        assert not p.tick(now=t).commands
+    assert WorkerKey("j", "b", 0) in p.fleet.stale
+    back = p.register(reg("b", pid=2, lo=2, hi=3), now=21)
+    assert back.command is None and p.epochs[JOB].membership is None
+    [rec] = [r for r in back.outcome.put_workers if r.registration.replica == "b"]
+    assert rec.registered_at == 21  # written: a new leader reads the return
+    stored = [
+        msgspec.json.decode(msgspec.json.encode(e), type=EpochRecord) for e in p.epochs.values()
+    ]
+    q = Policy.restore(cfg, list(p.workers.values()), stored, [], now=22)
+    for policy in (p, q):
+        for t in (22, 24, 26, 28, 30, 30.9):  # both renew
+            for w, pid in (("a", 1), ("b", 2)):
+                assert policy.register(reg(w, pid=pid, lo=2, hi=3), now=t).command is None
+            assert not policy.tick(now=t).commands
+        [cmd] = policy.tick(now=31).commands
+        assert cmd.membership is not None and len(cmd.membership.members) == 2
