@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from marduk.core import membership as rdzv
 from marduk.core.decisions import Outcome, PolicyConfig, epoch_key_for, worker_key
 from marduk.core.drmap import DRMap, ReplicaKey, WorkerKey
-from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, JobShape, WorkerRecord
 from marduk.core.scopes import Scopes
 from marduk.wire.protocol import ControllerEvent, Membership, Report, WorkerRef
 
@@ -213,15 +213,44 @@ class Fleet:
         return [k for k in keys if k in self.workers]
 
     def nnodes(self, job: str) -> tuple[int, int]:
-        """The job's MIN:MAX: a live non-spare's ``--nnodes``, else the lowest MIN and the
-        highest MAX any registered worker brought."""
+        """The job's MIN:MAX: a live non-spare's ``--nnodes``, else what its epoch record kept
+        (``shape``: a job held, or formed again from a pool's spares), else the lowest MIN and
+        the highest MAX any registered worker brought."""
         for c in self.candidates(job):
             if not c.rendezvous.spare:
                 return c.rendezvous.min_nodes, c.rendezvous.max_nodes
+        state = self.epochs.get(EpochKey(job, None))
+        if state is not None and state.shape is not None:
+            return state.shape.min_nodes, state.shape.max_nodes
         keys = sorted(self.job_workers.get(job, ()))
         found = [r for k in keys if (r := self.workers[k].registration.rendezvous) is not None]
         lo = min((r.min_nodes for r in found), default=1)
         return lo, max((r.max_nodes for r in found), default=lo)
+
+    def shape(self, job: str) -> JobShape | None:
+        """The job's shape as a registered non-spare of it gives it (a live one's first; the
+        workers of a job agree on it, ``membership.check``), else as its epoch record kept it;
+        None if neither says."""
+        found = None
+        for key in self.job_workers.get(job, ()):
+            reg = self.workers[key].registration
+            r = reg.rendezvous
+            if r is None or r.spare:
+                continue
+            pool = r.pool if r.pool != job else None
+            found = JobShape(
+                min_nodes=r.min_nodes,
+                max_nodes=r.max_nodes,
+                nproc=r.nproc,
+                devices=len(reg.devices),
+                pool=pool,
+            )
+            if self.is_candidate(key):
+                return found
+        if found is not None:
+            return found
+        state = self.epochs.get(EpochKey(job, None))
+        return state.shape if state is not None else None
 
     def unfit(self, key: WorkerKey, now: float) -> str:
         """Why the worker may not take a rank ("" if it may): a device of it out of service or

@@ -23,6 +23,9 @@ of a lost member. The rule itself (who, which ranks, which coordinator port) is
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
+
+import msgspec
 
 from marduk.core import membership as rdzv
 from marduk.core import pools as pool
@@ -56,7 +59,9 @@ class MembershipRules:
         """A new leader: the jobs waiting for a membership (forming, or held) are watched again,
         their join timeout counting from when it did before."""
         fleet = self.fleet
-        for job in sorted(fleet.job_workers):
+        # A held job may have none of its workers left: its epoch record names it.
+        kept = {k.job for k, e in fleet.epochs.items() if k.replica is None and held(e)}
+        for job in sorted(fleet.job_workers.keys() | kept):
             state = fleet.epochs.get(EpochKey(job, None))
             if (state is None or state.membership is None) and not self.pools.is_pool(job):
                 since = self.since(state, fleet.candidates(job))
@@ -172,23 +177,31 @@ class MembershipRules:
     ) -> list[rdzv.Candidate]:
         """For a job held below MIN: the free spares of its pool that would bring it back to
         MIN (of its local ranks and devices per node, oldest first, no more than it lacks), as
-        candidates of the job; none for any other job (a pool is for members lost, not for
-        forming a job's first membership)."""
-        if not held(state) or not own:
+        candidates of the job, with its MIN:MAX (a pool spare's ``--nnodes`` is not used); none
+        for any other job (a pool is for members lost, not for forming a job's first
+        membership). The shape is its own workers', or, with none of them left, the one its
+        epoch record kept from the hold."""
+        shape = self.fleet.shape(job) if held(state) else None
+        if shape is None:
             return []
-        shape = rdzv.bounds(own)
         fit = [c for c in own if c.rendezvous.nproc == shape.nproc]
         lacking = shape.min_nodes - len(fit)
         if lacking <= 0:
             return []
-        workers = self.fleet.workers
-        sizes = [len(workers[c.key].registration.devices) for c in fit if not c.rendezvous.spare]
         spares = [
             c
             for c in self.pools.claimable(job, now)
-            if c.rendezvous.nproc == shape.nproc and (not sizes or c.devices == sizes[0])
+            if c.rendezvous.nproc == shape.nproc and c.devices == shape.devices
         ]
-        return spares[:lacking]
+        return [
+            replace(
+                c,
+                rendezvous=msgspec.structs.replace(
+                    c.rendezvous, min_nodes=shape.min_nodes, max_nodes=shape.max_nodes
+                ),
+            )
+            for c in spares[:lacking]
+        ]
 
     # --- members out of service: a spare takes their ranks, or the job shrinks, or it is held --
 
@@ -297,6 +310,9 @@ class MembershipRules:
                 f"{lowest} workers are registered, then the membership forms again"
             )
             state.membership = None
+            # Its shape and pool, kept: its last workers may go too, and a pool's spares bring
+            # it back to MIN all the same (``_pool_spares``).
+            state.shape = self.fleet.shape(ekey.job)
             if state not in out.write_ahead:
                 out.write_ahead.append(state)
         else:
