@@ -273,22 +273,18 @@ class Fleet:
         return [c for c in self.candidates(job) if not self.unfit(c.key, now)]
 
     def in_play(self, workers: Iterable[WorkerKey]) -> frozenset[WorkerKey]:
-        """Of ``workers``, those whose failure concerns their scope: all of them, except in a
-        job with a membership, where spares and retired workers run nothing to restart, a
-        declared spare (``--spare``) not a member, whether or not the job has a membership yet,
-        and in a pool of spares, where nobody does."""
+        """Of ``workers``, those whose failure concerns their scope: all of them with static
+        ranks; in a job whose ranks the controller assigns, only the members of its membership
+        (spares and retired workers run nothing to restart, and while the job forms or is held
+        below MIN nobody runs anything); in a pool of spares, nobody."""
         out = set()
         for w in workers:
-            if self.pool_spare(w):
+            if self.workers[w].registration.rendezvous is None:
+                out.add(w)
                 continue
             state = self.epochs.get(self.epoch_key(w))
             m = state.membership if state is not None else None
-            if m is not None:
-                if m.member(w.replica, w.worker):
-                    out.add(w)
-                continue
-            r = self.workers[w].registration.rendezvous
-            if r is None or not r.spare:
+            if m is not None and m.member(w.replica, w.worker):
                 out.add(w)
         return frozenset(out)
 

@@ -149,8 +149,17 @@ class MembershipRules:
             self.quorum_since.pop(ekey.job, None)
             return
         self.quorum_since[ekey.job] = since
-        if not rdzv.ready(candidates, since, now, self.fleet.config.join_timeout_s):
+        timeout = self.fleet.config.join_timeout_s
+        if not rdzv.ready(candidates, since, now, timeout):
             return
+        # A worker whose device failed takes no rank (looked at once ready, not on every
+        # registration): the job waits for MIN fit ones, as long as the join timeout says.
+        fit = [c for c in own if not self.fleet.unfit(c.key, now)]
+        if len(fit) < len(own):
+            candidates = [*fit, *pool]
+            since = self.since(state, candidates)
+            if since is None or not rdzv.ready(candidates, since, now, timeout):
+                return
         membership = rdzv.form(self.fleet.scopes.next_epoch_peek(ekey), candidates)
         if membership is None:
             return  # given node ranks that the workers here cannot fill yet

@@ -72,16 +72,16 @@ class ReportRules:
             return ReportResult(out, [])
         event = worker_event(f"worker_{report.status}", key, report, now)
         out.events.append(event)
-        if key not in self.fleet.in_play((key,)):
-            # A spare (the job's own while free, or a pool's) or a retired worker runs no
-            # trainer of the job: its agent stopping (preempted) restarts nobody. A spare
-            # holding a lost member's ranks is a member, and restarts the job as any member.
-            return ReportResult(out, [])
         if why := self.idle(key):
             # Nobody of the job runs a trainer: a restart would restart nothing, and a held
             # job's members would be sent another command for it. The job forms as before.
             note = f"nothing restarted: {why}"
             event.detail = f"{event.detail}; {note}" if event.detail else note
+            return ReportResult(out, [])
+        if key not in self.fleet.in_play((key,)):
+            # A spare (the job's own while free, or a pool's) or a retired worker runs no
+            # trainer of the job: its agent stopping (preempted) restarts nobody. A spare
+            # holding a lost member's ranks is a member, and restarts the job as any member.
             return ReportResult(out, [])
         return ReportResult(out, [self._restart(key, report, now, out)])
 
@@ -89,7 +89,7 @@ class ReportRules:
         """Why the job of ``key`` runs no trainer ("" if it may): its ranks come from the
         controller and it has no membership, before its first (forming) or after falling below
         MIN (held)."""
-        if self.fleet.workers[key].registration.rendezvous is None:
+        if self.fleet.workers[key].registration.rendezvous is None or self.fleet.pool_spare(key):
             return ""
         state = self.fleet.epochs.get(self.fleet.epoch_key(key))
         if state is not None and state.membership is not None:

@@ -418,3 +418,30 @@ def test_a_members_failure_report_restarts_nothing_while_the_job_is_held() -> No
     [event] = [e for e in r.outcome.events if e.kind == "worker_crashed"]
     assert "nothing restarted" in event.detail and "held below MIN" in event.detail
     assert p.epochs[JOB].epoch == hold.epoch > first.epoch
+
+
+@pytest.mark.parametrize("budget", [3, 0])
+def test_a_device_failure_restarts_nothing_while_the_job_forms_and_the_worker_is_left_out(
+    budget: int,
+) -> None:
+    """Forming, nobody runs a trainer: a worker's device failing neither restarts the job nor
+    (its budget spent) fails every worker of it; the device is known failed, so the job forms
+    without that worker."""
+    p = Policy(PolicyConfig(device_max_failures=budget, join_timeout_s=5))
+    p.register(reg("a", pid=1, lo=2, hi=3), now=0)
+    r = p.on_health(fail("a-d0", 1), now=1)
+    assert not r.outcome.commands and not r.reply.actions
+    assert p.devices["a-d0"].state == "failed" and p.epochs[JOB].epoch == 0
+    p.register(reg("b", pid=2, lo=2, hi=3), now=2)
+    p.register(reg("c", pid=3, lo=2, hi=3), now=2)
+    [first] = p.tick(now=7).commands  # MIN usable (b, c) for the join timeout
+    assert ranks(first) == [("b", 0, 0), ("c", 1, 2)]
+
+
+def test_a_device_failure_of_a_held_jobs_worker_restarts_nothing() -> None:
+    p = Policy(PolicyConfig(device_max_failures=0))
+    formed(p, lo=2, spares=0)
+    [hold] = p.on_health(fail("b-d0", 1), now=3).outcome.commands
+    assert hold.membership is None
+    assert not p.on_health(fail("a-d0", 1), now=4).outcome.commands
+    assert p.epochs[JOB].epoch == hold.epoch
