@@ -189,8 +189,12 @@ class Fleet:
 
     def candidates(self, job: str) -> list[rdzv.Candidate]:
         """The live workers of ``job`` that brought a rendezvous and were not retired."""
+        return self.candidates_of(sorted(self.job_workers.get(job, ())))
+
+    def candidates_of(self, keys: Iterable[WorkerKey]) -> list[rdzv.Candidate]:
+        """Those of ``keys`` that ``candidates`` would list, in their order."""
         out = []
-        for key in sorted(self.job_workers.get(job, ())):
+        for key in keys:
             if self.is_candidate(key):
                 rec = self.workers[key]
                 assert rec.registration.rendezvous is not None

@@ -202,7 +202,7 @@ class RegistrationRules:
             out.put_workers.append(rec)
         out.events.extend(registration_events(reg, result, was_stale, state.epoch, now))
         if reg.rendezvous is not None and not is_pool_spare(reg):  # a pool forms nothing
-            self.membership.rendezvous(ekey, now, out)
+            self.membership.registered(ekey, reg.rendezvous, now, out)
             self.grow.registered(key, fresh_process or was_stale, now, out)
         unusable = fleet.unusable(reg.devices)
         if unusable and result != "unchanged":
