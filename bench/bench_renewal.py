@@ -1,10 +1,10 @@
 """Benchmark: the pure core's cost of a registration in one large ``--nnodes`` job.
 
 A job whose ranks the controller assigns (``--nnodes N:N``) of ``--nodes`` workers registers
-(each first registration is checked against every worker already there), its membership forms,
-then every worker renews its unchanged registration, ``--rounds`` times, as agents do every
-renewal interval. No server, no I/O: the time is the policy's alone, on one core, and a renewal
-blocks the controller's event loop for that long.
+(each first registration is checked against a few workers that stand for the others), its
+membership forms, then every worker renews its unchanged registration, ``--rounds`` times, as
+agents do every renewal interval. No server, no I/O: the time is the policy's alone, on one
+core, and a renewal blocks the controller's event loop for that long.
 
     .venv/bin/python bench/bench_renewal.py                  # 1,024 nodes (the wire's maximum)
     .venv/bin/python bench/bench_renewal.py --nodes 256 --rounds 5

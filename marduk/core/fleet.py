@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from marduk.core import membership as rdzv
 from marduk.core.decisions import Outcome, PolicyConfig, epoch_key_for, worker_key
 from marduk.core.drmap import DRMap, ReplicaKey, WorkerKey
-from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
+from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, JobShape, WorkerRecord
 from marduk.core.scopes import Scopes
 from marduk.wire.protocol import ControllerEvent, Membership, Report, WorkerRef
 
@@ -189,8 +189,12 @@ class Fleet:
 
     def candidates(self, job: str) -> list[rdzv.Candidate]:
         """The live workers of ``job`` that brought a rendezvous and were not retired."""
+        return self.candidates_of(sorted(self.job_workers.get(job, ())))
+
+    def candidates_of(self, keys: Iterable[WorkerKey]) -> list[rdzv.Candidate]:
+        """Those of ``keys`` that ``candidates`` would list, in their order."""
         out = []
-        for key in sorted(self.job_workers.get(job, ())):
+        for key in keys:
             if self.is_candidate(key):
                 rec = self.workers[key]
                 assert rec.registration.rendezvous is not None
@@ -213,15 +217,44 @@ class Fleet:
         return [k for k in keys if k in self.workers]
 
     def nnodes(self, job: str) -> tuple[int, int]:
-        """The job's MIN:MAX: a live non-spare's ``--nnodes``, else the lowest MIN and the
-        highest MAX any registered worker brought."""
+        """The job's MIN:MAX: a live non-spare's ``--nnodes``, else what its epoch record kept
+        (``shape``: a job held, or formed again from a pool's spares), else the lowest MIN and
+        the highest MAX any registered worker brought."""
         for c in self.candidates(job):
             if not c.rendezvous.spare:
                 return c.rendezvous.min_nodes, c.rendezvous.max_nodes
+        state = self.epochs.get(EpochKey(job, None))
+        if state is not None and state.shape is not None:
+            return state.shape.min_nodes, state.shape.max_nodes
         keys = sorted(self.job_workers.get(job, ()))
         found = [r for k in keys if (r := self.workers[k].registration.rendezvous) is not None]
         lo = min((r.min_nodes for r in found), default=1)
         return lo, max((r.max_nodes for r in found), default=lo)
+
+    def shape(self, job: str) -> JobShape | None:
+        """The job's shape as a registered non-spare of it gives it (a live one's first; the
+        workers of a job agree on it, ``membership.check``), else as its epoch record kept it;
+        None if neither says."""
+        found = None
+        for key in self.job_workers.get(job, ()):
+            reg = self.workers[key].registration
+            r = reg.rendezvous
+            if r is None or r.spare:
+                continue
+            pool = r.pool if r.pool != job else None
+            found = JobShape(
+                min_nodes=r.min_nodes,
+                max_nodes=r.max_nodes,
+                nproc=r.nproc,
+                devices=len(reg.devices),
+                pool=pool,
+            )
+            if self.is_candidate(key):
+                return found
+        if found is not None:
+            return found
+        state = self.epochs.get(EpochKey(job, None))
+        return state.shape if state is not None else None
 
     def unfit(self, key: WorkerKey, now: float) -> str:
         """Why the worker may not take a rank ("" if it may): a device of it out of service or
@@ -244,22 +277,18 @@ class Fleet:
         return [c for c in self.candidates(job) if not self.unfit(c.key, now)]
 
     def in_play(self, workers: Iterable[WorkerKey]) -> frozenset[WorkerKey]:
-        """Of ``workers``, those whose failure concerns their scope: all of them, except in a
-        job with a membership, where spares and retired workers run nothing to restart, a
-        declared spare (``--spare``) not a member, whether or not the job has a membership yet,
-        and in a pool of spares, where nobody does."""
+        """Of ``workers``, those whose failure concerns their scope: all of them with static
+        ranks; in a job whose ranks the controller assigns, only the members of its membership
+        (spares and retired workers run nothing to restart, and while the job forms or is held
+        below MIN nobody runs anything); in a pool of spares, nobody."""
         out = set()
         for w in workers:
-            if self.pool_spare(w):
+            if self.workers[w].registration.rendezvous is None:
+                out.add(w)
                 continue
             state = self.epochs.get(self.epoch_key(w))
             m = state.membership if state is not None else None
-            if m is not None:
-                if m.member(w.replica, w.worker):
-                    out.add(w)
-                continue
-            r = self.workers[w].registration.rendezvous
-            if r is None or not r.spare:
+            if m is not None and m.member(w.replica, w.worker):
                 out.add(w)
         return frozenset(out)
 

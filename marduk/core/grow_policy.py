@@ -31,7 +31,7 @@ from marduk.core.decisions import Outcome, event_at
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet
 from marduk.core.issuer import Issuer
-from marduk.core.records import EpochKey, EpochRecord, GrowRecord
+from marduk.core.records import EpochKey, EpochRecord, GrowRecord, WorkerRecord
 from marduk.wire.protocol import WorkerRef
 
 
@@ -53,6 +53,10 @@ class GrowRules:
         # ready; ``warming``: those not ready yet. Neither: ready since live.
         self.ready_since: dict[WorkerKey, float] = {}
         self.warming: set[WorkerKey] = set()
+        # A new leader's: since when each worker's record says it has been here and ready
+        # (``resume``), credited to its live time once it is heard from on time (``registered``).
+        self.recorded_since: dict[WorkerKey, float] = {}
+        self.resumed_at = 0.0
         # When each job's membership last changed size (formed, shrank, held, grew): a grow
         # waits ``resize_interval_s`` after it. Kept on the job's epoch record too
         # (``EpochRecord.resized_at``), so a new leader counts from the same time.
@@ -64,14 +68,33 @@ class GrowRules:
         """A worker of a rendezvous job registered (``afresh``: new, a new process, or back
         from stale: its live time starts over). A worker that is not a member may make the job
         grow (a member's renewals, by the thousand, need no look)."""
+        recorded = self.recorded_since.pop(key, None)
         if afresh or key not in self.live_since:
             self.live_since[key] = now
             self.ready_since.pop(key, None)
+        elif (
+            recorded is not None and now - self.resumed_at <= 2 * self.fleet.config.renew_interval_s
+        ):
+            # The first renewal a new leader hears, on time: the worker was live across the
+            # takeover, so its settle goes on from what its record says.
+            self.live_since[key] = min(self.live_since[key], recorded)
         self._warm(key, now)
         state = self.fleet.epochs.get(EpochKey(key.job, None))
         m = state.membership if state is not None else None
         if m is not None and m.member(key.replica, key.worker) is None:
             self._step(key.job, now, out)
+
+    def left(self, key: WorkerKey) -> None:
+        """The worker is gone (deregistered, forgotten, expired): nothing of it is kept, so
+        the maps stay as large as the fleet and a worker registering again under its name
+        starts as a new one."""
+        self.live_since.pop(key, None)
+        self.ready_since.pop(key, None)
+        self.warming.discard(key)
+        self.recorded_since.pop(key, None)
+        confirmed = self.confirmed.get(key.job)
+        if confirmed is not None:
+            confirmed.discard(key)
 
     def checkpointed(self, key: WorkerKey, now: float, out: Outcome) -> None:
         """A worker's trainer saved the checkpoint asked for: one confirmation of a grow."""
@@ -86,15 +109,30 @@ class GrowRules:
         for key in newly_stale:
             self.live_since.pop(key, None)
             self.ready_since.pop(key, None)
+            self.recorded_since.pop(key, None)
         for job in sorted(self.watch):
             self._step(job, now, out)
 
     def resume(self, now: float) -> None:
-        """A new leader: every worker counts as live from now (renewals are not stored), every
-        job's last resize is the one its epoch record says (now for a record written before it
-        said one), and grows read from the store are watched."""
+        """A new leader: every worker counts as live from now (renewals are not stored) until
+        it is heard from within two renewal intervals, and then from its record's last write
+        (``updated_at``: its arrival, a new process, its return from stale and its turning
+        ready are each written, so the record is never older than its live and ready time).
+        One first heard later may have been silent past the TTL before the takeover (that is
+        not stored): it counts from now. Every job's last resize is the one its epoch record
+        says (now for a record written before it said one), and grows read from the store are
+        watched."""
         fleet = self.fleet
-        self.live_since = {k: now for k in fleet.workers if k not in fleet.stale}
+        live = [k for k in fleet.workers if k not in fleet.stale]
+        self.live_since = {k: now for k in live}
+        self.recorded_since = {
+            k: min(now, rec.updated_at)
+            for k in live
+            if (rec := fleet.workers[k]).registration.rendezvous is not None
+        }
+        self.resumed_at = now
+        self.ready_since = {}
+        self.warming = {k for k in live if not warm(fleet.workers[k])}
         for ekey, state in fleet.epochs.items():
             if ekey.replica is None and state.membership is not None:
                 self.last_resize[ekey.job] = state.resized_at or now
@@ -264,6 +302,13 @@ class GrowRules:
                 fleet.changed(
                     event_at(key, "member_added", now, epoch=command.epoch, detail=detail), out
                 )
+
+
+def warm(rec: WorkerRecord) -> bool:
+    """Can the worker start a trainer at once (``Rendezvous.ready``: an older agent's
+    registration says nothing, and is)?"""
+    r = rec.registration.rendezvous
+    return r is None or r.ready
 
 
 def _name(key: WorkerKey) -> str:

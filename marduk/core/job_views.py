@@ -16,10 +16,10 @@ from marduk.core import grow as rule
 from marduk.core import views
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet
-from marduk.core.grow_policy import GrowRules
+from marduk.core.grow_policy import GrowRules, warm
 from marduk.core.issuer import Issuer
 from marduk.core.membership_policy import MembershipRules
-from marduk.core.records import EpochKey, EpochRecord, WorkerRecord
+from marduk.core.records import EpochKey, EpochRecord
 from marduk.wire.protocol import JobInfo, Membership
 
 
@@ -164,7 +164,7 @@ class JobViews:
                 max(grow.live_since.get(k, now), grow.ready_since.get(k, 0.0)) for k in joining
             ]
             live = now - max(ready)
-            warming = [_name(k) for k in joining if not _ready(fleet.workers[k])]
+            warming = [_name(k) for k in joining if not warm(fleet.workers[k])]
             if warming:
                 why = f"{', '.join(warming)} warming (fork server importing)"
             elif live < cfg.grow_settle_s:
@@ -187,12 +187,6 @@ class JobViews:
         timeout = self.fleet.config.join_timeout_s
         left = f", forms within {max(0.0, since + timeout - now):.0f}s" if since else ""
         return "forming", f"{n} of {lo}:{hi} worker(s) registered{left}", since
-
-
-def _ready(rec: WorkerRecord) -> bool:
-    """Can the worker start a trainer at once (``Rendezvous.ready``)?"""
-    r = rec.registration.rendezvous
-    return r is None or r.ready
 
 
 def _name(key: WorkerKey) -> str:

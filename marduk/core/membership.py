@@ -65,9 +65,16 @@ class Candidate:
     devices: int = 0  # how many devices it registered (a pool spare's shape; 0: not asked)
 
 
-def check(new: Candidate, others: Iterable[Candidate], current: Membership | None) -> None:
+def check(
+    new: Candidate,
+    others: Iterable[Candidate],
+    current: Membership | None,
+    is_live: Callable[[WorkerKey], bool] | None = None,
+) -> None:
     """Refuse (MembershipError) a worker that cannot take part next to the job's other live
-    workers ``others``: a wrong range, another shape, or a node rank someone else holds."""
+    workers ``others``: a wrong range, another shape, or a node rank someone else holds.
+    ``is_live``: whether a worker is live (a member holding the rank claimed); default: one of
+    ``others``."""
     r = new.rendezvous
     if r.min_nodes > r.max_nodes:
         raise MembershipError("invalid", f"--nnodes {r.min_nodes}:{r.max_nodes}: MIN above MAX")
@@ -104,7 +111,7 @@ def check(new: Candidate, others: Iterable[Candidate], current: Membership | Non
                 f"node rank {r.node_rank} of job {new.key.job!r} is claimed by live worker "
                 f"{_name(other.key)}; worker {_name(new.key)} may not claim it too",
             )
-    check_claim(new, live.__contains__, current)
+    check_claim(new, is_live or live.__contains__, current)
 
 
 def check_claim(

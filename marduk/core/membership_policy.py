@@ -6,9 +6,12 @@ of a lost member. The rule itself (who, which ranks, which coordinator port) is
 
 * **Admission.** A registration with a ``rendezvous`` is checked before anything changes: scope
   ``job``, the job's shape, no node rank claimed twice (``rank_conflict``,
-  ``shape_mismatch``). A job has static ranks or the controller's, never both.
+  ``shape_mismatch``). A job has static ranks or the controller's, never both. The job's
+  workers agree with each other, so a few of them stand for all (``_others``): admission
+  costs no scan of a big job.
 * **The first epoch.** Once enough workers are here (MAX, or MIN for the join timeout, which
-  ``tick`` watches) the membership forms: a ``restart`` at a new epoch that carries it.
+  ``tick`` watches) the membership forms: a ``restart`` at a new epoch that carries it. A
+  registration looks only where it may change that (``registered``).
 * **Every restart** of such a job renews it (``Issuer.issue``); a changed membership goes into
   the write-ahead with its epoch record.
 * **A member out of service** (the device policy would ``fail`` the job, or ``tick`` finds it
@@ -23,6 +26,9 @@ of a lost member. The rule itself (who, which ranks, which coordinator port) is
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
+
+import msgspec
 
 from marduk.core import membership as rdzv
 from marduk.core import pools as pool
@@ -33,7 +39,7 @@ from marduk.core.grow_policy import GrowRules
 from marduk.core.issuer import Issuer
 from marduk.core.pools import PoolRules
 from marduk.core.records import EpochKey, EpochRecord
-from marduk.wire.protocol import Command, CommandKind, Member, Registration
+from marduk.wire.protocol import Command, CommandKind, Member, Registration, Rendezvous
 
 
 class MembershipRules:
@@ -56,7 +62,9 @@ class MembershipRules:
         """A new leader: the jobs waiting for a membership (forming, or held) are watched again,
         their join timeout counting from when it did before."""
         fleet = self.fleet
-        for job in sorted(fleet.job_workers):
+        # A held job may have none of its workers left: its epoch record names it.
+        kept = {k.job for k, e in fleet.epochs.items() if k.replica is None and held(e)}
+        for job in sorted(fleet.job_workers.keys() | kept):
             state = fleet.epochs.get(EpochKey(job, None))
             if (state is None or state.membership is None) and not self.pools.is_pool(job):
                 since = self.since(state, fleet.candidates(job))
@@ -99,7 +107,10 @@ class MembershipRules:
                 raise PolicyError(e.code, str(e)) from None
             return
         workers = self.fleet.workers
-        others = [k for k in self.fleet.job_workers.get(reg.job, ()) if k != key]
+        # The job's workers agree with each other (each was checked against those there when
+        # it came), so one of each kind stands for all: a first registration costs no scan of
+        # a 1,024-node job's other workers.
+        others = self._others(reg.job, key)
         if reg.rendezvous is None:
             if reg.scope == "job" and any(
                 workers[k].registration.rendezvous is not None for k in others
@@ -119,14 +130,55 @@ class MembershipRules:
                 f"job {reg.job!r} has static ranks; worker {key.replica}/{key.worker} asks the "
                 "controller for one (--nnodes MIN:MAX without --node-rank)",
             )
+        new = rdzv.Candidate(key, reg.rendezvous)
+        if reg.rendezvous.node_rank is not None:  # a rank claim: against every live worker
+            live = self.fleet.candidates(reg.job)
+        else:  # the shape: against a live non-spare (they all have the same)
+            live = [c for c in self.fleet.candidates_of(others) if not c.rendezvous.spare][:1]
         try:
-            rdzv.check(
-                rdzv.Candidate(key, reg.rendezvous),
-                self.fleet.candidates(reg.job),
-                state.membership if state is not None else None,
-            )
+            rdzv.check(new, live, membership, self.fleet.is_candidate)
         except rdzv.MembershipError as e:
             raise PolicyError(e.code, str(e)) from None
+
+    def _others(self, job: str, key: WorkerKey) -> list[WorkerKey]:
+        """Workers of ``job`` other than ``key`` that stand for all of them: the first one, the
+        first non-spare and the first live non-spare (often one worker: the first)."""
+        workers, fleet = self.fleet.workers, self.fleet
+        picked: list[WorkerKey] = []
+        nonspare = live = False
+        for k in fleet.job_workers.get(job, ()):
+            if k == key:
+                continue
+            r = workers[k].registration.rendezvous
+            if r is None:  # static ranks: the job's kind is all that is asked
+                return [k]
+            spare = r.spare
+            take = not picked or (not spare and not nonspare)
+            if not spare and not live and fleet.is_candidate(k):
+                take = live = True
+            if take:
+                picked.append(k)
+                nonspare = nonspare or not spare
+            if live and nonspare:
+                break
+        return picked
+
+    def registered(self, ekey: EpochKey, r: Rendezvous, now: float, out: Outcome) -> None:
+        """A worker (``r``: its rendezvous) of the job registered: its membership may form.
+        ``rendezvous`` looks at all of the job's workers, so it is skipped where a registration
+        cannot change what it decides (on every first registration of a 1,024-node job that
+        was O(N^2)): fewer workers registered than MIN, or the job already watched by ``tick``
+        (MIN here, or held) with fewer than MAX registered: only the join timeout can form it
+        then, and a new registration (the latest) does not move when MIN were first here; the
+        next tick forms it. A spare's ``--nnodes`` is not checked against the job's: it is
+        always looked at."""
+        state = self.fleet.epochs.get(ekey)
+        if state is not None and state.membership is None and not r.spare:
+            n = len(self.fleet.job_workers.get(ekey.job, ()))
+            watched = ekey.job in self.quorum_since or ekey.job in self.held
+            if n < r.min_nodes or (watched and n < r.max_nodes):
+                return
+        self.rendezvous(ekey, now, out)
 
     def rendezvous(self, ekey: EpochKey, now: float, out: Outcome) -> None:
         """Form the job's first membership once enough workers are here (a restart at a new
@@ -144,8 +196,17 @@ class MembershipRules:
             self.quorum_since.pop(ekey.job, None)
             return
         self.quorum_since[ekey.job] = since
-        if not rdzv.ready(candidates, since, now, self.fleet.config.join_timeout_s):
+        timeout = self.fleet.config.join_timeout_s
+        if not rdzv.ready(candidates, since, now, timeout):
             return
+        # A worker whose device failed takes no rank (looked at once ready, not on every
+        # registration): the job waits for MIN fit ones, as long as the join timeout says.
+        fit = [c for c in own if not self.fleet.unfit(c.key, now)]
+        if len(fit) < len(own):
+            candidates = [*fit, *pool]
+            since = self.since(state, candidates)
+            if since is None or not rdzv.ready(candidates, since, now, timeout):
+                return
         membership = rdzv.form(self.fleet.scopes.next_epoch_peek(ekey), candidates)
         if membership is None:
             return  # given node ranks that the workers here cannot fill yet
@@ -172,23 +233,31 @@ class MembershipRules:
     ) -> list[rdzv.Candidate]:
         """For a job held below MIN: the free spares of its pool that would bring it back to
         MIN (of its local ranks and devices per node, oldest first, no more than it lacks), as
-        candidates of the job; none for any other job (a pool is for members lost, not for
-        forming a job's first membership)."""
-        if not held(state) or not own:
+        candidates of the job, with its MIN:MAX (a pool spare's ``--nnodes`` is not used); none
+        for any other job (a pool is for members lost, not for forming a job's first
+        membership). The shape is its own workers', or, with none of them left, the one its
+        epoch record kept from the hold."""
+        shape = self.fleet.shape(job) if held(state) else None
+        if shape is None:
             return []
-        shape = rdzv.bounds(own)
         fit = [c for c in own if c.rendezvous.nproc == shape.nproc]
         lacking = shape.min_nodes - len(fit)
         if lacking <= 0:
             return []
-        workers = self.fleet.workers
-        sizes = [len(workers[c.key].registration.devices) for c in fit if not c.rendezvous.spare]
         spares = [
             c
             for c in self.pools.claimable(job, now)
-            if c.rendezvous.nproc == shape.nproc and (not sizes or c.devices == sizes[0])
+            if c.rendezvous.nproc == shape.nproc and c.devices == shape.devices
         ]
-        return spares[:lacking]
+        return [
+            replace(
+                c,
+                rendezvous=msgspec.structs.replace(
+                    c.rendezvous, min_nodes=shape.min_nodes, max_nodes=shape.max_nodes
+                ),
+            )
+            for c in spares[:lacking]
+        ]
 
     # --- members out of service: a spare takes their ranks, or the job shrinks, or it is held --
 
@@ -297,6 +366,9 @@ class MembershipRules:
                 f"{lowest} workers are registered, then the membership forms again"
             )
             state.membership = None
+            # Its shape and pool, kept: its last workers may go too, and a pool's spares bring
+            # it back to MIN all the same (``_pool_spares``).
+            state.shape = self.fleet.shape(ekey.job)
             if state not in out.write_ahead:
                 out.write_ahead.append(state)
         else:

@@ -38,7 +38,7 @@ from marduk.core import membership as rdzv
 from marduk.core.decisions import Outcome, PolicyError, event_at, worker_key
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet
-from marduk.core.records import EpochRecord, PoolClaim, WorkerRecord
+from marduk.core.records import EpochKey, EpochRecord, PoolClaim, WorkerRecord
 from marduk.wire.protocol import Registration
 
 
@@ -97,11 +97,14 @@ class PoolRules:
         return any(self.fleet.pool_spare(k) for k in self.fleet.job_workers.get(job, ()))
 
     def pool_of(self, job: str) -> str | None:
-        """The pool ``job`` draws from: its non-spares' ``--spare-pool``."""
+        """The pool ``job`` draws from: its live non-spares' ``--spare-pool``; with none live,
+        what its epoch record kept when it was held (``EpochRecord.shape``), so a held job
+        whose workers are all gone still draws from its pool."""
         for c in self.fleet.candidates(job):
             if not c.rendezvous.spare:
                 return c.rendezvous.pool if c.rendezvous.pool != job else None
-        return None
+        state = self.fleet.epochs.get(EpochKey(job, None))
+        return state.shape.pool if state is not None and state.shape is not None else None
 
     def claimable(self, job: str, now: float) -> list[rdzv.Candidate]:
         """The free, usable spares of the job's pool, as candidates of ``job`` (same replica and

@@ -63,6 +63,19 @@ class PoolClaim(msgspec.Struct, kw_only=True, frozen=True):
     claimed_at: float = 0.0
 
 
+class JobShape(msgspec.Struct, kw_only=True, frozen=True):
+    """What a job's own workers (its non-spares) said of it: ``--nnodes`` MIN:MAX, local ranks
+    and devices per node, and the pool it draws spares from. Kept on the job's epoch record
+    when it is held below MIN, so it can form again from its pool's spares with none of its own
+    workers left (marduk/core/pools.py)."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc: int
+    devices: int
+    pool: str | None = None
+
+
 class EpochRecord(msgspec.Struct, kw_only=True):
     job: str
     replica: str | None
@@ -87,6 +100,8 @@ class EpochRecord(msgspec.Struct, kw_only=True):
     # every time here: comparable across controllers up to their clocks' skew.
     last_change: ControllerEvent | None = None
     resized_at: float = 0.0
+    # A job held below MIN: its shape as its own workers gave it, written ahead with the hold.
+    shape: JobShape | None = None
 
 
 class DeviceRecord(msgspec.Struct, kw_only=True):

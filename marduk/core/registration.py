@@ -186,20 +186,23 @@ class RegistrationRules:
         )
         rec = WorkerRecord(
             registration=reg,
-            registered_at=old.registered_at if old else now,
+            # Back from stale, it arrives again: the join timeout (MIN here since the MIN-th
+            # registration) and the order of arrival count from its return, not from a
+            # presence that broke off.
+            registered_at=old.registered_at if old and not was_stale else now,
             updated_at=now,
             applied_epoch=applied,
             # Retired stays retired; a new process under its name starts afresh.
             retired=old.retired if old and same_process(old.registration, reg) else "",
         )
         self._record(ekey, state, rec, out)
-        if result != "unchanged":
+        if result != "unchanged" or was_stale:
             # Agents re-register every 30 s to converge; an unchanged one is neither written
-            # nor announced.
+            # nor announced (one back from stale is written: its new registration time).
             out.put_workers.append(rec)
         out.events.extend(registration_events(reg, result, was_stale, state.epoch, now))
         if reg.rendezvous is not None and not is_pool_spare(reg):  # a pool forms nothing
-            self.membership.rendezvous(ekey, now, out)
+            self.membership.registered(ekey, reg.rendezvous, now, out)
             self.grow.registered(key, fresh_process or was_stale, now, out)
         unusable = fleet.unusable(reg.devices)
         if unusable and result != "unchanged":
@@ -246,6 +249,7 @@ class RegistrationRules:
         out = Outcome()
         if not self.fleet.remove_worker(key, out, now):
             return out, False
+        self.grow.left(key)
         out.events.append(event_at(key, "deregistered", now, detail=reason))
         return out, True
 
@@ -259,6 +263,7 @@ class RegistrationRules:
         )
         for key in keys:
             self.fleet.remove_worker(key, out, now)
+            self.grow.left(key)
             out.events.append(event_at(key, "forgotten", now, detail="removed by an operator"))
         # The scopes' epoch records stay, as after a deregistration: a forgotten worker still
         # alive, or an id that comes back, must never see an epoch it has seen issued again

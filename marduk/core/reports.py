@@ -6,7 +6,8 @@ acknowledges its epoch) and the ``GrowRules`` (a saved checkpoint confirms a gro
 The latest report of each worker is kept for ``status`` (in memory: not persisted). A failure
 that a restart in flight already covers is answered with that restart (``coalesced``); one of a
 worker that runs no trainer of its job (``Fleet.in_play``: a free spare, a retired member)
-restarts nothing.
+restarts nothing, and neither does one of a job that runs nothing yet or any more (forming its
+first membership, or held below MIN: ``idle``); the event says so.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet
 from marduk.core.grow_policy import GrowRules
 from marduk.core.issuer import Issuer
+from marduk.core.membership_policy import held
 from marduk.wire.protocol import Action, Report
 
 # Reports that make the controller restart the worker's restart scope.
@@ -68,13 +70,33 @@ class ReportRules:
             if report.status == "checkpointed":
                 self.grow.checkpointed(key, now, out)
             return ReportResult(out, [])
-        out.events.append(worker_event(f"worker_{report.status}", key, report, now))
+        event = worker_event(f"worker_{report.status}", key, report, now)
+        out.events.append(event)
+        if why := self.idle(key):
+            # Nobody of the job runs a trainer: a restart would restart nothing, and a held
+            # job's members would be sent another command for it. The job forms as before.
+            note = f"nothing restarted: {why}"
+            event.detail = f"{event.detail}; {note}" if event.detail else note
+            return ReportResult(out, [])
         if key not in self.fleet.in_play((key,)):
             # A spare (the job's own while free, or a pool's) or a retired worker runs no
             # trainer of the job: its agent stopping (preempted) restarts nobody. A spare
             # holding a lost member's ranks is a member, and restarts the job as any member.
             return ReportResult(out, [])
         return ReportResult(out, [self._restart(key, report, now, out)])
+
+    def idle(self, key: WorkerKey) -> str:
+        """Why the job of ``key`` runs no trainer ("" if it may): its ranks come from the
+        controller and it has no membership, before its first (forming) or after falling below
+        MIN (held)."""
+        if self.fleet.workers[key].registration.rendezvous is None or self.fleet.pool_spare(key):
+            return ""
+        state = self.fleet.epochs.get(self.fleet.epoch_key(key))
+        if state is not None and state.membership is not None:
+            return ""
+        if held(state):
+            return f"job {key.job} is held below MIN (no membership: its trainers are stopped)"
+        return f"job {key.job} is forming (no membership yet: no trainer started)"
 
     def _restart(self, key: WorkerKey, report: Report, now: float, out: Outcome) -> Action:
         """The worker's trainer failed: its scope restarts, unless a restart in flight covers

@@ -58,6 +58,7 @@ class TickRules:
             silent = now - seen
             if silent >= expiry:
                 fleet.remove_worker(key, out, now)
+                self.grow.left(key)
                 detail = f"silent for {silent:.0f}s; removed from the map"
                 out.events.append(event_at(key, "worker_expired", now, detail=detail))
             elif silent >= ttl and key not in fleet.stale:

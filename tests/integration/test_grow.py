@@ -194,3 +194,44 @@ async def test_a_leader_killed_mid_grow_the_next_finishes_it_and_the_membership_
             await third.stop()
         first.stop()
         second.stop()
+
+
+async def test_a_new_leader_counts_the_settle_from_the_joiners_record(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """c arrives, then the leader is replaced: the new one, hearing from c at once, counts the
+    settle from c's stored arrival, not from its takeover (renewals are not stored)."""
+    settle = 6.0
+    policy = {**GROW, "grow_settle_s": settle}
+    c1 = await start_serving(Controller(controller_settings(nats_server, tmp_path, **policy)))
+    nc = await nats.connect(nats_server.url)
+    c2: Controller | None = None
+    loop = asyncio.get_running_loop()
+    try:
+        sent = await listen(nc, S.job_commands(JOB), wire.Command)
+        shrink = await shrunk(nc, sent)
+        assert (await register(nc, "c", 3)).outcome == "new"
+        arrived = loop.time()
+        answers: list[asyncio.Task[None]] = []
+
+        async def answer() -> None:  # as agents answer a new leader's hello
+            await register(nc, "b", 2)
+            await report(nc, "b", "running", shrink.epoch)  # acks are not stored
+            await register(nc, "c", 3)
+
+        async def on_hello(msg) -> None:  # type: ignore[no-untyped-def]
+            answers.append(asyncio.create_task(answer()))
+
+        await nc.subscribe(S.hello, cb=on_hello)
+        await asyncio.sleep(1.0)
+        await c1.stop()
+        c2 = await start_serving(Controller(controller_settings(nats_server, tmp_path, **policy)))
+        took_over = loop.time()
+        ask = await next_kind(sent, "checkpoint", shrink.epoch, timeout=settle + 5)
+        assert "c/0 joining" in ask.reason
+        assert arrived + settle - 0.1 <= loop.time() < took_over + settle - 0.5
+    finally:
+        await nc.close()
+        if c2 is not None:
+            await c2.stop()
+        await c1.stop()

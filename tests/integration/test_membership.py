@@ -5,17 +5,20 @@ and keeps it across a controller restart (the store)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 
 from marduk.controller import Controller
+from marduk.core.drmap import WorkerKey
 from marduk.store.state import StateStore
 from marduk.wire import protocol as wire
 from marduk.wire.protocol import decode, encode
 from marduk.wire.subjects import Subjects
-from tests.conftest import NatsServer, controller_settings, start_serving
+from tests.conftest import NatsServer, controller_settings, eventually, start_serving
 
 S = Subjects()
 
@@ -165,3 +168,67 @@ async def test_min_workers_form_after_the_join_timeout(
     finally:
         await nc.close()
         await c.stop()
+
+
+def elastic(replica: str, pid: int) -> bytes:
+    """A worker of job ``back``, MIN 2, MAX 3 (so MIN forms only after the join timeout)."""
+    reg = wire.decode(registration(replica, pid), wire.Registration)
+    assert reg.rendezvous is not None
+    rz = msgspec.structs.replace(reg.rendezvous, min_nodes=2, max_nodes=3)
+    return encode(msgspec.structs.replace(reg, job="back", rendezvous=rz))
+
+
+async def test_a_worker_back_from_stale_restarts_the_join_timeout_across_a_takeover(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """MIN were here, then b went stale before the join timeout: its return is written as a
+    new arrival, so neither the leader nor a new one forms at once from the old times."""
+    join = 2.0
+    settings = controller_settings(
+        nats_server, tmp_path, join_timeout_s=join, worker_ttl_s=0.5, worker_expiry_s=100.0
+    )
+    c1 = await start_serving(Controller(settings))
+    nc = await nats.connect(nats_server.url)
+    sent: asyncio.Queue[wire.Command] = asyncio.Queue()
+
+    async def on(msg) -> None:  # type: ignore[no-untyped-def]
+        sent.put_nowait(wire.decode(msg.data, wire.Command))
+
+    async def renew(*names: str) -> None:
+        while True:
+            for name in names:
+                try:
+                    await nc.request(S.register("back"), elastic(name, ord(name)), timeout=1)
+                except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                    pass  # between two leaders, as an agent retries
+            await asyncio.sleep(0.1)
+
+    await nc.subscribe(S.job_commands("back"), cb=on)
+    renewing = asyncio.create_task(renew("a"))
+    c2: Controller | None = None
+    try:
+        await nc.request(S.register("back"), elastic("b", ord("b")), timeout=5)
+        key = WorkerKey("back", "b", 0)
+        await eventually(lambda: key in c1.policy.fleet.stale)  # b silent past the TTL
+        back_at = time.time()
+        msg = await nc.request(S.register("back"), elastic("b", ord("b")), timeout=5)
+        assert decode(msg.data, wire.RegisterReply).command is None  # not at once
+        store = await StateStore.open(nc, "marduk")
+        [rec] = [w for w in (await store.load()).workers if w.registration.replica == "b"]
+        assert rec.registered_at >= back_at  # the return is stored
+        await c1.stop()
+        renewing.cancel()
+        renewing = asyncio.create_task(renew("a", "b"))
+        c2 = await start_serving(Controller(settings))
+        while time.time() < back_at + join - 0.3:
+            assert sent.empty(), "formed before the join timeout counted from b's return"
+            await asyncio.sleep(0.05)
+        cmd = await asyncio.wait_for(sent.get(), 5)
+        assert cmd.membership is not None and len(cmd.membership.members) == 2
+        assert time.time() >= back_at + join - 0.05
+    finally:
+        renewing.cancel()
+        await nc.close()
+        if c2 is not None:
+            await c2.stop()
+        await c1.stop()

@@ -158,3 +158,62 @@ async def test_a_pool_spare_moves_with_the_plain_agent_credential_and_says_why_i
     finally:
         for link in links:
             await link.close(deregister=False)
+
+
+async def test_a_held_job_whose_workers_are_all_gone_forms_again_from_pool_spares_on_a_new_leader(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Job ``ja`` (MIN 2) held after losing a member, then its last worker gone (expired): the
+    hold kept its pool and shape on its epoch record, so a new leader, with nothing else of the
+    job, forms it again from two free spares of the pool."""
+    policy = {
+        "device_max_failures": 0,
+        "join_timeout_s": 0.5,
+        "worker_ttl_s": 0.6,
+        "worker_expiry_s": 1.2,
+    }
+    leader = await start_serving(
+        Controller(controller_settings(nats_server, tmp_path / "a", **policy))
+    )
+    standby = Controller(controller_settings(nats_server, tmp_path / "b", **policy))
+    await standby.start()
+    nc = await nats.connect(nats_server.url)
+    renewing: asyncio.Task[None] | None = None
+    try:
+        sent = await listen(nc, S.job_commands("ja"), wire.Command)
+        for replica, pid in (("a0", 1), ("a1", 2)):
+            data = registration(replica, pid, job="ja", pool=POOL, lo=2, hi=2)
+            await nc.request(S.register("ja"), data, timeout=5)
+        formed = await asyncio.wait_for(sent.get(), 5)
+        await health_event(nc, "a0-d0", event_id="ecc-a0")
+        held = await asyncio.wait_for(sent.get(), 5)
+        assert held.epoch > formed.epoch and held.membership is None
+        await eventually(lambda: not leader.policy.fleet.job_workers.get("ja"))  # all expired
+        await leader.stop()
+        await asyncio.wait_for(standby.serving.wait(), 10)
+
+        async def spares_renew() -> None:
+            while True:
+                for replica, pid in (("s0", 30), ("s1", 31)):
+                    try:
+                        await register(nc, POOL, replica, pid, spare=True)
+                    except (nats.errors.NoRespondersError, nats.errors.TimeoutError):
+                        pass
+                await asyncio.sleep(0.1)
+
+        renewing = asyncio.create_task(spares_renew())
+        again = await asyncio.wait_for(sent.get(), 10)
+        while again.epoch <= held.epoch:  # resends of the hold (nobody confirms it)
+            again = await asyncio.wait_for(sent.get(), 10)
+        assert sorted(ranks(again)) == [("s0", 0, 0), ("s1", 1, 2)]
+        store = await StateStore.open(nc, "marduk")
+        [rec] = [e for e in (await store.load()).epochs if e.job == "ja" and e.replica is None]
+        assert sorted(c.replica for c in rec.claims) == ["s0", "s1"]
+        assert rec.membership == again.membership
+        assert rec.shape is not None and (rec.shape.min_nodes, rec.shape.pool) == (2, POOL)
+    finally:
+        if renewing is not None:
+            renewing.cancel()
+        await nc.close()
+        await standby.stop()
+        await leader.stop()

@@ -452,3 +452,77 @@ def test_settled(
     live_since = {} if live is None else {c.key: live}
     ready_since = {} if ready_at is None else {c.key: ready_at}
     assert rule.settled(c, live_since, ready_since, now, 5.0) is taken
+
+
+def test_a_worker_that_leaves_leaves_nothing_in_the_grow_rules() -> None:
+    """Deregistered, forgotten or expired: the grow's live and ready times of the worker go
+    with it (they grew with every worker ever seen), and its name registering again is new."""
+    p = Policy(config(grow_settle_s=5, worker_ttl_s=10, worker_expiry_s=20))
+    shrunk(p, hi=3)  # b, c members; a retired
+    grow = p._grow
+    for w, pid in (("d", 4), ("e", 5)):
+        p.register(warming(w, hi=3, pid=pid), now=4)
+        p.register(warming(w, hi=3, pid=pid, ready=True), now=5)
+    p.register(warming("s", hi=3), now=5)  # still warming
+    assert {key("d"), key("e"), key("s")} <= grow.live_since.keys()
+    assert {key("d"), key("e")} <= grow.ready_since.keys() and key("s") in grow.warming
+    p.deregister(key("d"), "exit", now=6)
+    p.forget("j", "e", None, now=6)
+    p.forget("j", "s", 0, now=6)
+    for k in (key("d"), key("e"), key("s")):
+        assert k not in grow.live_since and k not in grow.ready_since and k not in grow.warming
+    p.register(warming("d", hi=3, pid=4), now=7)  # back, warming: live from 7, not ready
+    assert grow.live_since[key("d")] == 7 and key("d") in grow.warming
+    p.tick(now=40)  # everyone silent past the expiry
+    assert not p.workers and not grow.live_since and not grow.ready_since and not grow.warming
+
+
+def test_the_settle_goes_on_counting_on_a_new_leader() -> None:
+    """A free worker's record tells since when it has been here and ready (its arrival and
+    its turning ready are written; renewals are not): a new leader that hears from it on time
+    counts the settle from there, not from the takeover."""
+    p = Policy(config(grow_settle_s=20, resize_interval_s=1))
+    shrunk(p)
+    running(p, 4, "b")
+    p.register(reg("c"), now=5)  # ready on arrival: settled at 25
+    q = restored(p, 30, grow_settle_s=20, resize_interval_s=1)
+    q.register(reg("b"), now=30.5)
+    [ask] = q.register(reg("c"), now=30.5).outcome.commands  # its answer to the hello
+    assert ask.kind == "checkpoint"
+
+
+def test_a_joiner_warming_across_a_takeover_settles_from_when_it_is_ready() -> None:
+    p = Policy(config(grow_settle_s=20, resize_interval_s=1))
+    shrunk(p)
+    running(p, 4, "b")
+    p.register(warming("c"), now=5)
+    q = restored(p, 30, grow_settle_s=20, resize_interval_s=1)
+    for t in (30.5, 40):
+        q.register(reg("b"), now=t)
+        q.register(warming("c"), now=t)
+        assert not q.tick(now=t).commands
+    q.register(warming("c", ready=True), now=41)  # ready now: settled at 61
+    q.register(reg("b"), now=60)
+    assert not q.tick(now=60.9).commands
+    [ask] = q.tick(now=61).commands
+    assert ask.kind == "checkpoint"
+
+
+def test_a_worker_first_heard_late_by_a_new_leader_settles_from_the_takeover() -> None:
+    """Renewals are not stored: one the new leader does not hear within two renewal intervals
+    may have been silent past the TTL before it, so its record's time does not count."""
+    cfg = {"grow_settle_s": 20.0, "resize_interval_s": 1.0, "worker_ttl_s": 15.0}
+    p = Policy(config(**cfg))
+    shrunk(p)
+    running(p, 4, "b")
+    p.register(reg("c"), now=5)
+    q = restored(p, 30, **cfg)
+    q.register(reg("b"), now=30.5)
+    fresh = 2 * q.config.renew_interval_s
+    for t in (30 + fresh + 1, 45):
+        q.register(reg("b"), now=t)
+        assert not q.register(reg("c"), now=t).outcome.commands
+        assert not q.tick(now=t).commands
+    q.register(reg("b"), now=50)
+    [ask] = q.register(reg("c"), now=50).outcome.commands  # live from the takeover at 30
+    assert ask.kind == "checkpoint"

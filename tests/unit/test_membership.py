@@ -283,3 +283,134 @@ def test_commands_and_records_of_other_jobs_carry_no_membership() -> None:
     assert wire["membership"] is None
     assert msgspec.json.decode(msgspec.json.encode(cmd), type=Command) == cmd
     assert Membership.__struct_fields__[-1] == "members"
+
+
+def test_a_worker_back_from_stale_counts_as_arriving_for_the_join_timeout() -> None:
+    """MIN were here at 0, but b went silent before the join timeout: MIN are here again only
+    from b's return, so the job waits the timeout from then (it must not form at once, with
+    the workers it had long ago), and a new leader reading b's record counts the same."""
+    cfg = PolicyConfig(join_timeout_s=10, worker_ttl_s=3, worker_expiry_s=1000)
+    p = Policy(cfg)
+    p.register(reg("a", pid=1, lo=2, hi=3), now=0)
+    p.register(reg("b", pid=2, lo=2, hi=3), now=0)
+    for t in range(2, 21, 2):  # a renews; b is silent, stale from 3
+        p.register(reg("a", pid=1, lo=2, hi=3), now=t)
+        assert not p.tick(now=t).commands
+    assert WorkerKey("j", "b", 0) in p.fleet.stale
+    back = p.register(reg("b", pid=2, lo=2, hi=3), now=21)
+    assert back.command is None and p.epochs[JOB].membership is None
+    [rec] = [r for r in back.outcome.put_workers if r.registration.replica == "b"]
+    assert rec.registered_at == 21  # written: a new leader reads the return
+    stored = [
+        msgspec.json.decode(msgspec.json.encode(e), type=EpochRecord) for e in p.epochs.values()
+    ]
+    q = Policy.restore(cfg, list(p.workers.values()), stored, [], now=22)
+    for policy in (p, q):
+        for t in (22, 24, 26, 28, 30, 30.9):  # both renew
+            for w, pid in (("a", 1), ("b", 2)):
+                assert policy.register(reg(w, pid=pid, lo=2, hi=3), now=t).command is None
+            assert not policy.tick(now=t).commands
+        [cmd] = policy.tick(now=31).commands
+        assert cmd.membership is not None and len(cmd.membership.members) == 2
+
+
+# --- admission stands on a few workers of the job, not all of them ----------------------------
+
+
+def _reference_check(p: Policy, reg: Registration) -> str:
+    """The admission of a first registration as it was, against every other worker of the job
+    (``MembershipRules.check`` before it took a few to stand for all): the refusal's code."""
+    from marduk.core import pools
+
+    fleet = p.fleet
+    key = WorkerKey(reg.job, reg.replica, reg.worker)
+    others = [k for k in fleet.job_workers.get(reg.job, ()) if k != key]
+    regs = [fleet.workers[k].registration for k in others]
+    try:
+        if reg.rendezvous is None:
+            if any(r.rendezvous is not None for r in regs):
+                return "shape_mismatch"
+            return ""
+        pools.check(reg, regs)
+        if any(r.rendezvous is None for r in regs):
+            return "shape_mismatch"
+        state = p.epochs.get(JOB)
+        rdzv.check(
+            rdzv.Candidate(key, reg.rendezvous),
+            fleet.candidates(reg.job),
+            state.membership if state is not None else None,
+        )
+    except (PolicyError, rdzv.MembershipError) as e:
+        return e.code
+    return ""
+
+
+worker_shape = st.fixed_dictionaries(
+    {
+        "nproc": st.sampled_from([1, 2]),
+        "hi": st.sampled_from([3, 4]),
+        "rank": st.one_of(st.none(), st.integers(0, 3)),
+        "spare": st.booleans(),
+        "static": st.integers(0, 9),
+        "stale": st.booleans(),
+        "pool": st.sampled_from([None, "p", "q"]),
+    }
+)
+
+
+def _shaped(replica: str, pid: int, w: dict) -> Registration:  # type: ignore[type-arg]
+    r = reg(replica, pid=pid, nproc=w["nproc"], lo=1, hi=w["hi"], rank=w["rank"])
+    if w["static"] == 0:
+        return msgspec.structs.replace(r, rendezvous=None)
+    assert r.rendezvous is not None
+    spare = w["spare"] and w["rank"] is None
+    rz_ = msgspec.structs.replace(r.rendezvous, spare=spare, pool=w["pool"])
+    return msgspec.structs.replace(r, rendezvous=rz_)
+
+
+@given(there=st.lists(worker_shape, max_size=7), new=worker_shape)
+def test_a_first_registration_is_refused_exactly_as_against_every_worker(
+    there: list[dict],
+    new: dict,  # type: ignore[type-arg]
+) -> None:
+    p = Policy(PolicyConfig(join_timeout_s=1e9))
+    for i, w in enumerate(there):
+        try:
+            p.register(_shaped(f"w{i}", i + 1, w), now=0)
+        except PolicyError:
+            continue
+        if w["stale"]:
+            p.fleet.stale.add(WorkerKey("j", f"w{i}", 0))
+    candidate = _shaped("new", 99, new)
+    expected = _reference_check(p, candidate)
+    try:
+        p._membership.check(candidate, p.epochs.get(JOB))
+        got = ""
+    except PolicyError as e:
+        got = e.code
+    assert got == expected
+
+
+def test_first_registrations_of_a_big_job_look_at_each_worker_a_bounded_number_of_times(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each first registration used to scan every worker already there, twice (admission, and
+    whether the membership forms): 1,024 of them took a second. Now the work grows with the
+    job, not with its square."""
+    from marduk.core.fleet import Fleet
+
+    looked = 0
+    is_candidate = Fleet.is_candidate
+
+    def counted(self: Fleet, key: WorkerKey) -> bool:
+        nonlocal looked
+        looked += 1
+        return is_candidate(self, key)
+
+    monkeypatch.setattr(Fleet, "is_candidate", counted)
+    n = 256
+    p = Policy()
+    for i in range(n):
+        p.register(reg(f"n{i:04d}", pid=i + 1, lo=n, hi=n), now=0)
+    assert p.epochs[JOB].membership is not None and len(p.epochs[JOB].membership.members) == n
+    assert looked < 20 * n  # it was about n * n

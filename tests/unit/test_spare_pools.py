@@ -361,16 +361,21 @@ def test_a_held_job_claims_a_pool_spare_to_form_again_and_one_spare_serves_one_j
     assert sorted(pool.spares) == ["big/0", "odd/0"] and pool.claimed == [f"s0/0 by {job}"]
 
 
-def test_a_new_leader_watches_held_jobs_for_pool_spares() -> None:
-    """A pool spare's registration forms nothing by itself: a new leader must look at the held
-    jobs it read from the store on its ticks, as the leader that held them did."""
-    p = Policy(PolicyConfig(device_max_failures=0, join_timeout_s=5, worker_ttl_s=100))
+def held_ja(p: Policy) -> None:
+    """Job ``ja`` (MIN 2) of a0, a1 formed at 0, held at 2: a0's device spent, no spare."""
     for i, w in enumerate(("a0", "a1")):
         r = reg("ja", w, pid=1 + i)
         assert r.rendezvous is not None
         p.register(msgspec.structs.replace(r, rendezvous=_nodes(r.rendezvous, 2)), now=0)
     [held] = p.on_health(fail("a0-d0"), now=2).outcome.commands
     assert held.membership is None
+
+
+def test_a_new_leader_watches_held_jobs_for_pool_spares() -> None:
+    """A pool spare's registration forms nothing by itself: a new leader must look at the held
+    jobs it read from the store on its ticks, as the leader that held them did."""
+    p = Policy(PolicyConfig(device_max_failures=0, join_timeout_s=5, worker_ttl_s=100))
+    held_ja(p)
 
     def again(rec):  # type: ignore[no-untyped-def]
         return msgspec.json.decode(msgspec.json.encode(rec), type=type(rec))
@@ -387,3 +392,37 @@ def test_a_new_leader_watches_held_jobs_for_pool_spares() -> None:
     [cmd] = q.tick(now=9).commands
     assert ranks(cmd) == [("a1", 0, 0), ("s0", 1, 2)]
     assert [c.replica for c in q.epochs[EpochKey("ja", None)].claims] == ["s0"]
+
+
+@pytest.mark.parametrize("new_leader", [False, True])
+def test_a_held_job_with_none_of_its_workers_left_forms_again_from_pool_spares(
+    new_leader: bool,
+) -> None:
+    """Held below MIN, then its last worker gone too (expired): the job's epoch record keeps
+    its pool and shape, so free spares of the pool still bring it back to MIN (on a new leader
+    too, which has nothing of the job but that record)."""
+    cfg = PolicyConfig(device_max_failures=0, join_timeout_s=5, worker_ttl_s=10, worker_expiry_s=20)
+    p = Policy(cfg)
+    held_ja(p)
+    p.tick(now=25)  # a0 (retired) and a1 silent past the expiry: gone
+    assert not p.fleet.job_workers.get("ja")
+    if new_leader:
+
+        def again(rec):  # type: ignore[no-untyped-def]
+            return msgspec.json.decode(msgspec.json.encode(rec), type=type(rec))
+
+        p = Policy.restore(cfg, [], [again(e) for e in p.epochs.values()], [], now=26)
+    p.register(spare("odd", pid=29, nproc=1), now=27)  # another shape: never claimed
+    p.register(spare("s0", pid=30), now=27)
+    assert not p.tick(now=33).commands  # one spare: still below MIN 2
+    p.register(spare("s1", pid=31), now=33)
+    for t in (34, 37):
+        for s, pid in (("s0", 30), ("s1", 31), ("odd", 29)):
+            p.register(spare(s, pid=pid, **({"nproc": 1} if s == "odd" else {})), now=t)
+        assert not p.tick(now=t).commands
+    out = p.tick(now=38)  # the join timeout from MIN here (s1, at 33)
+    [cmd] = out.commands
+    assert cmd.job == "ja" and ranks(cmd) == [("s0", 0, 0), ("s1", 1, 2)]
+    state = p.epochs[EpochKey("ja", None)]
+    assert sorted(c.replica for c in state.claims) == ["s0", "s1"] and state in out.write_ahead
+    assert p.fleet.nnodes("ja") == (2, 2)  # the job's MIN:MAX, not the spares' --nnodes

@@ -386,3 +386,62 @@ def test_a_spares_report_restarts_nothing_while_the_job_forms_or_is_held() -> No
     assert not r.actions and not r.outcome.commands
     assert not p.on_health(fail("s0-d0", 1), now=2).outcome.commands
     assert p.epochs[JOB].epoch == 0
+
+
+def test_a_members_failure_report_restarts_nothing_while_the_job_forms() -> None:
+    """A non-spare of a job below MIN runs no trainer yet: its supervisor's failure report is
+    recorded and announced (saying nothing restarts), and the job forms as before."""
+    p = Policy(PolicyConfig(join_timeout_s=5))
+    p.register(reg("a", pid=1, lo=2, hi=3), now=0)
+    assert p.epochs[JOB].membership is None
+    for status in ("crashed", "preempted", "hung", "gave_up"):
+        r = p.on_report(Report(job="j", replica="a", status=status, epoch=0), now=1)
+        assert not r.actions and not r.outcome.commands, status
+        [event] = [e for e in r.outcome.events if e.kind == f"worker_{status}"]
+        assert "nothing restarted" in event.detail and "forming" in event.detail
+    assert p.epochs[JOB].epoch == 0 and p.epochs[JOB].command is None
+    first = p.register(reg("b", pid=2, lo=2, hi=3), now=2).command  # MIN: the join timeout
+    assert first is None
+    p.tick(now=8)
+    assert ranks(p.epochs[JOB].command) == [("a", 0, 0), ("b", 1, 2)]
+
+
+def test_a_members_failure_report_restarts_nothing_while_the_job_is_held() -> None:
+    """Held below MIN, the job runs nothing: a remaining member's trainer reporting a failure
+    (it was stopped by the hold) issues no second restart."""
+    p = Policy(PolicyConfig(device_max_failures=0))
+    first = formed(p, lo=2, spares=0)
+    [hold] = p.on_health(fail("b-d0", 1), now=3).outcome.commands
+    assert hold.membership is None and p.epochs[JOB].membership is None
+    r = p.on_report(Report(job="j", replica="a", status="crashed", epoch=hold.epoch), now=4)
+    assert not r.actions and not r.outcome.commands
+    [event] = [e for e in r.outcome.events if e.kind == "worker_crashed"]
+    assert "nothing restarted" in event.detail and "held below MIN" in event.detail
+    assert p.epochs[JOB].epoch == hold.epoch > first.epoch
+
+
+@pytest.mark.parametrize("budget", [3, 0])
+def test_a_device_failure_restarts_nothing_while_the_job_forms_and_the_worker_is_left_out(
+    budget: int,
+) -> None:
+    """Forming, nobody runs a trainer: a worker's device failing neither restarts the job nor
+    (its budget spent) fails every worker of it; the device is known failed, so the job forms
+    without that worker."""
+    p = Policy(PolicyConfig(device_max_failures=budget, join_timeout_s=5))
+    p.register(reg("a", pid=1, lo=2, hi=3), now=0)
+    r = p.on_health(fail("a-d0", 1), now=1)
+    assert not r.outcome.commands and not r.reply.actions
+    assert p.devices["a-d0"].state == "failed" and p.epochs[JOB].epoch == 0
+    p.register(reg("b", pid=2, lo=2, hi=3), now=2)
+    p.register(reg("c", pid=3, lo=2, hi=3), now=2)
+    [first] = p.tick(now=7).commands  # MIN usable (b, c) for the join timeout
+    assert ranks(first) == [("b", 0, 0), ("c", 1, 2)]
+
+
+def test_a_device_failure_of_a_held_jobs_worker_restarts_nothing() -> None:
+    p = Policy(PolicyConfig(device_max_failures=0))
+    formed(p, lo=2, spares=0)
+    [hold] = p.on_health(fail("b-d0", 1), now=3).outcome.commands
+    assert hold.membership is None
+    assert not p.on_health(fail("a-d0", 1), now=4).outcome.commands
+    assert p.epochs[JOB].epoch == hold.epoch
