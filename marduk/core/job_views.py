@@ -40,8 +40,14 @@ class JobViews:
             for key, rec in self.fleet.workers.items()
             if rec.registration.rendezvous is not None and (job is None or key.job == job)
         }
-        # A pool whose spares jobs all claimed is still shown.
+        # A pool whose spares jobs all claimed is still shown; so is a job held below MIN
+        # with none of its workers left (its shape is on its epoch record).
         jobs |= {key.job for key in self.fleet.claims if job is None or key.job == job}
+        jobs |= {
+            key.job
+            for key, state in self.fleet.epochs.items()
+            if key.replica is None and state.shape is not None and (job is None or key.job == job)
+        }
         return [self.info(name, now) for name in sorted(jobs)]
 
     def info(self, job: str, now: float) -> JobInfo:
@@ -83,10 +89,13 @@ class JobViews:
         return any(key.job == job for key in fleet.claims)
 
     def _pool_of(self, job: str) -> str:
+        """As ``PoolRules.pool_of``: a live non-spare's ``--spare-pool``, else the held job's
+        record's."""
         for c in self.fleet.candidates(job):
             if not c.rendezvous.spare:
                 return c.rendezvous.pool or ""
-        return ""
+        state = self.fleet.epochs.get(EpochKey(job, None))
+        return (state.shape.pool or "") if state is not None and state.shape is not None else ""
 
     def _pool(self, pool: str, now: float) -> JobInfo:
         """A pool: its free spares (an unusable one says why) and the ones jobs claimed."""

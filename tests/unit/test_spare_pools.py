@@ -406,6 +406,8 @@ def test_a_held_job_with_none_of_its_workers_left_forms_again_from_pool_spares(
     held_ja(p)
     p.tick(now=25)  # a0 (retired) and a1 silent past the expiry: gone
     assert not p.fleet.job_workers.get("ja")
+    [info] = p.job_infos(now=25, job="ja")  # status still shows the held job
+    assert (info.nodes, info.min_nodes, info.max_nodes, info.pool) == (0, 2, 2, "pool-a")
     if new_leader:
 
         def again(rec):  # type: ignore[no-untyped-def]
