@@ -32,6 +32,7 @@ import msgspec
 
 from marduk.core import membership as rdzv
 from marduk.core import pools as pool
+from marduk.core.command_size import COMMAND_BUDGET
 from marduk.core.decisions import Outcome, PolicyError, event_at, worker_key
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet
@@ -39,7 +40,14 @@ from marduk.core.grow_policy import GrowRules
 from marduk.core.issuer import Issuer
 from marduk.core.pools import PoolRules
 from marduk.core.records import EpochKey, EpochRecord
-from marduk.wire.protocol import Command, CommandKind, Member, Registration, Rendezvous
+from marduk.wire.protocol import (
+    MAX_MESSAGE_BYTES,
+    Command,
+    CommandKind,
+    Member,
+    Registration,
+    Rendezvous,
+)
 
 
 class MembershipRules:
@@ -139,6 +147,33 @@ class MembershipRules:
             rdzv.check(new, live, membership, self.fleet.is_candidate)
         except rdzv.MembershipError as e:
             raise PolicyError(e.code, str(e)) from None
+
+    def check_size(self, reg: Registration) -> None:
+        """Refuse the first registration of a worker whose entry could make its job's membership
+        command exceed ``COMMAND_BUDGET``: agents refuse a message over MAX_MESSAGE_BYTES, so no
+        member could read it and the job would never start. The bound is the MAX largest
+        entries of the job's workers and this one (a spare may take any member's place:
+        ``command_size.MembershipSizes.bound``), so it also refuses a spare that would make the
+        membership too large when it swaps in. Workers already registered are never refused
+        (nor evicted): only a first registration is checked, so renewals cost nothing more."""
+        r = reg.rendezvous
+        if r is None or pool.is_pool_spare(reg):
+            return  # a pool forms nothing: its spare is reckoned in the job that claims it
+        key = worker_key(reg)
+        # A spare's --nnodes is not checked against the job's: take the job's MAX.
+        max_nodes = self.fleet.nnodes(reg.job)[1] if r.spare else r.max_nodes
+        bound = self.fleet.sizes.bound(key, r, max_nodes)
+        if bound.fits:
+            return
+        raise PolicyError(
+            "membership_too_large",
+            f"worker {key.replica}/{key.worker} would make job {reg.job!r} too large to "
+            f"command: its membership of {bound.nodes} node(s) could encode to {bound.size} "
+            f"bytes, over the {COMMAND_BUDGET}-byte budget of a command (agents refuse "
+            f"messages over {MAX_MESSAGE_BYTES} bytes: no member could read it); shorten the "
+            f"replica names (this one's is {len(key.replica)} characters) and the agents' "
+            f"--local-addr ({len(r.addr)}), or run fewer nodes per job (--nnodes MAX)",
+        )
 
     def _others(self, job: str, key: WorkerKey) -> list[WorkerKey]:
         """Workers of ``job`` other than ``key`` that stand for all of them: the first one, the
