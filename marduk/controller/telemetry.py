@@ -29,6 +29,7 @@ _WARN_EVENTS = frozenset(
         "worker_stale",
         "worker_expired",
         "duplicate_worker",
+        "membership_too_large",
         "member_replaced",
         "job_shrunk",
         "job_held",

@@ -269,6 +269,7 @@ EventKind = Literal[
     "deregistered",
     "forgotten",
     "duplicate_worker",
+    "membership_too_large",
     "worker_stale",
     "worker_live",
     "worker_expired",
