@@ -35,6 +35,7 @@ _WARN_EVENTS = frozenset(
         "job_held",
         "grow_abandoned",
         "spare_claimed",
+        "spare_skipped",
         "command_oversized",
     }
 )

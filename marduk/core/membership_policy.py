@@ -8,7 +8,10 @@ of a lost member. The rule itself (who, which ranks, which coordinator port) is
   ``job``, the job's shape, no node rank claimed twice (``rank_conflict``,
   ``shape_mismatch``). A job has static ranks or the controller's, never both. The job's
   workers agree with each other, so a few of them stand for all (``_others``): admission
-  costs no scan of a big job.
+  costs no scan of a big job. A first registration whose entry could make the job's
+  membership command too large for its agents is refused (``check_size``,
+  ``membership_too_large``); a pool's spare is reckoned when a job would claim it
+  (``_small_enough``).
 * **The first epoch.** Once enough workers are here (MAX, or MIN for the join timeout, which
   ``tick`` watches) the membership forms: a ``restart`` at a new epoch that carries it. A
   registration looks only where it may change that (``registered``).
@@ -284,6 +287,7 @@ class MembershipRules:
             for c in self.pools.claimable(job, now)
             if c.rendezvous.nproc == shape.nproc and c.devices == shape.devices
         ]
+        spares = self._small_enough(job, spares, now, None)
         return [
             replace(
                 c,
@@ -293,6 +297,32 @@ class MembershipRules:
             )
             for c in spares[:lacking]
         ]
+
+    def _small_enough(
+        self, job: str, spares: list[rdzv.Candidate], now: float, out: Outcome | None
+    ) -> list[rdzv.Candidate]:
+        """Those of the pool's ``spares`` (``PoolRules.claimable``) that the job's membership
+        has room for, each on its own (``check_size``'s bound). A pool spare is admitted by its
+        pool, which forms nothing, so it is reckoned when a job would claim it; one without
+        room is skipped, announced in ``out`` (``spare_skipped``; None: on a held job's tick,
+        which looks again each time, silently)."""
+        if not spares:
+            return spares
+        max_nodes = self.fleet.nnodes(job)[1]
+        kept = []
+        for c in spares:
+            bound = self.fleet.sizes.bound(c.key, c.rendezvous, max_nodes)
+            if bound.fits:
+                kept.append(c)
+            elif out is not None:
+                detail = (
+                    f"pool spare {c.key.replica}/{c.key.worker} not claimed: with it the "
+                    f"membership of {bound.nodes} node(s) could encode to {bound.size} bytes, "
+                    f"over the {COMMAND_BUDGET}-byte budget of a command; shorten the pool "
+                    "spares' replica names and --local-addr"
+                )
+                out.events.append(event_at(c.key, "spare_skipped", now, detail=detail))
+        return kept
 
     # --- members out of service: a spare takes their ranks, or the job shrinks, or it is held --
 
@@ -374,7 +404,7 @@ class MembershipRules:
         assert previous is not None
         self._retire(lost, now, out)
         lowest = self.fleet.nnodes(ekey.job)[0]  # the job's MIN (a non-spare's --nnodes)
-        claimable = self.pools.claimable(ekey.job, now)
+        claimable = self._small_enough(ekey.job, self.pools.claimable(ekey.job, now), now, out)
         change = rdzv.replace(
             previous,
             self.fleet.scopes.next_epoch_peek(ekey),

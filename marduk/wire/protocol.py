@@ -283,6 +283,7 @@ EventKind = Literal[
     "member_added",
     "grow_abandoned",
     "spare_claimed",
+    "spare_skipped",
     # decisions
     "restart_issued",
     "fail_issued",

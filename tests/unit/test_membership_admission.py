@@ -29,11 +29,18 @@ PAD = "x" * 121
 
 
 def reg(
-    i: int, replica: str = "", addr: str = "", *, spare: bool = False, n: int = MAX_MEMBERS
+    i: int,
+    replica: str = "",
+    addr: str = "",
+    *,
+    spare: bool = False,
+    n: int = MAX_MEMBERS,
+    job: str = "llama",
+    pool: str | None = None,
 ) -> Registration:
     replica = replica or f"llama-405b-pretrain-{i:04d}"
     return Registration(
-        job="llama",
+        job=job,
         replica=replica,
         host=f"h{i}",
         devices=[f"h{i}-gpu{d}" for d in range(8)],
@@ -46,15 +53,16 @@ def reg(
             addr=addr or f"{replica}.{PAD}",
             ports=[40000],
             spare=spare,
+            pool=pool,
         ),
     )
 
 
-def almost_full() -> Policy:
+def almost_full(pool: str | None = None) -> Policy:
     """1,023 workers of a 1,024-node job with long names, admitted."""
     p = Policy(PolicyConfig(worker_ttl_s=1000, worker_expiry_s=10_000, device_max_failures=0))
     for i in range(MAX_MEMBERS - 1):
-        assert p.register(reg(i), now=i / 1000).result == "new"
+        assert p.register(reg(i, pool=pool), now=i / 1000).result == "new"
     return p
 
 
@@ -108,6 +116,26 @@ def test_a_spare_that_would_overflow_the_membership_when_it_swaps_in_is_refused(
     assert cmd.membership is not None
     assert cmd.membership.members[7].replica == "s2002"
     assert len(encode(cmd)) <= COMMAND_BUDGET
+    assert "command_oversized" not in {e.kind for e in swap.events}
+
+
+def test_a_pool_spare_too_large_for_the_job_is_skipped_when_a_member_is_lost() -> None:
+    """A pool's spare is admitted by its pool (which forms nothing), so it is reckoned when a
+    job would claim it: the oldest free one, too large, is skipped with an event; the next,
+    small enough, takes the lost member's ranks in a command that fits."""
+    p = almost_full(pool="gpus")
+    p.register(reg(1023, "n1023", "10.0.3.255", pool="gpus"), now=6.0)
+    big = reg(3000, addr="x" * 256, spare=True, job="gpus", pool="gpus")
+    small = reg(3001, "s3001", "10.0.11.185", spare=True, job="gpus", pool="gpus")
+    assert p.register(big, now=7.0).result == "new"  # the pool admits it
+    assert p.register(small, now=7.5).result == "new"
+    swap = p.drain(["h7-gpu0"], "", False, "bad node", now=8.0).outcome
+    [cmd] = swap.commands
+    assert cmd.membership is not None and cmd.membership.members[7].replica == "s3001"
+    assert len(encode(cmd)) <= COMMAND_BUDGET
+    [skipped] = [e for e in swap.events if e.kind == "spare_skipped"]
+    assert skipped.job == "llama" and skipped.replica == big.replica
+    assert f"{COMMAND_BUDGET}-byte budget" in skipped.detail and "1024 node(s)" in skipped.detail
     assert "command_oversized" not in {e.kind for e in swap.events}
 
 
