@@ -172,6 +172,21 @@ def test_a_member_that_left_keeps_its_entry_while_the_membership_lists_it() -> N
     assert restored.bound(new, r, max_nodes=4) == full
 
 
+def test_a_job_gone_leaves_no_entries_behind() -> None:
+    """Its members keep their entries while its epoch record (and membership) stays; once the
+    record is dropped, nothing of the job is kept."""
+    p = Policy(PolicyConfig(worker_ttl_s=1000, worker_expiry_s=10_000, epoch_retention_s=60))
+    for i in range(2):
+        p.register(reg(i, n=2), now=0.0)
+    probe = reg(9, n=2).rendezvous
+    assert probe is not None
+    for i in range(2):
+        p.deregister(WorkerKey("llama", reg(i).replica, 0), "done", now=1.0)
+    assert p.fleet.sizes.bound(WorkerKey("llama", "new", 0), probe, 2).nodes == 2  # listed
+    p.tick(now=100.0)
+    assert p.fleet.sizes.bound(WorkerKey("llama", "new", 0), probe, 2).nodes == 1
+
+
 def _fields(m: Membership) -> dict[str, object]:
     return {f: getattr(m, f) for f in m.__struct_fields__}
 
