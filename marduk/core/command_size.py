@@ -94,11 +94,10 @@ def frame_size(job: str, nodes: int, nproc: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Bound:
     """The largest membership command a job's workers could make: ``size`` bytes, ``nodes``
-    members of ``largest`` bytes' entry at most."""
+    members."""
 
     size: int
     nodes: int
-    largest: int
 
     @property
     def fits(self) -> bool:
@@ -193,9 +192,8 @@ class MembershipSizes:
         # The MAX largest: all but the (count - MAX) smallest of them and the new one.
         smallest = sorted([*sizes[: count - nodes], new])[: count - nodes]
         entries = total + new - sum(smallest)
-        largest = max(new, sizes[-1]) if sizes else new
         size = frame_size(key.job, nodes, r.nproc) + entries + nodes - 1
-        return Bound(size + rank_digits(nodes, r.nproc), nodes, largest)
+        return Bound(size + rank_digits(nodes, r.nproc), nodes)
 
     def _put(self, key: WorkerKey, nproc: int, addr: str, *, registered: bool) -> None:
         old = self._of.get(key)
