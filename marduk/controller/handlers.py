@@ -86,11 +86,14 @@ class Handlers:
         try:
             result = self.ctl.policy.register(reg, time.time())
         except PolicyError as e:
-            if e.code == "duplicate_worker":
-                # Who was refused: the worker's identity, for watchers and alerts.
+            if e.code in ("duplicate_worker", "membership_too_large"):
+                # Who was refused: the worker's identity, for watchers and alerts (a worker
+                # refused for its job's size exits: only its own log would say why).
                 await self.ctl.outbox.announce(
                     ControllerEvent(
-                        kind="duplicate_worker",
+                        kind="duplicate_worker"
+                        if e.code == "duplicate_worker"
+                        else "membership_too_large",
                         ts=time.time(),
                         job=reg.job,
                         replica=reg.replica,

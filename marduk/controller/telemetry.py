@@ -29,11 +29,13 @@ _WARN_EVENTS = frozenset(
         "worker_stale",
         "worker_expired",
         "duplicate_worker",
+        "membership_too_large",
         "member_replaced",
         "job_shrunk",
         "job_held",
         "grow_abandoned",
         "spare_claimed",
+        "spare_skipped",
         "command_oversized",
     }
 )

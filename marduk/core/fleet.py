@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from marduk.core import membership as rdzv
+from marduk.core.command_size import MembershipSizes
 from marduk.core.decisions import Outcome, PolicyConfig, epoch_key_for, worker_key
 from marduk.core.drmap import DRMap, ReplicaKey, WorkerKey
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, JobShape, WorkerRecord
@@ -57,6 +58,8 @@ class Fleet:
         self.notice_workers: dict[str, set[WorkerKey]] = {}
         # Each restart scope's epoch record, and what is derived from it (marduk/core/scopes.py).
         self.scopes = Scopes()
+        # The size of each job's membership entries, for admission (marduk/core/command_size.py).
+        self.sizes = MembershipSizes()
         self.devices: dict[str, DeviceRecord] = {}
         # The latest report of each worker (status, step, failure): shown, not persisted.
         self.reports: dict[WorkerKey, Report] = {}
@@ -110,6 +113,9 @@ class Fleet:
         key = worker_key(rec.registration)
         self.workers[key] = rec
         self.job_workers.setdefault(key.job, set()).add(key)
+        r = rec.registration.rendezvous
+        if r is not None and not (r.spare and r.pool == key.job):  # a pool forms nothing
+            self.sizes.put(key, r)
         if rec.registration.peer_notices:
             self.notice_workers.setdefault(key.job, set()).add(key)
         else:
@@ -129,6 +135,7 @@ class Fleet:
         if rec is None:
             return False
         self._no_notices(key)
+        self.sizes.remove(key)
         self.forget_unused(self.drmap.remove_worker(key), out)
         job_workers = self.job_workers[key.job]
         job_workers.discard(key)

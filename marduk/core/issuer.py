@@ -11,22 +11,23 @@ resends it.
 A command that carries a membership is as large as its job (about 105 bytes a node with usual
 names: 107 KB at ``MAX_MEMBERS``) and is sent whole with every resend and registration reply:
 one encoding past ``COMMAND_BUDGET`` (agents refuse a message over ``MAX_MESSAGE_BYTES``) is
-announced when issued (event ``command_oversized``), not found when published or decoded.
+announced when issued (event ``command_oversized``), not found when published or decoded. The
+worker whose entry could make it so is refused at its first registration
+(``MembershipRules.check_size``, ``command_size``); this is the backstop for what admission
+lets by (a worker back under its name with a longer address, a pool's spare).
 """
 
 from __future__ import annotations
 
 from marduk.core import membership as rdzv
+from marduk.core.command_size import COMMAND_BUDGET
 from marduk.core.decisions import Outcome, event_at
 from marduk.core.fleet import Fleet
 from marduk.core.notices import failed_peers, peer_notices
 from marduk.core.records import EpochKey, EpochRecord
 from marduk.wire.protocol import MAX_MESSAGE_BYTES, Command, CommandKind, Membership, encode
 
-# The most a command may encode to: it also travels inside a registration reply, whose other
-# fields need room. Agents refuse (``oversized``) any message over MAX_MESSAGE_BYTES, well
-# under the NATS server's default max payload (1 MiB).
-COMMAND_BUDGET = MAX_MESSAGE_BYTES - 4 * 1024
+__all__ = ["COMMAND_BUDGET", "Issuer"]
 
 
 class Issuer:
@@ -80,6 +81,8 @@ class Issuer:
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
         fleet.scopes.put(ekey, state)
+        if ekey.replica is None:  # members gone keep their entries while it lists them
+            fleet.sizes.settle(ekey.job, state.membership)
         fleet.scopes.issued(ekey, fleet.live_takers(ekey, state) if pending else None, now)
         out.commands.append(command)
         if command.membership is not None or command.retired:

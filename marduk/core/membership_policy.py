@@ -8,7 +8,10 @@ of a lost member. The rule itself (who, which ranks, which coordinator port) is
   ``job``, the job's shape, no node rank claimed twice (``rank_conflict``,
   ``shape_mismatch``). A job has static ranks or the controller's, never both. The job's
   workers agree with each other, so a few of them stand for all (``_others``): admission
-  costs no scan of a big job.
+  costs no scan of a big job. A first registration whose entry could make the job's
+  membership command too large for its agents is refused (``check_size``,
+  ``membership_too_large``); a pool's spare is reckoned when a job would claim it
+  (``_small_enough``).
 * **The first epoch.** Once enough workers are here (MAX, or MIN for the join timeout, which
   ``tick`` watches) the membership forms: a ``restart`` at a new epoch that carries it. A
   registration looks only where it may change that (``registered``).
@@ -32,6 +35,7 @@ import msgspec
 
 from marduk.core import membership as rdzv
 from marduk.core import pools as pool
+from marduk.core.command_size import COMMAND_BUDGET
 from marduk.core.decisions import Outcome, PolicyError, event_at, worker_key
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet
@@ -39,7 +43,14 @@ from marduk.core.grow_policy import GrowRules
 from marduk.core.issuer import Issuer
 from marduk.core.pools import PoolRules
 from marduk.core.records import EpochKey, EpochRecord
-from marduk.wire.protocol import Command, CommandKind, Member, Registration, Rendezvous
+from marduk.wire.protocol import (
+    MAX_MESSAGE_BYTES,
+    Command,
+    CommandKind,
+    Member,
+    Registration,
+    Rendezvous,
+)
 
 
 class MembershipRules:
@@ -139,6 +150,33 @@ class MembershipRules:
             rdzv.check(new, live, membership, self.fleet.is_candidate)
         except rdzv.MembershipError as e:
             raise PolicyError(e.code, str(e)) from None
+
+    def check_size(self, reg: Registration) -> None:
+        """Refuse the first registration of a worker whose entry could make its job's membership
+        command exceed ``COMMAND_BUDGET``: agents refuse a message over MAX_MESSAGE_BYTES, so no
+        member could read it and the job would never start. The bound is the MAX largest
+        entries of the job's workers and this one (a spare may take any member's place:
+        ``command_size.MembershipSizes.bound``), so it also refuses a spare that would make the
+        membership too large when it swaps in. Workers already registered are never refused
+        (nor evicted): only a first registration is checked, so renewals cost nothing more."""
+        r = reg.rendezvous
+        if r is None or pool.is_pool_spare(reg):
+            return  # a pool forms nothing: its spare is reckoned in the job that claims it
+        key = worker_key(reg)
+        # A spare's --nnodes is not checked against the job's: take the job's MAX.
+        max_nodes = self.fleet.nnodes(reg.job)[1] if r.spare else r.max_nodes
+        bound = self.fleet.sizes.bound(key, r, max_nodes)
+        if bound.fits:
+            return
+        raise PolicyError(
+            "membership_too_large",
+            f"worker {key.replica}/{key.worker} would make job {reg.job!r} too large to "
+            f"command: its membership of {bound.nodes} node(s) could encode to {bound.size} "
+            f"bytes, over the {COMMAND_BUDGET}-byte budget of a command (agents refuse "
+            f"messages over {MAX_MESSAGE_BYTES} bytes: no member could read it); shorten the "
+            f"replica names (this one's is {len(key.replica)} characters) and the agents' "
+            f"--local-addr ({len(r.addr)}), or run fewer nodes per job (--nnodes MAX)",
+        )
 
     def _others(self, job: str, key: WorkerKey) -> list[WorkerKey]:
         """Workers of ``job`` other than ``key`` that stand for all of them: the first one, the
@@ -249,6 +287,7 @@ class MembershipRules:
             for c in self.pools.claimable(job, now)
             if c.rendezvous.nproc == shape.nproc and c.devices == shape.devices
         ]
+        spares = self._small_enough(job, spares, now, None)
         return [
             replace(
                 c,
@@ -258,6 +297,32 @@ class MembershipRules:
             )
             for c in spares[:lacking]
         ]
+
+    def _small_enough(
+        self, job: str, spares: list[rdzv.Candidate], now: float, out: Outcome | None
+    ) -> list[rdzv.Candidate]:
+        """Those of the pool's ``spares`` (``PoolRules.claimable``) that the job's membership
+        has room for, each on its own (``check_size``'s bound). A pool spare is admitted by its
+        pool, which forms nothing, so it is reckoned when a job would claim it; one without
+        room is skipped, announced in ``out`` (``spare_skipped``; None: on a held job's tick,
+        which looks again each time, silently)."""
+        if not spares:
+            return spares
+        max_nodes = self.fleet.nnodes(job)[1]
+        kept = []
+        for c in spares:
+            bound = self.fleet.sizes.bound(c.key, c.rendezvous, max_nodes)
+            if bound.fits:
+                kept.append(c)
+            elif out is not None:
+                detail = (
+                    f"pool spare {c.key.replica}/{c.key.worker} not claimed: with it the "
+                    f"membership of {bound.nodes} node(s) could encode to {bound.size} bytes, "
+                    f"over the {COMMAND_BUDGET}-byte budget of a command; shorten the pool "
+                    "spares' replica names and --local-addr"
+                )
+                out.events.append(event_at(c.key, "spare_skipped", now, detail=detail))
+        return kept
 
     # --- members out of service: a spare takes their ranks, or the job shrinks, or it is held --
 
@@ -339,7 +404,7 @@ class MembershipRules:
         assert previous is not None
         self._retire(lost, now, out)
         lowest = self.fleet.nnodes(ekey.job)[0]  # the job's MIN (a non-spare's --nnodes)
-        claimable = self.pools.claimable(ekey.job, now)
+        claimable = self._small_enough(ekey.job, self.pools.claimable(ekey.job, now), now, out)
         change = rdzv.replace(
             previous,
             self.fleet.scopes.next_epoch_peek(ekey),

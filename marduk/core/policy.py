@@ -219,6 +219,9 @@ class Policy:
                 and takes_part(state, key)
             ):
                 fleet.scopes.inherit(ekey, key)
+        for epoch in epochs:  # members no longer registered keep their entries' sizes
+            if epoch.replica is None:
+                fleet.sizes.settle(epoch.job, epoch.membership)
         return policy
 
     # --- inputs, each to its rules ---------------------------------------------------------------

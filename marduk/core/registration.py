@@ -167,6 +167,8 @@ class RegistrationRules:
         check_adoptable(max(reg.epoch, reg.seen_epoch), state, fleet.config.epoch_block)
         renewal = old is not None and old.registration == reg and not was_stale
         self.membership.check(reg, state, renewal=renewal)
+        if old is None:  # a worker registered is never refused for the size (nor evicted)
+            self.membership.check_size(reg)
         fleet.heard(key, now)
         fleet.stale.discard(key)
         fresh_process = old is None or is_fresh_process(old.registration, reg)

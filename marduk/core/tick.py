@@ -80,6 +80,8 @@ class TickRules:
         for ekey in fleet.scopes.vacant_for(retention, now):
             if fleet.scope_workers(ekey) or not fleet.scopes.drop(ekey):
                 continue
+            if ekey.replica is None:  # its membership goes: so do its members' entries
+                fleet.sizes.settle(ekey.job, None)
             out.deleted_epochs.append(ekey)
             detail = f"no worker for {retention:g}s: the scope's epoch record is deleted"
             out.events.append(event_at(ekey, "epochs_dropped", now, detail=detail))

@@ -269,6 +269,7 @@ EventKind = Literal[
     "deregistered",
     "forgotten",
     "duplicate_worker",
+    "membership_too_large",
     "worker_stale",
     "worker_live",
     "worker_expired",
@@ -282,6 +283,7 @@ EventKind = Literal[
     "member_added",
     "grow_abandoned",
     "spare_claimed",
+    "spare_skipped",
     # decisions
     "restart_issued",
     "fail_issued",

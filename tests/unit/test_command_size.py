@@ -17,8 +17,24 @@ from marduk.wire.protocol import (
     Command,
     Registration,
     Rendezvous,
+    Report,
     encode,
 )
+
+
+def registration(n: int, i: int, replica: str, addr: str) -> Registration:
+    """Node ``i`` of a job of ``n`` nodes of 8 ranks whose ranks the controller assigns."""
+    return Registration(
+        job="llama",
+        replica=replica.format(i),
+        host=f"h{i}",
+        devices=[f"h{i}-gpu{d}" for d in range(8)],
+        scope="job",
+        pid=i + 1,
+        rendezvous=Rendezvous(
+            nproc=8, min_nodes=n, max_nodes=n, addr=addr.format(i), ports=[40000]
+        ),
+    )
 
 
 def formed(n: int, replica: str, addr: str) -> tuple[Policy, Command, Outcome]:
@@ -26,18 +42,7 @@ def formed(n: int, replica: str, addr: str) -> tuple[Policy, Command, Outcome]:
     p = Policy(PolicyConfig(worker_ttl_s=1000, worker_expiry_s=10_000))
     out = Outcome()
     for i in range(n):
-        r = Registration(
-            job="llama",
-            replica=replica.format(i),
-            host=f"h{i}",
-            devices=[f"h{i}-gpu{d}" for d in range(8)],
-            scope="job",
-            pid=i + 1,
-            rendezvous=Rendezvous(
-                nproc=8, min_nodes=n, max_nodes=n, addr=addr.format(i), ports=[40000]
-            ),
-        )
-        out = p.register(r, now=i / 1000).outcome
+        out = p.register(registration(n, i, replica, addr), now=i / 1000).outcome
     [cmd] = out.commands
     assert cmd.membership is not None and len(cmd.membership.members) == n
     return p, cmd, out
@@ -77,10 +82,24 @@ def test_a_membership_of_max_members_with_usual_names_fits_with_room() -> None:
 
 
 def test_a_command_agents_would_refuse_is_announced_when_issued_not_at_publish() -> None:
-    """Replica names and addresses as long as the wire allows (128 and 256 characters) at 620
-    nodes: the restart that forms the membership encodes past the budget; the policy says so,
-    once, with the size, the budget and what to shorten (the resends are the same bytes)."""
-    p, cmd, out = formed(620, "r{:04d}" + "x" * 123, "node-{:04d}." + "a" * 246)
+    """The backstop behind admission (``membership_too_large``): 620 nodes with replica names
+    as long as the wire allows (128 characters) fit while their addresses are short; admitted,
+    they are never refused, and each comes back with an address of 256 characters (a new pod
+    under its name). The next restart renews the membership with those and encodes past the
+    budget: the policy says so, once, with the size, the budget and what to shorten (the
+    resends are the same bytes)."""
+    p, first, _ = formed(620, "r{:04d}" + "x" * 123, "10.0.{}.1")
+    for i in range(620):
+        reg = registration(620, i, "r{:04d}" + "x" * 123, "node-{:04d}." + "a" * 246)
+        assert p.register(reg, now=1.0).result == "updated"  # never refused once admitted
+    assert first.membership is not None
+    for m in first.membership.members:  # the first restart is confirmed: the next is new
+        p.on_report(
+            Report(job="llama", replica=m.replica, status="running", epoch=first.epoch), 1.5
+        )
+    crash = Report(job="llama", replica=m.replica, status="crashed", epoch=first.epoch)
+    out = p.on_report(crash, now=2.0).outcome
+    [cmd] = out.commands
     size = len(encode(cmd))
     assert size > COMMAND_BUDGET
     [event] = [e for e in out.events if e.kind == "command_oversized"]
