@@ -23,7 +23,7 @@ import msgspec
 from marduk.core.decisions import HealthResult, Outcome, action_of, scope_order
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet, out_of_service
-from marduk.core.issuer import Issuer
+from marduk.core.issuer import Issuer, clip_reason
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord
 from marduk.core.service_policy import IssueOrReplace, ServiceRules
 from marduk.wire.protocol import CommandKind, ControllerEvent, DeviceHealth, HealthReply
@@ -282,7 +282,7 @@ class DeviceRules:
         merged = msgspec.structs.replace(
             command,
             devices=[*command.devices, device],
-            reason=(command.reason + "; " + reason)[:4000],
+            reason=clip_reason(command.reason + "; " + reason),
         )
         state.command = merged
         out.resent.append(merged)

@@ -25,7 +25,14 @@ from marduk.core.decisions import Outcome, event_at
 from marduk.core.fleet import Fleet
 from marduk.core.notices import failed_peers, peer_notices
 from marduk.core.records import EpochKey, EpochRecord
-from marduk.wire.protocol import MAX_MESSAGE_BYTES, Command, CommandKind, Membership, encode
+from marduk.wire.protocol import (
+    MAX_MESSAGE_BYTES,
+    MAX_TEXT,
+    Command,
+    CommandKind,
+    Membership,
+    encode,
+)
 
 __all__ = ["COMMAND_BUDGET", "Issuer"]
 
@@ -72,7 +79,7 @@ class Issuer:
             scope="job" if ekey.replica is None else "replica",
             kind=kind,
             epoch=epoch,
-            reason=reason,
+            reason=clip_reason(reason),
             devices=devices,
             event_id=cause,
             issued_at=now,
@@ -142,3 +149,12 @@ class Issuer:
         )
         out.notices = [n for n in out.notices if n.job != job]
         out.notices.extend(peer_notices(job, recipients, peers, reason, now))
+
+
+def clip_reason(reason: str) -> str:
+    """``reason`` within the wire's limit for a text (``MAX_TEXT``): agents refuse a command
+    whose reason is longer, and a reason that lists workers or devices grows with the job."""
+    if len(reason) <= MAX_TEXT:
+        return reason
+    tail = f"... ({len(reason) - MAX_TEXT + 64} more characters)"
+    return reason[: MAX_TEXT - 64] + tail

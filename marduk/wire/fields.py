@@ -35,7 +35,8 @@ Token = Annotated[str, msgspec.Meta(pattern=_TOKEN_PATTERN, description="subject
 JobName = Annotated[str, msgspec.Meta(pattern=_JOB_PATTERN, description="job name")]
 DeviceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=_DEVICE_PATTERN)]
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
-Text = Annotated[str, msgspec.Meta(max_length=4096)]
+MAX_TEXT: Final = 4096
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
 # Any integer decodes; decode() answers every value but PROTOCOL_VERSION with reason "version".

@@ -10,14 +10,17 @@ import pytest
 
 from marduk.core import membership as rdzv
 from marduk.core.drmap import WorkerKey
-from marduk.core.issuer import COMMAND_BUDGET
+from marduk.core.issuer import COMMAND_BUDGET, Issuer
 from marduk.core.policy import Outcome, Policy, PolicyConfig
+from marduk.core.records import EpochKey
 from marduk.wire.protocol import (
     MAX_MEMBERS,
+    MAX_TEXT,
     Command,
     Registration,
     Rendezvous,
     Report,
+    decode,
     encode,
 )
 
@@ -108,3 +111,17 @@ def test_a_command_agents_would_refuse_is_announced_when_issued_not_at_publish()
     assert "620 node(s)" in event.detail and "--local-addr" in event.detail
     resend = p.tick(now=3.0)
     assert resend.resent == [cmd] and "command_oversized" not in {e.kind for e in resend.events}
+
+
+def test_a_reason_longer_than_the_wire_allows_is_clipped_so_agents_can_read_the_command() -> None:
+    """A reason that lists workers or devices grows with the job: past the wire's text limit
+    the agents would refuse the whole command. The Issuer clips it and says how much it cut."""
+    p, _, _ = formed(4, "r{}", "10.0.{}.1")
+    issuer = Issuer(p.fleet)
+    long = "lost " + ", ".join(f"worker-{i:05d}/0" for i in range(1000))
+    assert len(long) > MAX_TEXT
+    out = Outcome()
+    cmd = issuer.issue(EpochKey("llama", None), "restart", long, [], "", 5.0, out)
+    assert len(cmd.reason) <= MAX_TEXT and cmd.reason.startswith("lost worker-00000/0")
+    assert cmd.reason.endswith(f"({len(long) - MAX_TEXT + 64} more characters)")
+    assert decode(encode(cmd), Command) == cmd  # what an agent does with it
