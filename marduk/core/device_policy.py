@@ -23,10 +23,16 @@ import msgspec
 from marduk.core.decisions import HealthResult, Outcome, action_of, scope_order
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet, out_of_service
-from marduk.core.issuer import Issuer, clip_reason
+from marduk.core.issuer import Issuer
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord
 from marduk.core.service_policy import IssueOrReplace, ServiceRules
-from marduk.wire.protocol import CommandKind, ControllerEvent, DeviceHealth, HealthReply
+from marduk.wire.protocol import (
+    CommandKind,
+    ControllerEvent,
+    DeviceHealth,
+    HealthReply,
+    clip_text,
+)
 
 MAX_MERGED_DEVICES = 64
 """Devices one command lists at most: a failure past it takes a new epoch instead of merging."""
@@ -282,7 +288,7 @@ class DeviceRules:
         merged = msgspec.structs.replace(
             command,
             devices=[*command.devices, device],
-            reason=clip_reason(command.reason + "; " + reason),
+            reason=clip_text(command.reason + "; " + reason),
         )
         state.command = merged
         out.resent.append(merged)

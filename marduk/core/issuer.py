@@ -27,10 +27,10 @@ from marduk.core.notices import failed_peers, peer_notices
 from marduk.core.records import EpochKey, EpochRecord
 from marduk.wire.protocol import (
     MAX_MESSAGE_BYTES,
-    MAX_TEXT,
     Command,
     CommandKind,
     Membership,
+    clip_text,
     encode,
 )
 
@@ -79,7 +79,7 @@ class Issuer:
             scope="job" if ekey.replica is None else "replica",
             kind=kind,
             epoch=epoch,
-            reason=clip_reason(reason),
+            reason=clip_text(reason),
             devices=devices,
             event_id=cause,
             issued_at=now,
@@ -149,12 +149,3 @@ class Issuer:
         )
         out.notices = [n for n in out.notices if n.job != job]
         out.notices.extend(peer_notices(job, recipients, peers, reason, now))
-
-
-def clip_reason(reason: str) -> str:
-    """``reason`` within the wire's limit for a text (``MAX_TEXT``): agents refuse a command
-    whose reason is longer, and a reason that lists workers or devices grows with the job."""
-    if len(reason) <= MAX_TEXT:
-        return reason
-    tail = f"... ({len(reason) - MAX_TEXT + 64} more characters)"
-    return reason[: MAX_TEXT - 64] + tail

@@ -37,6 +37,16 @@ DeviceId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=_DE
 ShortText = Annotated[str, msgspec.Meta(max_length=256)]
 MAX_TEXT: Final = 4096
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+
+
+def clip_text(text: str) -> str:
+    """``text`` within ``MAX_TEXT``, saying how much was cut: a peer refuses a whole message
+    whose ``Text`` field is longer, and a text that lists workers or devices grows with the job."""
+    if len(text) <= MAX_TEXT:
+        return text
+    return text[: MAX_TEXT - 64] + f"... ({len(text) - MAX_TEXT + 64} more characters)"
+
+
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
 # Any integer decodes; decode() answers every value but PROTOCOL_VERSION with reason "version".

@@ -43,6 +43,7 @@ from marduk.wire.fields import ShortText as ShortText
 from marduk.wire.fields import Text as Text
 from marduk.wire.fields import Token as Token
 from marduk.wire.fields import Version as Version
+from marduk.wire.fields import clip_text as clip_text
 from marduk.wire.membership import JobInfo as JobInfo
 from marduk.wire.membership import Member as Member
 from marduk.wire.membership import Membership as Membership
@@ -325,6 +326,9 @@ class ControllerEvent(Message, tag="event", kw_only=True):
     epoch: int | None = None
     detail: Text = ""
     event_id: ShortText = ""  # the health event that caused it, if one did
+
+    def __post_init__(self) -> None:
+        self.detail = clip_text(self.detail)  # a detail listing workers grows with the job
 
 
 class Hello(Message, tag="hello", kw_only=True):

@@ -17,6 +17,7 @@ from marduk.wire.protocol import (
     MAX_MEMBERS,
     MAX_TEXT,
     Command,
+    ControllerEvent,
     Registration,
     Rendezvous,
     Report,
@@ -125,3 +126,12 @@ def test_a_reason_longer_than_the_wire_allows_is_clipped_so_agents_can_read_the_
     assert len(cmd.reason) <= MAX_TEXT and cmd.reason.startswith("lost worker-00000/0")
     assert cmd.reason.endswith(f"({len(long) - MAX_TEXT + 64} more characters)")
     assert decode(encode(cmd), Command) == cmd  # what an agent does with it
+
+
+def test_an_event_detail_longer_than_the_wire_allows_is_clipped_for_the_monitors() -> None:
+    """``marduk monitor watch`` decodes every event: one detail past the limit would be
+    refused whole (a grow or a loss naming a thousand workers)."""
+    long = ", ".join(f"worker-{i:05d}/0" for i in range(1000))
+    event = ControllerEvent(kind="grow_started", ts=1.0, job="llama", detail=long)
+    assert len(event.detail) <= MAX_TEXT
+    assert decode(encode(event), ControllerEvent) == event
