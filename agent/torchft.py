@@ -146,6 +146,7 @@ class Guard:
         # torchft ids told failed (peer_failed) since the last answer: the next answer is
         # refused if it includes one. Full ids, so a restarted group's new one never is.
         self._dead: set[str] = set()
+        self._seen: dict[str, str] = {}  # Marduk's replica id -> torchft's last seen in a quorum
         self._refuse: int | None = None  # the quorum id whose process group is not configured
         self._answered_in: Any = None  # the Manager's quorum future the last answer came in
         self._waiting = 0  # the Manager's quorum calls in flight
@@ -196,14 +197,14 @@ class Guard:
         failed = ", ".join(f"{p.replica} {p.kind} at epoch {p.epoch}" for p in cmd.peers)
         where, dead = self._place_notice({p.replica for p in cmd.peers})
         error = PeerFailedError(f"peer_failed: {failed}")
+        # The next answer is checked when it comes: the lighthouse may have issued it with
+        # the failed group just before that died (``_answered``).
+        refused = f"; refused if the next quorum includes {', '.join(dead)}" if dead else ""
         if where == "elsewhere":
-            said = f"not in our last quorum, nothing to abandon (step {step})"
+            said = f"not in our last quorum, nothing to abandon{refused} (step {step})"
         elif where == "forming":
             # No collective of this step has started, and an error reported now would only
-            # make the healthy groups skip the first step of the new quorum. The quorum being
-            # formed is checked when it comes: the lighthouse may have issued it with the
-            # failed group just before that died (``_answered``).
-            refused = f"; refused if it includes {', '.join(dead)}" if dead else ""
+            # make the healthy groups skip the first step of the new quorum.
             said = f"the next quorum is forming, nothing to abandon{refused} (step {step})"
         elif where == "configuring":
             # The quorum came back with the failed group and torchft configures (or heals)
@@ -227,15 +228,18 @@ class Guard:
         """Where a notice about the groups ``names`` finds this one: ``elsewhere`` (none was
         in our last quorum), ``forming`` (the next quorum is being asked for), ``configuring``
         (its answer, with a failed group, is being configured or healed from) or
-        ``stepping``; and the torchft ids of the failed groups in our last quorum, which are
-        remembered (``_answered``)."""
+        ``stepping``; and the torchft ids the failed groups had in the last quorum we saw
+        them in (ours or an earlier one), which the next answer is checked against
+        (``_answered``)."""
         with self._lock:  # atomic with an answer coming in on torchft's quorum thread
             members = self.members
-            dead = sorted(m for m in members if _name(m) in names) if members else []
-            # Unknown quorum (no answer read): the failed group may be in it.
-            if not (dead if members is not None else names):
-                return "elsewhere", []
+            # The failed groups' incarnations last seen in a quorum, in our last one or an
+            # earlier one (a group left out of a quorum, healing or late, is back in the next).
+            dead = sorted(self._seen[n] for n in names if n in self._seen)
             self._dead.update(dead)
+            # Unknown quorum (no answer read): the failed group may be in it.
+            if not (members & set(dead) if members is not None else names):
+                return "elsewhere", dead
             if self._waiting == 0 and not self._quorum_forming():
                 return "stepping", dead
             if (
@@ -281,6 +285,7 @@ class Guard:
         with self._lock:
             self._answered_in = getattr(self.manager, "_quorum_future", None)
             self.members = members
+            self._seen.update((_name(m), m) for m in members or ())
             self.quorum = None if members is None else frozenset(_name(m) for m in members)
             self.quorum_id = quorum_id if isinstance(quorum_id, int) else None
             dead = sorted(self._dead & members) if members is not None else []

@@ -160,6 +160,24 @@ def test_a_notice_for_a_group_not_in_the_last_quorum_changes_nothing(
     assert (m.errors, guard.refused, guard.abandoned, m._pg.aborts) == ([], 0, 0, 0)
 
 
+def test_a_group_left_out_of_our_last_quorum_is_refused_in_the_next(
+    setup: tuple[_Manager, _Client, Guard],
+) -> None:
+    """g3 was left out of our last quorum (healing, or late to ask: quorums rotate with a
+    short join timeout) and the lighthouse issues the next one with it just before it dies:
+    nothing to abandon, but the incarnation we last saw is refused in that answer; a new
+    incarnation is not."""
+    m, client, guard = setup
+    client.answers += [(2, ["g1:a", "g2:b"]), (3, ["g1:a", "g2:b", "g3:c"])]
+    quorum_step(m)
+    client.during = lambda: guard.on_command(notice("g3"))
+    quorum_step(m)
+    assert (m._pg.configured, guard.refused, guard.abandoned) == ([1, 2], 1, 1)
+    client.answers += [(4, ["g1:a", "g2:b", "g3:NEW"])]
+    quorum_step(m)
+    assert (m._pg.configured, guard.refused, guard.abandoned) == ([1, 2, 4], 1, 1)
+
+
 def test_a_notice_while_stepping_abandons_the_step_and_refuses_one_answer_with_it(
     setup: tuple[_Manager, _Client, Guard],
 ) -> None:
