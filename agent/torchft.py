@@ -29,10 +29,24 @@ process group (a collective pending with the failed group ends now instead of at
 and does not exit: the next step's quorum forms without the failed group (torchft reconfigures
 the process group when the membership changes, which it does: the failed group's trainer is
 ended by its agent). A notice about a group not in the last quorum (already gone), or one
-that comes while the next quorum is forming (no collective of the step has started), changes
+that comes while the next quorum is forming (no collective of the step has started), abandons
 nothing. Which groups were in the quorum is read from the Manager's quorum answers
 (``Manager._client``, wrapped at ``attach``); where that is not possible the Guard only reports
 the error, and aborts nothing.
+
+The lighthouse can issue a quorum with a group just before that group dies. So the Guard
+remembers the incarnation each notice names (torchft's full ``name:uuid``, as last seen in a
+quorum answer: a restarted group's new uuid is never named), and the next answer that still
+includes it is refused: the error is reported and the Manager's process group (``Manager._pg``,
+wrapped at ``attach``) refuses to be configured for that quorum, which torchft handles as a
+failed configure (no heal, the step does not commit, the failed commit bumps the next quorum's
+id), instead of waiting the process group's timeout for the dead group's store key. A notice
+that comes after the answer, before torchft configures, refuses it the same way; one that comes
+once the configure waits is too late (nothing reaches that wait), and the step only does not
+commit. Each rank of a group decides alone, and safely: a refusal asks nothing again and raises
+nothing to the loop, each rank configures its own process group, and torchft's
+``should_commit`` (all ranks of the group) commits the step only if none refused. The mark is
+forgotten at the next answer, so a notice that comes late costs at most one quorum.
 
 Hangs: ``guard.step()`` is the progress ``marduk agent run --hang-timeout`` watches, so a trainer
 that stops stepping without dying (a frozen process, a deadlock) is ended and started again
