@@ -11,6 +11,7 @@ import time
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -167,25 +168,14 @@ class _Answers:
         return should_commit
 
 
-def test_torchfts_manager_skips_a_refused_quorum_at_once_and_configures_the_next() -> None:
-    """torchft 0.2.0's own ``Manager`` (its quorum client answering from a list): the notice
-    about g3 comes while the quorum call is in flight, and the answer still holds g3's
-    incarnation. The Manager does not configure its process group with it (which would wait
-    the process group's timeout for g3's store key): the quorum step ends at once with the
-    error reported, the step does not commit, and the next quorum (asked with the failed
-    commit, so the lighthouse would bump its id) configures a process group without g3."""
-    pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[dev]'")
+def _manager(lighthouse: Any, store: Any, rank: int = 0, world_size: int = 1) -> tuple[Any, Any]:
+    """torchft's Manager for replica group g1 (and its process group), on a lighthouse and a
+    store made in the test; the lighthouse is asked for quorums only where the test's client
+    does not answer them."""
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
-    from torchft._torchft import LighthouseServer
 
-    from agent.library.command import Command, PeerFailure
-    from agent.torchft import PeerFailedError
-
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)  # never asked for a quorum
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
     manager = Manager(
         pg=pg,
@@ -196,12 +186,32 @@ def test_torchfts_manager_skips_a_refused_quorum_at_once_and_configures_the_next
         lighthouse_addr=lighthouse.address(),
         store_addr="127.0.0.1",
         store_port=store.port,
-        rank=0,
-        world_size=1,
+        rank=rank,
+        world_size=world_size,
         hostname="127.0.0.1",
         timeout=timedelta(seconds=5),
         connect_timeout=timedelta(seconds=5),
     )
+    return manager, pg
+
+
+def test_torchfts_manager_skips_a_refused_quorum_at_once_and_configures_the_next() -> None:
+    """torchft 0.2.0's own ``Manager`` (its quorum client answering from a list): the notice
+    about g3 comes while the quorum call is in flight, and the answer still holds g3's
+    incarnation. The Manager does not configure its process group with it (which would wait
+    the process group's timeout for g3's store key): the quorum step ends at once with the
+    error reported, the step does not commit, and the next quorum (asked with the failed
+    commit, so the lighthouse would bump its id) configures a process group without g3."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[dev]'")
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseServer
+
+    from agent.library.command import Command, PeerFailure
+    from agent.torchft import PeerFailedError
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)  # never asked for a quorum
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager, pg = _manager(lighthouse, store)
     try:
         me = store.get("replica_id").decode()  # g1:uuid
         # The first answer has g3 in it but a world of one: configured without a second process.
@@ -239,4 +249,58 @@ def test_torchfts_manager_skips_a_refused_quorum_at_once_and_configures_the_next
         assert manager.should_commit()
     finally:
         manager.shutdown(wait=False)
+        lighthouse.shutdown()
+
+
+def test_the_ranks_of_a_group_may_refuse_differently_and_still_agree() -> None:
+    """One replica group of two ranks, torchft's own Managers and Manager server, a real
+    lighthouse. A notice reaches the ranks at different times, so rank 0 refuses a quorum
+    (here: it is told the group's own incarnation failed) and rank 1 configures it. Nothing
+    waits for the other: each rank makes its one quorum request per step and configures its
+    own process group, and torchft's should_commit (all ranks of the group) gives both the same
+    answer, False; the next quorum (its id bumped by the failed commit) is configured by both
+    and commits."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[dev]'")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # Rank 0 first: it starts the group's Manager server.
+    made = [_manager(lighthouse, store, rank, world_size=2) for rank in range(2)]
+    managers, pgs = [m for m, _ in made], [pg for _, pg in made]
+    guards = [Guard(m, pg) for m, pg in made]
+    for m, g in zip(managers, guards, strict=True):
+        _watch_quorums(m, g)
+    both = ThreadPoolExecutor(2)
+
+    def step(fail: bool = False) -> list[bool]:
+        for m in managers:
+            m.start_quorum()
+        for m in managers:
+            m.wait_quorum()
+            if fail:
+                m.report_error(RuntimeError("a step that does not commit"))
+        return list(both.map(lambda m: m.should_commit(), managers))
+
+    try:
+        assert step() == [True, True]
+        assert step(fail=True) == [False, False]  # the next quorum gets a new id: configured
+        before = pgs[0]._quorum_id
+        me = store.get("replica_id").decode()
+        guards[0]._dead.add(me)  # rank 0 told, rank 1 not yet
+        t0 = time.monotonic()
+        assert step() == [False, False]
+        assert time.monotonic() - t0 < 3  # nobody waited for the other
+        assert (guards[0].refused, guards[1].refused) == (1, 0)
+        assert pgs[0]._quorum_id == before  # refused
+        assert pgs[1]._quorum_id == guards[1].quorum_id != before  # configured
+        assert step() == [True, True]
+        assert pgs[0]._quorum_id == pgs[1]._quorum_id == guards[0].quorum_id
+    finally:
+        both.shutdown()
+        for m in managers:
+            m.shutdown(wait=False)
         lighthouse.shutdown()
