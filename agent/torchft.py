@@ -25,14 +25,15 @@ there is nothing to save (the group heals from a peer). Exit codes: ``RESTART_EX
 The group also asks for ``peer_failed`` notices: when the controller restarts or fails another
 group of the job, this one is told at once. If that group was in this group's last quorum, the
 Guard reports the error to the Manager (the step in flight does not commit) and aborts the
-process group (a collective pending with the failed group ends now instead of at its timeout),
-and does not exit: the next step's quorum forms without the failed group (torchft reconfigures
-the process group when the membership changes, which it does: the failed group's trainer is
-ended by its agent). A notice about a group not in the last quorum (already gone), or one
-that comes while the next quorum is forming (no collective of the step has started), abandons
-nothing. Which groups were in the quorum is read from the Manager's quorum answers
-(``Manager._client``, wrapped at ``attach``); where that is not possible the Guard only reports
-the error, and aborts nothing.
+process group, and does not exit (with torchft's ProcessGroupGloo the abort ends the peers'
+collectives pending with this group at once, not this group's own: that one ends when its peer
+aborts or dies, or at torchft's timeout; bench/torchft_abort_probe.py). The next step's quorum
+forms without the failed group (torchft reconfigures the process group when the membership
+changes, which it does: the failed group's trainer is ended by its agent). A notice about a
+group not in the last quorum (already gone), or one that comes while the next quorum is
+forming (no collective of the step has started), abandons nothing. Which groups were in the
+quorum is read from the Manager's quorum answers (``Manager._client``, wrapped at ``attach``);
+where that is not possible the Guard only reports the error, and aborts nothing.
 
 The lighthouse can issue a quorum with a group just before that group dies. So the Guard
 remembers the incarnation each notice names (torchft's full ``name:uuid``, as last seen in a
