@@ -25,14 +25,29 @@ there is nothing to save (the group heals from a peer). Exit codes: ``RESTART_EX
 The group also asks for ``peer_failed`` notices: when the controller restarts or fails another
 group of the job, this one is told at once. If that group was in this group's last quorum, the
 Guard reports the error to the Manager (the step in flight does not commit) and aborts the
-process group (a collective pending with the failed group ends now instead of at its timeout),
-and does not exit: the next step's quorum forms without the failed group (torchft reconfigures
-the process group when the membership changes, which it does: the failed group's trainer is
-ended by its agent). A notice about a group not in the last quorum (already gone), or one
-that comes while the next quorum is forming (no collective of the step has started), changes
-nothing. Which groups were in the quorum is read from the Manager's quorum answers
-(``Manager._client``, wrapped at ``attach``); where that is not possible the Guard only reports
-the error, and aborts nothing.
+process group, and does not exit (with torchft's ProcessGroupGloo the abort ends the peers'
+collectives pending with this group at once, not this group's own: that one ends when its peer
+aborts or dies, or at torchft's timeout; bench/torchft_abort_probe.py). The next step's quorum
+forms without the failed group (torchft reconfigures the process group when the membership
+changes, which it does: the failed group's trainer is ended by its agent). A notice about a
+group not in the last quorum (already gone), or one that comes while the next quorum is
+forming (no collective of the step has started), abandons nothing. Which groups were in the
+quorum is read from the Manager's quorum answers (``Manager._client``, wrapped at ``attach``);
+where that is not possible the Guard only reports the error, and aborts nothing.
+
+The lighthouse can issue a quorum with a group just before that group dies. So the Guard
+remembers the incarnation each notice names (torchft's full ``name:uuid``, as last seen in a
+quorum answer: a restarted group's new uuid is never named), and the next answer that still
+includes it is refused: the error is reported and the Manager's process group (``Manager._pg``,
+wrapped at ``attach``) refuses to be configured for that quorum, which torchft handles as a
+failed configure (no heal, the step does not commit, the failed commit bumps the next quorum's
+id), instead of waiting the process group's timeout for the dead group's store key. A notice
+that comes after the answer, before torchft configures, refuses it the same way; one that comes
+once the configure waits is too late (nothing reaches that wait), and the step only does not
+commit. Each rank of a group decides alone, and safely: a refusal asks nothing again and raises
+nothing to the loop, each rank configures its own process group, and torchft's
+``should_commit`` (all ranks of the group) commits the step only if none refused. The mark is
+forgotten at the next answer, so a notice that comes late costs at most one quorum.
 
 Hangs: ``guard.step()`` is the progress ``marduk agent run --hang-timeout`` watches, so a trainer
 that stops stepping without dying (a frozen process, a deadlock) is ended and started again
@@ -99,6 +114,11 @@ class _Manager(Protocol):
     def current_step(self) -> int: ...
 
 
+def _name(ft_replica_id: str) -> str:
+    """Marduk's replica id from torchft's (``name:uuid``)."""
+    return ft_replica_id.split(":", 1)[0]
+
+
 def replica_id(default: str | None = None) -> str:
     """This group's replica id for ``Manager(replica_id=...)``: ``MARDUK_REPLICA_ID`` (set by
     ``marduk agent run --replica``), else ``default``; AgentError when neither is set."""
@@ -131,9 +151,19 @@ class Guard:
         self.client: agent.Client | None = None
         self._lock = threading.Lock()
         self.abandoned = 0  # steps abandoned for another group's failure
-        # The replica ids (Marduk's: torchft's before its ":uuid") of the last quorum; None
-        # while unknown (no quorum yet, or the Manager's client could not be wrapped).
+        self.refused = 0  # quorums answered with a group told failed: not configured
+        # The last quorum the Manager was answered (None while unknown: no quorum yet, or the
+        # Manager's client could not be wrapped): torchft's replica ids ("name:uuid", a fresh
+        # uuid per incarnation), Marduk's ("name"), and its quorum id.
+        self.members: frozenset[str] | None = None
         self.quorum: frozenset[str] | None = None
+        self.quorum_id: int | None = None
+        # torchft ids told failed (peer_failed) since the last answer: the next answer is
+        # refused if it includes one. Full ids, so a restarted group's new one never is.
+        self._dead: set[str] = set()
+        self._seen: dict[str, str] = {}  # Marduk's replica id -> torchft's last seen in a quorum
+        self._refuse: int | None = None  # the quorum id whose process group is not configured
+        self._answered_in: Any = None  # the Manager's quorum future the last answer came in
         self._waiting = 0  # the Manager's quorum calls in flight
         self._stepped = False  # guard.step() was called: the trainer's startup is over
         self._beats: threading.Thread | None = None
@@ -176,57 +206,124 @@ class Guard:
 
     def on_peer_failed(self, cmd: Command) -> None:
         """Other groups restart or fail: if one was in our last quorum, abandon the step in
-        flight (``report_error``) and end a collective pending with it (abort), without exiting."""
-        quorum = self.quorum
+        flight (``report_error``) and end a collective pending with it (abort), without
+        exiting; and refuse the next quorum answer if it still includes that incarnation."""
         step = self._step_or_none()
         failed = ", ".join(f"{p.replica} {p.kind} at epoch {p.epoch}" for p in cmd.peers)
-        ours = [p.replica for p in cmd.peers if quorum is None or p.replica in quorum]
-        if ours and self._quorum_forming():
-            # No collective of this step has started: the quorum being formed decides without
-            # the failed group (it does not heartbeat), and an error reported now would only
+        where, dead = self._place_notice({p.replica for p in cmd.peers})
+        error = PeerFailedError(f"peer_failed: {failed}")
+        # The next answer is checked when it comes: the lighthouse may have issued it with
+        # the failed group just before that died (``_answered``).
+        refused = f"; refused if the next quorum includes {', '.join(dead)}" if dead else ""
+        if where == "elsewhere":
+            said = f"not in our last quorum, nothing to abandon{refused} (step {step})"
+        elif where == "forming":
+            # No collective of this step has started, and an error reported now would only
             # make the healthy groups skip the first step of the new quorum.
-            print(
-                f"marduk: peer_failed: {failed}: the next quorum is forming, nothing to abandon "
-                f"(step {step})",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        if not ours:
-            print(
-                f"marduk: peer_failed: {failed}: not in our last quorum, nothing to abandon "
-                f"(step {step})",
-                file=sys.stderr,
-                flush=True,
-            )
-            return
-        print(f"marduk: peer_failed: {failed}: abandoning step {step}", file=sys.stderr, flush=True)
+            said = f"the next quorum is forming, nothing to abandon{refused} (step {step})"
+        elif where == "configuring":
+            # The quorum came back with the failed group and torchft configures (or heals)
+            # with it: not configured if torchft has not started to (``refuses``); a
+            # configure already waiting for the failed group's store key ends at its timeout.
+            # No abort: it would race the configure on torchft's thread, and no collective
+            # of this step runs once the error is reported.
+            said = f"in the quorum being configured, abandoning step {step}"
+            self._abandon(error, abort=False)
+        else:
+            # Abort safe only because the failed group was in the quorum: its trainer is
+            # ended, so the next quorum differs (or, still holding the failed incarnation, is
+            # refused, and the lighthouse bumps the next one's id for the failed commit) and
+            # torchft configures a new process group. Aborting when the quorum stays the
+            # same would leave none.
+            said = f"abandoning step {step}"
+            self._abandon(error, abort=self.members is not None)
+        print(f"marduk: peer_failed: {failed}: {said}", file=sys.stderr, flush=True)
+
+    def _place_notice(self, names: set[str]) -> tuple[str, list[str]]:
+        """Where a notice about the groups ``names`` finds this one: ``elsewhere`` (none was
+        in our last quorum), ``forming`` (the next quorum is being asked for), ``configuring``
+        (its answer, with a failed group, is being configured or healed from) or
+        ``stepping``; and the torchft ids the failed groups had in the last quorum we saw
+        them in (ours or an earlier one), which the next answer is checked against
+        (``_answered``)."""
+        with self._lock:  # atomic with an answer coming in on torchft's quorum thread
+            members = self.members
+            # The failed groups' incarnations last seen in a quorum, in our last one or an
+            # earlier one (a group left out of a quorum, healing or late, is back in the next).
+            dead = sorted(self._seen[n] for n in names if n in self._seen)
+            self._dead.update(dead)
+            # Unknown quorum (no answer read): the failed group may be in it.
+            if not (members & set(dead) if members is not None else names):
+                return "elsewhere", dead
+            if self._waiting == 0 and not self._quorum_forming():
+                return "stepping", dead
+            if (
+                self._waiting == 0
+                and members is not None
+                and getattr(self.manager, "_quorum_future", None) is self._answered_in
+            ):
+                self._refuse = self.quorum_id
+                return "configuring", dead
+            return "forming", dead
+
+    def _abandon(self, error: Exception, abort: bool) -> None:
         self.abandoned += 1
         try:
-            self.manager.report_error(PeerFailedError(f"peer_failed: {failed}"))
+            self.manager.report_error(error)
         except Exception as e:
             log.warning("report_error: %s", e)
-        if self.pg is not None and quorum is not None:
-            # Safe only because the failed group was in the quorum: its trainer is ended, so
-            # the next quorum differs and torchft configures a new process group. Aborting
-            # when the quorum stays the same would leave none.
+        if abort and self.pg is not None:
             try:
                 self.pg.abort()
             except Exception as e:
                 log.warning("aborting the process group: %s", e)
 
     def _quorum_forming(self) -> bool:
-        """The Manager is waiting for this step's quorum (torchft 0.2.0's ``_quorum_future``;
-        False where that cannot be read)."""
+        """The Manager is waiting for this step's quorum, or configuring or healing with it
+        (torchft 0.2.0's ``_quorum_future``; False where that cannot be read)."""
         future = getattr(self.manager, "_quorum_future", None)
         done = getattr(future, "done", None)
         return callable(done) and not done()
 
-    def _saw_quorum(self, replica_ids: Any) -> None:
+    def _answered(self, result: Any) -> None:
+        """A quorum answer (torchft's ``QuorumResult``), before torchft configures its
+        process group with it. One that includes an incarnation told failed since the last
+        answer is refused: the error is reported (the step does not commit) and
+        ``refuses(quorum_id)`` is true, so the process group is not configured with a member
+        that will never write its store key (the configure would wait for it until its
+        timeout, which no abort reaches)."""
         try:
-            self.quorum = frozenset(str(r).split(":", 1)[0] for r in replica_ids)
-        except TypeError:  # not a list of ids (another torchft): unknown
-            self.quorum = None
+            members: frozenset[str] | None = frozenset(str(r) for r in result.replica_ids)
+        except (AttributeError, TypeError):  # not a list of ids (another torchft): unknown
+            members = None
+        quorum_id = getattr(result, "quorum_id", None)
+        with self._lock:
+            self._answered_in = getattr(self.manager, "_quorum_future", None)
+            self.members = members
+            self._seen.update((_name(m), m) for m in members or ())
+            self.quorum = None if members is None else frozenset(_name(m) for m in members)
+            self.quorum_id = quorum_id if isinstance(quorum_id, int) else None
+            dead = sorted(self._dead & members) if members is not None else []
+            # An incarnation told failed asks the lighthouse no more: at most this answer can
+            # still include it. Forgetting it here also bounds what a late notice (one about
+            # an incarnation already replaced in our quorum) can cost: one refused quorum.
+            self._dead.clear()
+            self._refuse = self.quorum_id if dead else None
+        if not dead:
+            return
+        self.refused += 1
+        step = self._step_or_none()
+        print(
+            f"marduk: quorum {quorum_id} includes {', '.join(dead)}, told failed: not "
+            f"configured, abandoning step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._abandon(PeerFailedError(f"quorum {quorum_id} includes {', '.join(dead)}"), False)
+
+    def refuses(self, quorum_id: object) -> bool:
+        """Whether the process group must not be configured for this quorum id."""
+        return quorum_id is not None and quorum_id == self._refuse
 
     def waiting_for_quorum(self, waiting: bool) -> None:
         """The Manager's quorum call starts (True) or returns (False)."""
@@ -337,7 +434,7 @@ class _QuorumClient:
             result = self._inner._quorum(*args, **kwargs)
         finally:
             self._guard.waiting_for_quorum(False)
-        self._guard._saw_quorum(getattr(result, "replica_ids", None))
+        self._guard._answered(result)
         return result
 
     def __getattr__(self, name: str) -> Any:
@@ -350,6 +447,32 @@ def _watch_quorums(manager: Any, guard: Guard) -> None:
         log.info("the Manager's quorums cannot be read: peer notices abort nothing")
         return
     manager._client = _QuorumClient(inner, guard)
+    _refuse_configures(getattr(manager, "_pg", None), guard)
+
+
+def _refuse_configures(pg: Any, guard: Guard) -> None:
+    """Make the Manager's process group refuse a configure for a quorum the Guard refused
+    (``Guard._answered``): torchft 0.2.0's ``_async_quorum`` catches the error, reports it
+    and returns (no heal), the step does not commit, and the next quorum (the failed commit
+    bumps its id) configures a new one. Raising from the quorum call instead would reach
+    the training loop (``wait_quorum``), and asking again would break the Manager's one
+    quorum request per rank and step."""
+    configure = getattr(pg, "configure", None)
+    if not callable(configure):
+        log.info("the Manager's process group cannot be wrapped: a refused quorum configures")
+        return
+
+    def configure_unless_refused(*args: Any, **kwargs: Any) -> Any:
+        # torchft 0.2.0: configure(store_addr, replica_id, rank, world_size, quorum_id, ...)
+        quorum_id = kwargs.get("quorum_id", args[4] if len(args) > 4 else None)
+        if guard.refuses(quorum_id):
+            raise PeerFailedError(f"quorum {quorum_id} includes a group told failed")
+        return configure(*args, **kwargs)
+
+    try:
+        pg.configure = configure_unless_refused
+    except (AttributeError, TypeError) as e:
+        log.info("the Manager's process group cannot be wrapped (%s)", e)
 
 
 __all__ = [

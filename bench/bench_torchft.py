@@ -38,7 +38,9 @@ in its new trainer, at another group's step with its weights (healed from a peer
 **whole**: fault -> the first step all three groups committed together (``groups 3``: the job
 whole again; a short join timeout can keep quorums rotating after a return, see
 docs/benchmarks.md); **healthy_new_trainers**: restarts of the healthy groups (a hang detection
-taking them for hung).
+taking them for hung); **healthy_refused_quorums**: quorum answers the healthy groups' Guards
+refused because they still held the failed group's dead incarnation (under Marduk);
+**healthy_late_notices**: notices that came once such an answer was read, too late to refuse it.
 
 ``--quiet S``: before the faults, S s without any (configurations with a tightened lighthouse
 timer only, unless ``--quiet-all``): any committed step with fewer than 3 groups or any new
@@ -93,6 +95,8 @@ CONFIGS = tuple(
 FAULTS = ("device", "crash", "hang")
 COMMITTED = re.compile(r"step (\d+) committed weights (\w+) loss \S+ groups (\d+) t ([0-9.]+)")
 JOINING = re.compile(r"group (\S+) pid (\d+) joining at step (\d+)")
+REFUSED = "told failed: not configured"  # agent.torchft.Guard refusing a quorum answer
+LATE = "in the quorum being configured"  # its notice after that answer was read: too late
 
 
 @dataclass(frozen=True)
@@ -334,6 +338,7 @@ class Job:
         before = failed.commits()
         incarnation = len(failed.trainer_pids())  # the next trainer's index
         others = {h: len(p.trainer_pids()) for h, p in self.groups.items() if h != g}
+        seen = {h: len(p.lines) for h, p in self.groups.items() if h != g}
         last_step = before[-1].step
         t0 = self.fault(kind, g)
         back: Commit | None = None
@@ -389,7 +394,17 @@ class Job:
             "healthy_new_trainers": sum(
                 len(self.groups[h].trainer_pids()) - n for h, n in others.items()
             ),
+            # Quorum answers the healthy groups' Guards refused (issued with the failed group
+            # just before it died: agent/torchft.py); 0 for torchft alone.
+            "healthy_refused_quorums": self._said(REFUSED, seen),
+            # Notices that came once such an answer was read (its configure may wait for the
+            # failed group until torchft's timeout: nothing reaches that wait).
+            "healthy_late_notices": self._said(LATE, seen),
         }
+
+    def _said(self, text: str, since: dict[str, int]) -> int:
+        """Lines with ``text`` in the groups' output past the line counts ``since``."""
+        return sum(text in line for h, n in since.items() for line in self.groups[h].lines[n:])
 
     def quiet(self, seconds: float) -> dict[str, object]:
         t0 = time.time()

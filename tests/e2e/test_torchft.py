@@ -90,12 +90,17 @@ def lighthouse(env: dict[str, str], min_replicas: int) -> tuple[Proc, str]:
     return Proc(args, {**env, "RUST_LOG": "info"}), f"http://127.0.0.1:{port}"
 
 
-def group(env: dict[str, str], replica: str, lighthouse_addr: str) -> Proc:
+def group(
+    env: dict[str, str],
+    replica: str,
+    lighthouse_addr: str,
+    trainer: str = "examples/torchft_ddp.py",
+) -> Proc:
     return agent_run(
         env,
         *("--job", JOB, "--replica", replica, "--devices", f"{JOB}-{replica}-d0"),
         *("--preload", "torch,torchft", "--grace", "5", "--startup-timeout", "120"),
-        cmd=trainer_args(lighthouse_addr),
+        cmd=[sys.executable, trainer, *trainer_args(lighthouse_addr)[2:]],
     )
 
 
@@ -203,6 +208,57 @@ def test_device_failure_and_crash_cost_the_healthy_groups_no_restart(
         starts = {r: sum(" joining at step " in ln for ln in g.all) for r, g in groups.items()}
         assert starts == {"g1": 1, "g2": 2, "g3": 2}, starts
         print(f"wall time {time.monotonic() - t_start:.1f} s")
+    finally:
+        for p in groups.values():
+            p.stop()
+        lh.stop()
+        ctl.stop()
+
+
+def test_a_quorum_issued_with_a_group_just_before_it_dies_costs_no_configure_timeout(
+    ft_env: dict[str, str], tmp_path: Path
+) -> None:
+    """Issue 19, made certain (tests/trainers/torchft_race.py): the lighthouse answers a quorum
+    with g3, g3's trainer is SIGKILLed right after, and g1 and g2 hold that answer 2 s, so the
+    notice comes while their quorum call is in flight and the answer still holds g3's dead
+    incarnation. They refuse it instead of configuring a process group with it (which waited
+    the trainers' 10 s torchft timeout for g3's store key): the healthy groups' gap is about
+    the hold, not hold + timeout; g3 heals as after any crash."""
+    hold = 2.0
+    env = {
+        **ft_env,
+        "MARDUK_TEST_RACE_STEP": "30",
+        "MARDUK_TEST_RACE_DIES": "g3",
+        "MARDUK_TEST_RACE_DELAY": str(hold),
+        "MARDUK_TEST_RACE_DIR": str(tmp_path),
+    }
+    ctl = controller(env)
+    lh, addr = lighthouse(env, min_replicas=2)
+    groups = {r: group(env, r, addr, "tests/trainers/torchft_race.py") for r in ("g1", "g2", "g3")}
+    g1, g2, g3 = groups["g1"], groups["g2"], groups["g3"]
+    every = [*groups.values(), lh]
+    try:
+        line = g3.expect("race: dying after quorum", timeout=120)
+        t0 = time.time()
+        quorum = line.split("race: dying after quorum ", 1)[1].split()[0]
+        g3.expect("trainer crashed", timeout=10)
+        for h in (g1, g2):
+            h.expect(f"race: holding quorum {quorum}", timeout=10)
+            told = h.expect("marduk: peer_failed: g3 restart", timeout=10)
+            assert (
+                "the next quorum is forming" in told
+                and "refused if the next quorum includes g3:" in told
+            )
+            refused = h.expect(f"marduk: quorum {quorum} includes g3:", timeout=10)
+            print(f"a healthy group: {refused.strip()}")
+        heals("quorum with a dying group", g3, [g1, g2], t0, every)
+        for h in (g1, g2):
+            after = [c.t for c in commits(h) if c.t > t0]
+            before = [c.t for c in commits(h) if c.t <= t0]
+            gap = after[0] - before[-1]
+            assert gap < hold + 5, gap  # hold + 10 s with the configure timeout
+        starts = {r: sum(" joining at step " in ln for ln in g.all) for r, g in groups.items()}
+        assert starts == {"g1": 1, "g2": 1, "g3": 2}, starts
     finally:
         for p in groups.values():
             p.stop()

@@ -9,7 +9,9 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,3 +131,176 @@ def test_waiting_for_a_quorum_is_not_a_hang() -> None:
     beats = client.beats
     time.sleep(0.1)
     assert client.beats - beats <= 1  # at most one that was under way
+
+
+class _Answers:
+    """A Manager's quorum client answering from a list (no lighthouse): each answer is
+    ``(quorum_id, replica_ids, world_size)``; ``during`` runs while a call is in flight."""
+
+    def __init__(self, store_address: str, answers: list[tuple[int, list[str], int]]) -> None:
+        self.store_address = store_address
+        self.answers = answers
+        self.during: Callable[[], None] = lambda: None
+        self.asked: list[dict[str, object]] = []
+
+    def _quorum(self, **kwargs: object) -> object:
+        self.asked.append(kwargs)
+        self.during()
+        self.during = lambda: None
+        quorum_id, ids, world_size = self.answers.pop(0)
+        return types.SimpleNamespace(
+            quorum_id=quorum_id,
+            replica_ids=ids,
+            replica_rank=0,
+            replica_world_size=world_size,
+            recover_src_manager_address="",
+            recover_src_replica_rank=None,
+            recover_dst_replica_ranks=[],
+            store_address=self.store_address,
+            max_step=kwargs["step"],
+            max_replica_rank=0,
+            max_world_size=world_size,
+            heal=False,
+            commit_failures=0,
+        )
+
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, **_: object) -> bool:
+        return should_commit
+
+
+def _manager(lighthouse: Any, store: Any, rank: int = 0, world_size: int = 1) -> tuple[Any, Any]:
+    """torchft's Manager for replica group g1 (and its process group), on a lighthouse and a
+    store made in the test; the lighthouse is asked for quorums only where the test's client
+    does not answer them."""
+    from datetime import timedelta
+
+    from torchft import Manager, ProcessGroupGloo
+
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=5))
+    manager = Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=lambda _: None,
+        state_dict=lambda: {},
+        replica_id="g1",
+        lighthouse_addr=lighthouse.address(),
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=rank,
+        world_size=world_size,
+        hostname="127.0.0.1",
+        timeout=timedelta(seconds=5),
+        connect_timeout=timedelta(seconds=5),
+    )
+    return manager, pg
+
+
+def test_torchfts_manager_skips_a_refused_quorum_at_once_and_configures_the_next() -> None:
+    """torchft 0.2.0's own ``Manager`` (its quorum client answering from a list): the notice
+    about g3 comes while the quorum call is in flight, and the answer still holds g3's
+    incarnation. The Manager does not configure its process group with it (which would wait
+    the process group's timeout for g3's store key): the quorum step ends at once with the
+    error reported, the step does not commit, and the next quorum (asked with the failed
+    commit, so the lighthouse would bump its id) configures a process group without g3."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[dev]'")
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseServer
+
+    from agent.library.command import Command, PeerFailure
+    from agent.torchft import PeerFailedError
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)  # never asked for a quorum
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager, pg = _manager(lighthouse, store)
+    try:
+        me = store.get("replica_id").decode()  # g1:uuid
+        # The first answer has g3 in it but a world of one: configured without a second process.
+        client = _Answers(
+            f"127.0.0.1:{store.port}",
+            [(1, [me, "g3:c"], 1), (2, [me, "g3:c"], 2), (3, [me], 1)],
+        )
+        manager._client = client  # type: ignore[assignment]
+        guard = Guard(manager, pg)
+        _watch_quorums(manager, guard)
+
+        manager.start_quorum()
+        manager.wait_quorum()
+        assert (pg._quorum_id, manager.errored()) == (1, None)
+        assert manager.should_commit()
+
+        peer = PeerFailure("g3", 1, "restart")
+        told = Command("peer_failed", 0, "", (), "ft", "g1", "replica", "n", 0.0, 0.0, (peer,))
+        client.during = lambda: guard.on_command(told)
+        t0 = time.monotonic()
+        manager.start_quorum()
+        manager.wait_quorum()  # returns: the refusal does not reach the training loop
+        took = time.monotonic() - t0
+        assert took < 2, took  # not the process group's 5 s for g3's store key
+        assert pg._quorum_id == 1  # not configured for quorum 2
+        error = manager.errored()
+        assert error is not None and isinstance(error.original_exception, PeerFailedError)
+        assert not manager.should_commit()
+        assert guard.refused == 1
+
+        manager.start_quorum()
+        manager.wait_quorum()
+        assert client.asked[-1]["commit_failures"] == 1
+        assert (pg._quorum_id, manager.errored()) == (3, None)
+        assert manager.should_commit()
+    finally:
+        manager.shutdown(wait=False)
+        lighthouse.shutdown()
+
+
+def test_the_ranks_of_a_group_may_refuse_differently_and_still_agree() -> None:
+    """One replica group of two ranks, torchft's own Managers and Manager server, a real
+    lighthouse. A notice reaches the ranks at different times, so rank 0 refuses a quorum
+    (here: it is told the group's own incarnation failed) and rank 1 configures it. Nothing
+    waits for the other: each rank makes its one quorum request per step and configures its
+    own process group, and torchft's should_commit (all ranks of the group) gives both the same
+    answer, False; the next quorum (its id bumped by the failed commit) is configured by both
+    and commits."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[dev]'")
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.distributed import TCPStore
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    # Rank 0 first: it starts the group's Manager server.
+    made = [_manager(lighthouse, store, rank, world_size=2) for rank in range(2)]
+    managers, pgs = [m for m, _ in made], [pg for _, pg in made]
+    guards = [Guard(m, pg) for m, pg in made]
+    for m, g in zip(managers, guards, strict=True):
+        _watch_quorums(m, g)
+    both = ThreadPoolExecutor(2)
+
+    def step(fail: bool = False) -> list[bool]:
+        for m in managers:
+            m.start_quorum()
+        for m in managers:
+            m.wait_quorum()
+            if fail:
+                m.report_error(RuntimeError("a step that does not commit"))
+        return list(both.map(lambda m: m.should_commit(), managers))
+
+    try:
+        assert step() == [True, True]
+        assert step(fail=True) == [False, False]  # the next quorum gets a new id: configured
+        before = pgs[0]._quorum_id
+        me = store.get("replica_id").decode()
+        guards[0]._dead.add(me)  # rank 0 told, rank 1 not yet
+        t0 = time.monotonic()
+        assert step() == [False, False]
+        assert time.monotonic() - t0 < 3  # nobody waited for the other
+        assert (guards[0].refused, guards[1].refused) == (1, 0)
+        assert pgs[0]._quorum_id == before  # refused
+        assert pgs[1]._quorum_id == guards[1].quorum_id != before  # configured
+        assert step() == [True, True]
+        assert pgs[0]._quorum_id == pgs[1]._quorum_id == guards[0].quorum_id
+    finally:
+        both.shutdown()
+        for m in managers:
+            m.shutdown(wait=False)
+        lighthouse.shutdown()
