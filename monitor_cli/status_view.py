@@ -32,7 +32,9 @@ from monitor_cli.status_format import (
     age,
     clean,
     device_list,
+    in_state,
     matches_device,
+    out_of_service,
     plain_lines,
     plural,
     rich_renderables,
@@ -58,8 +60,10 @@ __all__ = [
     "age",
     "current_failures",
     "device_list",
+    "in_state",
     "matches_device",
     "membership_grid",
+    "out_of_service",
     "plain_lines",
     "plural",
     "rich_renderables",
@@ -71,8 +75,12 @@ __all__ = [
 ]
 
 WORKER_STATES = ("live", "stale")
-DEVICE_STATES = ("failed", "degraded", "preempting", "healthy")
-StateFilter = Literal["live", "stale", "failed", "degraded", "preempting", "healthy"]
+# A device's health, then out of service (``marduk monitor drain``, or quarantined for flapping):
+# ``healthy`` selects only devices in service.
+DEVICE_STATES = ("failed", "degraded", "preempting", "healthy", "drained", "quarantined")
+StateFilter = Literal[
+    "live", "stale", "failed", "degraded", "preempting", "healthy", "drained", "quarantined"
+]
 # Above this many workers, status shows the summary and says how to list them.
 DETAIL_LIMIT = 50
 STATE_STYLE = {
@@ -81,6 +89,8 @@ STATE_STYLE = {
     "preempting": "magenta",
     "healthy": "green",
     "stale": "yellow",
+    "drained": "red",
+    "quarantined": "red",
 }
 # Controller events ``top`` keeps as recent failures and restarts.
 RECENT_KINDS = frozenset(
@@ -88,6 +98,8 @@ RECENT_KINDS = frozenset(
         "device_failed",
         "device_degraded",
         "device_preempting",
+        "device_drained",
+        "device_quarantined",
         "restart_issued",
         "fail_issued",
         "stop_issued",
@@ -137,7 +149,7 @@ def select(reply: QueryReply, f: Filters) -> tuple[list[WorkerInfo], list[Device
         device = f.device
         devices = [d for d in devices if matches_device(d.device, device)]
     if f.state in DEVICE_STATES:
-        devices = [d for d in devices if d.state == f.state]
+        devices = [d for d in devices if in_state(d, f.state)]
     if f.device is not None or f.state in DEVICE_STATES:
         names = {d.device for d in devices}
         workers = [w for w in workers if names.intersection(w.devices)]
@@ -193,14 +205,18 @@ def devices_grid(devices: Sequence[DeviceInfo], now: float, title: str = "device
     for d in devices:
         shown = d.replicas[:3]
         replicas = ",".join(shown) + (f" +{len(d.replicas) - 3}" if len(d.replicas) > 3 else "")
+        out = out_of_service(d)
+        # Out of service: that first (its health after, when not healthy), and why it is out.
+        state = (out if d.state == "healthy" else f"{d.state}, {out}") if out else d.state
+        reason = d.out_reason if out else d.reason
         rows.append(
             (
                 d.device,  # in full: the one place to copy an id from
-                (d.state, STATE_STYLE.get(d.state, "magenta")),
+                (state, STATE_STYLE.get(out or d.state, "magenta")),
                 age(d.since, now),
                 str(d.failures),
                 replicas or "-",
-                clean(d.reason) or "-",
+                clean(reason) or "-",
             )
         )
     columns = ("device", "state", "since", "failures", "replicas", "reason")
@@ -251,18 +267,20 @@ def status_blocks(
         if devices:
             blocks.append(devices_grid(devices, now))
     else:
-        unhealthy = [d for d in reply.devices if d.state != "healthy"]
-        if unhealthy and len(unhealthy) <= limit:
-            blocks.append(devices_grid(unhealthy, now, title="devices not healthy"))
-        elif unhealthy:
+        unusable = [d for d in reply.devices if not in_state(d, "healthy")]
+        if unusable and len(unusable) <= limit:
             blocks.append(
-                f"{plural(len(unhealthy), 'device')} not healthy: --state failed or "
-                "--state degraded lists them"
+                devices_grid(unusable, now, title="devices not healthy or out of service")
+            )
+        elif unusable:
+            blocks.append(
+                f"{plural(len(unusable), 'device')} not healthy or out of service: --state "
+                "failed, degraded, preempting, drained or quarantined lists them"
             )
         blocks.append(
             f"{plural(n_workers, 'worker')} are too many to list: narrow with --replica, "
-            "--host, --device or --state (live, stale, failed, degraded, healthy), or list "
-            "every one with --all; --json prints everything"
+            f"--host, --device or --state ({', '.join(WORKER_STATES + DEVICE_STATES)}), or "
+            "list every one with --all; --json prints everything"
         )
     rejected = {k: v for k, v in reply.stats.items() if k.startswith("rejected.")}
     if rejected:
@@ -273,12 +291,17 @@ def status_blocks(
 
 
 def current_failures(reply: QueryReply) -> list[ControllerEvent]:
-    """The devices not healthy now, as the events that made them so (newest first): ``top``
-    shows them before any new event arrives."""
+    """The devices not healthy or out of service now, as the events that made them so (newest
+    first): ``top`` shows them before any new event arrives."""
     return [
-        ControllerEvent(kind=f"device_{d.state}", ts=d.since, device=d.device, detail=d.reason)
+        ControllerEvent(
+            kind=f"device_{out_of_service(d) or d.state}",
+            ts=d.since,
+            device=d.device,
+            detail=d.out_reason if out_of_service(d) else d.reason,
+        )
         for d in sorted(reply.devices, key=lambda d: d.since, reverse=True)
-        if d.state != "healthy"
+        if not in_state(d, "healthy")
     ]
 
 

@@ -39,8 +39,9 @@ State = Annotated[
     status_view.StateFilter | None,
     typer.Option(
         "--state",
-        help="Only workers in this state (live, stale) or devices in this one (failed, "
-        "degraded, preempting, healthy), and what they touch.",
+        help="Only workers in this state (live, stale) or devices in this one, and what they "
+        "touch: their health (failed, degraded, preempting; healthy: and in service) or out of "
+        "service (drained by an operator, quarantined for flapping).",
         show_default=False,
     ),
 ]

@@ -136,7 +136,7 @@ def test_help_shows_flags_plainly_with_defaults_and_choices(tmp_path: Path) -> N
     assert r.returncode == 0
     assert "<bool>" not in r.stdout
     assert "--json " in r.stdout and "--no-json" not in r.stdout and "as-json" not in r.stdout
-    assert "<live|stale|failed|degraded|preempting|healthy>" in r.stdout
+    assert "<live|stale|failed|degraded|preempting|healthy|drained|quarantined>" in r.stdout
     r = marduk_cli("agent", "run", "-h", env=WIDE)
     assert "<bool>" not in r.stdout
     assert "<replica|job>" in r.stdout
@@ -265,3 +265,30 @@ def test_watch_says_when_the_controller_and_nats_go_and_come_back(tmp_path: Path
         assert watch.proc.poll() is None  # still watching
     finally:
         server.stop()
+
+
+def test_status_shows_a_drained_device_out_of_service(controller_env: dict[str, str]) -> None:
+    env = {**controller_env, "COLUMNS": "200"}
+    r1 = trainer(env, "r1", "lin-d1,lin-d2,lin-d3")
+    try:
+        assert marduk_cli("monitor", "inject-failure", "lin-d2", env=env).returncode == 0
+        for dev in ("lin-d2", "lin-d3"):
+            r = marduk_cli("monitor", "drain", dev, "--reason", "bad fan", env=env)
+            assert r.returncode == 0, r.stderr
+        r = marduk_cli("monitor", "status", env=env)
+        assert r.returncode == 0, r.stderr
+        rows = {
+            line.split()[0]: line for line in r.stdout.splitlines() if line.startswith("  lin-")
+        }
+        assert rows["lin-d1"].split()[1] == "healthy"
+        assert rows["lin-d3"].split()[1] == "drained", rows
+        assert "failed, drained" in rows["lin-d2"] and "injected" not in rows["lin-d2"], rows
+        assert rows["lin-d2"].endswith("drained by an operator: bad fan"), rows
+        jobs = r.stdout.splitlines()
+        header = next(line for line in jobs if "unusable" in line).split()
+        row = next(line for line in jobs if line.startswith("  default ")).split()
+        assert row[header.index("unusable")] == "2", r.stdout
+        r = marduk_cli("monitor", "status", "--state", "drained", env=env)
+        assert "lin-d2" in r.stdout and "lin-d3" in r.stdout and "\n  lin-d1 " not in r.stdout
+    finally:
+        r1.stop()
