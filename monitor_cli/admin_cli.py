@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 
 from marduk.shell import options
+from marduk.wire.protocol import DrainReply, WorkerRef
 from monitor_cli import client
 from monitor_cli.console import EXIT_ERROR, err, out, print_json, run_command
 from monitor_cli.status_view import plural
@@ -73,8 +74,45 @@ def _drain(devices: list[str], host: str, undrain: bool, reason: str, addr: str,
         out.print(f"nothing changed: no matching device is {where}")
         return
     out.print(f"{plural(len(reply.devices), 'device')} {verb}: " + ", ".join(reply.devices))
+    for line in drain_lines(reply):
+        out.print(escape(line))
+
+
+def drain_lines(reply: DrainReply) -> list[str]:
+    """What a drain did to each restart scope: ``fail`` sent; in a job whose ranks the
+    controller assigns, which member it retired and who took its ranks, and the job's size from
+    its new epoch (``members_out``; an older controller's reply names only the restart)."""
+    lines = []
     for a in reply.actions:
-        out.print(f"  fail sent to {a.job}/{a.replica or '(whole job)'} (epoch {a.epoch})")
+        out = [m for m in reply.members_out if m.job == a.job and m.epoch == a.epoch]
+        if a.replica is not None or not out:
+            lines.append(
+                f"  {a.kind} sent to {a.job}/{a.replica or '(whole job)'} (epoch {a.epoch})"
+            )
+            continue
+        for m in out:
+            what = (
+                f"spare {_ref(m.spare)} takes node rank {m.spare_node_rank}"
+                if m.spare is not None
+                else "no spare fits"
+            )
+            lines.append(f"  {_ref(m.member)} (node rank {m.node_rank}) retired (exits 71); {what}")
+        last = out[-1]
+        nodes = f"{plural(last.nodes, 'node')} (world size {last.world_size})"
+        if not last.nodes:
+            lines.append(
+                f"  job {a.job} is held below its MIN at epoch {a.epoch}: it forms again once "
+                "enough workers are registered"
+            )
+        elif any(m.spare is None for m in out):
+            lines.append(f"  job {a.job} shrinks to {nodes} at epoch {a.epoch}")
+        else:
+            lines.append(f"  job {a.job} restarts at epoch {a.epoch} with {nodes}")
+    return lines
+
+
+def _ref(w: WorkerRef) -> str:
+    return f"{w.replica}/{w.worker}"
 
 
 Devices = Annotated[
@@ -99,7 +137,12 @@ def drain(
     as_json: options.Json = False,
 ) -> None:
     """Take devices out of service: every replica using them gets 'fail' (its pod goes back
-    to the scheduler), and a worker registering with one is refused. Admin only with auth."""
+    to the scheduler), and a worker registering with one is refused. Admin only with auth.
+
+    In a job whose ranks the controller assigns (--nnodes MIN:MAX) only the member on the device
+    retires (exits 71): a spare takes its ranks, or the job shrinks (or is held below MIN); the
+    lines say which, and the job's size at its new epoch.
+    """
     _drain(devices or [], host, False, reason, addr, prefix, timeout, as_json)
 
 
