@@ -45,6 +45,15 @@ def run_command(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         raise typer.Exit(130) from None
 
 
+def job_source(ctx: typer.Context, job: str | None) -> str:
+    """Where ``--job`` came from: "from MARDUK_JOB" when the environment set it (a filter the
+    user may not know is on), else "--job"; "" without one."""
+    if job is None:
+        return ""
+    source = ctx.get_parameter_source("job")  # typer's own click: compare the enum by name
+    return "from MARDUK_JOB" if source is not None and source.name == "ENVIRONMENT" else "--job"
+
+
 def print_json(obj: Any) -> None:
     """One message as one line of JSON (``--json``)."""
     sys.stdout.write(json.dumps(msgspec.to_builtins(obj)) + "\n")

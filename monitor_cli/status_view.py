@@ -121,13 +121,16 @@ RECENT_KINDS = frozenset(
 
 @dataclass(frozen=True)
 class Filters:
-    """``status``'s detail filters (``--job`` is applied by the controller)."""
+    """``status``'s detail filters. ``--job`` is applied by the controller: ``job`` and where it
+    came from (``job_source``: "--job" or "from MARDUK_JOB") only head the output."""
 
     replica: str | None = None
     state: StateFilter | None = None
     device: str | None = None
     host: str | None = None
     everything: bool = False  # --all: list every worker however many
+    job: str | None = None
+    job_source: str = ""
 
     @property
     def narrowing(self) -> bool:
@@ -242,14 +245,40 @@ def _controller(c: ControllerInfo, *, role: bool = True) -> str:
     )
 
 
+def job_line(job: str | None, source: str) -> list[str]:
+    """``job: lin (from MARDUK_JOB)``: the job filter in effect, if any (say it: a variable
+    left set in the shell would hide every other job without a word)."""
+    return [f"job: {job} ({source})" if source else f"job: {job}"] if job is not None else []
+
+
+def nothing_registered(job: str | None, elsewhere: tuple[int, int] | None) -> str:
+    """No worker in the answer: none at all, or none of ``job`` (``elsewhere``: the workers and
+    jobs the whole map has, when asked)."""
+    if job is None:
+        return "no worker has registered"
+    line = f"no worker of job {job} has registered"
+    if elsewhere is None:
+        return line
+    workers, jobs = elsewhere
+    if not workers:
+        return line + " (nor has any other worker)"
+    return line + f" ({plural(workers, 'worker')} in {plural(jobs, 'other job')})"
+
+
 def status_blocks(
-    reply: QueryReply, f: Filters, now: float, *, limit: int = DETAIL_LIMIT
+    reply: QueryReply,
+    f: Filters,
+    now: float,
+    *,
+    limit: int = DETAIL_LIMIT,
+    elsewhere: tuple[int, int] | None = None,
 ) -> list[Block]:
-    """Everything ``marduk monitor status`` prints, in order."""
-    blocks: list[Block] = [*controller_lines(reply, now)]
+    """Everything ``marduk monitor status`` prints, in order. ``elsewhere``: with a job filter
+    that matched nothing, the workers and jobs of the whole map."""
+    blocks: list[Block] = [*controller_lines(reply, now), *job_line(f.job, f.job_source)]
     n_workers, n_devices = len(reply.workers), len(reply.devices)
     if not n_workers and not n_devices:
-        blocks.append("no worker has registered")
+        blocks.append(nothing_registered(f.job, elsewhere))
     else:
         blocks.append(
             f"{plural(len({(w.job, w.replica) for w in reply.workers}), 'replica')}, "
@@ -311,11 +340,15 @@ def top_blocks(
     now: float,
     *,
     problem: str = "",
+    job: str | None = None,
+    job_source: str = "",
 ) -> list[Block]:
-    """``marduk monitor top``: the controller, the jobs, and recent failures and restarts."""
+    """``marduk monitor top``: the controller, the jobs, and recent failures and restarts
+    (``job``: the job filter in effect, and where it came from)."""
     blocks: list[Block] = []
     if reply is not None:
         blocks += controller_lines(reply, now)[:1]
+        blocks += job_line(job, job_source)
         blocks.append(summary_grid(summarize(reply), now))
         if reply.jobs:
             blocks.append(membership_grid(reply.jobs, now))

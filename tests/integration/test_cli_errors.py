@@ -292,3 +292,23 @@ def test_status_shows_a_drained_device_out_of_service(controller_env: dict[str, 
         assert "lin-d2" in r.stdout and "lin-d3" in r.stdout and "\n  lin-d1 " not in r.stdout
     finally:
         r1.stop()
+
+
+def test_a_job_filter_from_marduk_job_is_said_and_an_empty_match_explained(
+    controller_env: dict[str, str],
+) -> None:
+    env = {**controller_env, "COLUMNS": "200"}
+    r1 = trainer(env, "r1", "d1")
+    try:
+        r = marduk_cli("monitor", "status", env={**env, "MARDUK_JOB": "nosuch"})
+        assert r.returncode == 0, r.stderr
+        assert "job: nosuch (from MARDUK_JOB)" in r.stdout.splitlines()
+        assert "no worker of job nosuch has registered (1 worker in 1 other job)" in r.stdout
+        r = marduk_cli("monitor", "status", "--job", "default", env=env)
+        assert "job: default (--job)" in r.stdout.splitlines() and "  default  r1" in r.stdout
+        r = marduk_cli("monitor", "status", env=env)
+        assert not any(line.startswith("job: ") for line in r.stdout.splitlines())
+        r = marduk_cli("monitor", "top", "--count", "1", env={**env, "MARDUK_JOB": "nosuch"})
+        assert r.returncode == 0 and "job: nosuch (from MARDUK_JOB)" in r.stdout, r.stderr
+    finally:
+        r1.stop()

@@ -345,3 +345,22 @@ def test_top_view_lists_recent_failures() -> None:
     ]
     out = sv.plain_lines(sv.top_blocks(None, [], NOW, problem="no controller answered"))
     assert out == ["no controller answered", "recent failures and restarts: none"]
+
+
+def test_a_job_filter_heads_the_output_and_an_empty_match_says_what_else_there_is() -> None:
+    reply = small_reply()
+    f = sv.Filters(job="train", job_source="from MARDUK_JOB")
+    assert lines(reply, f)[2] == "job: train (from MARDUK_JOB)"
+    assert sv.Filters(job="train").narrowing is False  # the controller applied it
+    empty = QueryReply(controller=controller())
+    nosuch = sv.Filters(job="nosuch", job_source="from MARDUK_JOB")
+    out = sv.plain_lines(sv.status_blocks(empty, nosuch, NOW, elsewhere=(15, 3)))
+    assert out[2:] == [
+        "job: nosuch (from MARDUK_JOB)",
+        "no worker of job nosuch has registered (15 workers in 3 other jobs)",
+    ]
+    one = sv.status_blocks(empty, sv.Filters(job="x", job_source="--job"), NOW, elsewhere=(1, 1))
+    assert one[-1] == "no worker of job x has registered (1 worker in 1 other job)"
+    assert sv.status_blocks(empty, sv.Filters(), NOW)[-1] == "no worker has registered"
+    top = sv.plain_lines(sv.top_blocks(reply, [], NOW, job="nosuch", job_source="--job"))
+    assert top[1] == "job: nosuch (--job)"
