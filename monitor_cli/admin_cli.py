@@ -12,7 +12,14 @@ from rich.markup import escape
 from marduk.shell import options
 from marduk.wire.protocol import DrainReply, WorkerRef
 from monitor_cli import client
-from monitor_cli.console import EXIT_ERROR, err, out, print_json, run_command
+from monitor_cli.console import (
+    EXIT_ERROR,
+    EXIT_UNKNOWN_DEVICE,
+    err,
+    out,
+    print_json,
+    run_command,
+)
 from monitor_cli.status_view import plural
 
 
@@ -63,15 +70,34 @@ def _drain(devices: list[str], host: str, undrain: bool, reason: str, addr: str,
             addr, prefix, devices, host, undrain=undrain, reason=reason, timeout=timeout
         )
     )
+    # A named device that did not change: out of service already (or in service, for undrain),
+    # or unknown to the controller (a typo?), which exits 3 as inject-failure does.
+    unknown: list[str] = []
+    if any(d not in reply.devices for d in devices):
+        known = run_command(lambda: client.query(addr, prefix, "devices", None, timeout))
+        names = {d.device for d in known.devices}
+        unknown = [d for d in devices if d not in names]
     if as_json:
         print_json(reply)
-        return
+    else:
+        _say_drained(reply, undrain, unknown)
+    if unknown:
+        raise typer.Exit(EXIT_UNKNOWN_DEVICE)
+
+
+def _say_drained(reply: DrainReply, undrain: bool, unknown: list[str]) -> None:
     for conflict in reply.conflicts:
         err.print(f"[yellow]warning:[/yellow] conflicting claim: {escape(conflict)}")
+    for name in unknown:
+        out.print(
+            f"device [bold]{escape(name)}[/bold] is unknown to the controller: no registered "
+            "worker uses it, nothing changed"
+        )
     verb = "back in service" if undrain else "drained"
     if not reply.devices:
-        where = "out of service" if undrain else "in service"
-        out.print(f"nothing changed: no matching device is {where}")
+        if not unknown:
+            where = "out of service" if undrain else "in service"
+            out.print(f"nothing changed: no matching device is {where}")
         return
     out.print(f"{plural(len(reply.devices), 'device')} {verb}: " + ", ".join(reply.devices))
     for line in drain_lines(reply):
@@ -142,6 +168,9 @@ def drain(
     In a job whose ranks the controller assigns (--nnodes MIN:MAX) only the member on the device
     retires (exits 71): a spare takes its ranks, or the job shrinks (or is held below MIN); the
     lines say which, and the job's size at its new epoch.
+
+    Exit codes: 0 done (or nothing to change); 1 error; 3 a named device is unknown to the
+    controller: no registered worker uses it (with --json too).
     """
     _drain(devices or [], host, False, reason, addr, prefix, timeout, as_json)
 
@@ -155,5 +184,9 @@ def undrain(
     timeout: options.Timeout = 5.0,
     as_json: options.Json = False,
 ) -> None:
-    """Put drained or quarantined (flapping) devices back in service; clears their history."""
+    """Put drained or quarantined (flapping) devices back in service; clears their history.
+
+    Exit codes: 0 done (or nothing to change); 1 error; 3 a named device is unknown to the
+    controller (with --json too).
+    """
     _drain(devices or [], host, True, "", addr, prefix, timeout, as_json)

@@ -27,7 +27,8 @@ T = TypeVar("T")
 EXIT_ERROR = 1
 # The event is stored durably but no controller decided in time (it will be handled later).
 EXIT_UNDECIDED = 2
-# inject-failure: no registered worker uses the device (a typo, or a device never registered).
+# inject-failure, mark-healthy, drain, undrain: no registered worker uses the device (a typo, or
+# a device never registered).
 EXIT_UNKNOWN_DEVICE = 3
 
 

@@ -119,7 +119,11 @@ def mark_healthy(
     timeout: options.Timeout = 5.0,
     as_json: options.Json = False,
 ) -> None:
-    """Report a device healthy again: clears its failure history (and its escalation)."""
+    """Report a device healthy again: clears its failure history (and its escalation).
+
+    Exit codes: 0 done; 1 error; 2 stored, but no controller decided in time (it will be);
+    3 the device is unknown: no registered worker uses it (with --json too).
+    """
     if (device is None) == (not all_):
         err.print("[red]error:[/red] give a DEVICE or --all (not both)")
         raise typer.Exit(EXIT_ERROR)
@@ -131,6 +135,7 @@ def mark_healthy(
         return [d.device for d in reply.devices if d.state != "healthy"]
 
     names = run_command(devices)
+    unknown = False
     if not names:
         out.print("no device is failed or degraded; nothing to do")
     for name in names:
@@ -140,3 +145,6 @@ def mark_healthy(
             )
         )
         _report(reply, as_json)
+        unknown = unknown or not reply.known
+    if unknown:
+        raise typer.Exit(EXIT_UNKNOWN_DEVICE)

@@ -312,3 +312,34 @@ def test_a_job_filter_from_marduk_job_is_said_and_an_empty_match_explained(
         assert r.returncode == 0 and "job: nosuch (from MARDUK_JOB)" in r.stdout, r.stderr
     finally:
         r1.stop()
+
+
+def test_an_unknown_device_exits_3_for_every_command_that_names_one(
+    controller_env: dict[str, str],
+) -> None:
+    env = {**controller_env, "COLUMNS": "200"}
+    r1 = trainer(env, "r1", "d1,d2")
+    try:
+        for args in (
+            ["inject-failure", "nosuchdev"],
+            ["mark-healthy", "nosuchdev"],
+            ["drain", "nosuchdev"],
+            ["undrain", "nosuchdev"],
+        ):
+            r = marduk_cli("monitor", *args, env=env)
+            assert r.returncode == 3, (args, r.stdout, r.stderr)
+            assert "nosuchdev is unknown to the controller" in r.stdout, (args, r.stdout)
+            r = marduk_cli("monitor", *args, "--json", env=env)
+            assert r.returncode == 3 and json.loads(r.stdout), (args, r.stdout, r.stderr)
+        # A known device with nothing to change is no error; a known one beside an unknown one
+        # is drained, and the unknown one still exits 3.
+        r = marduk_cli("monitor", "undrain", "d1", env=env)
+        assert r.returncode == 0 and "nothing changed" in r.stdout, r.stdout
+        r = marduk_cli("monitor", "drain", "d1", "nosuchdev", env=env)
+        assert r.returncode == 3 and "1 device drained: d1" in r.stdout, r.stdout
+        r = marduk_cli("monitor", "drain", "d1", env=env)
+        assert r.returncode == 0 and "nothing changed" in r.stdout, r.stdout
+        r = marduk_cli("monitor", "mark-healthy", "d2", env=env)
+        assert r.returncode == 0, r.stdout
+    finally:
+        r1.stop()
