@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from marduk.shell import options
-from marduk.wire.protocol import DrainReply, WorkerRef
+from marduk.wire.protocol import DeviceId, DrainReply, JobName, ShortText, Text, Token, WorkerRef
 from monitor_cli import client
 from monitor_cli.console import (
     EXIT_ERROR,
@@ -19,8 +19,21 @@ from monitor_cli.console import (
     out,
     print_json,
     run_command,
+    wire_check,
 )
 from monitor_cli.status_view import plural
+
+
+def _target(target: str) -> str:
+    """``forget``'s JOB[/REPLICA[/WORKER]], each part as the wire takes it (a usage error)."""
+    parts = target.split("/")
+    if not 1 <= len(parts) <= 3 or not all(parts):
+        raise typer.BadParameter(f"{target!r} is not JOB, JOB/REPLICA or JOB/REPLICA/WORKER")
+    wire_check(JobName)(parts[0])
+    wire_check(Token)(parts[1:2])
+    if len(parts) > 2 and not parts[2].isdigit():
+        raise typer.BadParameter(f"{target!r}: WORKER is a number (0, 1, ...)")
+    return target
 
 
 @options.connection_options
@@ -30,6 +43,7 @@ def forget(
         typer.Argument(
             help="JOB, JOB/REPLICA or JOB/REPLICA/WORKER to remove from the map.",
             metavar="JOB[/REPLICA[/WORKER]]",
+            callback=_target,
         ),
     ],
     addr: options.Addr = options.DEFAULTS["addr"],
@@ -41,15 +55,9 @@ def forget(
 
     A worker that is still alive registers again at its next renewal.
     """
-    parts = target.split("/")
-    try:
-        if not 1 <= len(parts) <= 3 or not all(parts):
-            raise ValueError
-        job, replica = parts[0], parts[1] if len(parts) > 1 else None
-        worker = int(parts[2]) if len(parts) > 2 else None
-    except ValueError:
-        err.print(f"[red]error:[/red] {target!r} is not JOB, JOB/REPLICA or JOB/REPLICA/WORKER")
-        raise typer.Exit(EXIT_ERROR) from None
+    parts = target.split("/")  # checked by _target
+    job, replica = parts[0], parts[1] if len(parts) > 1 else None
+    worker = int(parts[2]) if len(parts) > 2 else None
     reply = run_command(lambda: client.forget(addr, prefix, job, replica, worker, timeout))
     if as_json:
         print_json(reply)
@@ -144,11 +152,20 @@ def _ref(w: WorkerRef) -> str:
 Devices = Annotated[
     list[str] | None,
     typer.Argument(
-        help="Device ids, as agents registered them.", metavar="[DEVICE]...", show_default=False
+        help="Device ids, as agents registered them.",
+        metavar="[DEVICE]...",
+        show_default=False,
+        callback=wire_check(DeviceId),
     ),
 ]
 Host = Annotated[
-    str, typer.Option("--host", help="Every device registered from this host.", show_default=False)
+    str,
+    typer.Option(
+        "--host",
+        help="Every device registered from this host.",
+        show_default=False,
+        callback=wire_check(ShortText),
+    ),
 ]
 
 
@@ -156,7 +173,10 @@ Host = Annotated[
 def drain(
     devices: Devices = None,
     host: Host = "",
-    reason: Annotated[str, typer.Option(help="Why (shown to the replicas and in status).")] = "",
+    reason: Annotated[
+        str,
+        typer.Option(help="Why (shown to the replicas and in status).", callback=wire_check(Text)),
+    ] = "",
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
     timeout: options.Timeout = 5.0,

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 
 from marduk.shell import options
-from marduk.wire.protocol import HealthReply
+from marduk.wire.protocol import DeviceId, HealthReply, ShortText, Text
 from monitor_cli import client, status_view
 from monitor_cli.console import (
     EXIT_ERROR,
@@ -21,6 +21,7 @@ from monitor_cli.console import (
     print_json,
     run_command,
     show,
+    wire_check,
 )
 from monitor_cli.status_view import plural
 
@@ -68,8 +69,17 @@ def _report(reply: HealthReply, as_json: bool) -> None:
 
 @options.connection_options
 def inject_failure(
-    device: Annotated[str, typer.Argument(help="UUID of the device, as agents registered it.")],
-    reason: Annotated[str, typer.Option(help="Why (free text, shown to the replicas).")] = "",
+    device: Annotated[
+        str,
+        typer.Argument(
+            help="UUID of the device, as agents registered it.",
+            metavar="DEVICE",
+            callback=wire_check(DeviceId),
+        ),
+    ],
+    reason: Annotated[
+        str, typer.Option(help="Why (free text, shown to the replicas).", callback=wire_check(Text))
+    ] = "",
     state: Annotated[
         FailureState,
         typer.Option(
@@ -77,7 +87,9 @@ def inject_failure(
             "preempting: ask them to checkpoint now (the host is going away).",
         ),
     ] = FailureState.failed,
-    source: Annotated[str, typer.Option(help="Who reports it.")] = "marduk-monitor",
+    source: Annotated[
+        str, typer.Option(help="Who reports it.", callback=wire_check(ShortText))
+    ] = "marduk-monitor",
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
     timeout: options.Timeout = 5.0,
@@ -107,13 +119,21 @@ def inject_failure(
 @options.connection_options
 def mark_healthy(
     device: Annotated[
-        str | None, typer.Argument(help="UUID of the device (omit with --all).", show_default=False)
+        str | None,
+        typer.Argument(
+            help="UUID of the device (omit with --all).",
+            metavar="DEVICE",
+            show_default=False,
+            callback=wire_check(DeviceId),
+        ),
     ] = None,
     all_: Annotated[
         bool,
         typer.Option("--all", help="Every device the controller shows failed or degraded."),
     ] = False,
-    reason: Annotated[str, typer.Option(help="Why (e.g. 'replaced').")] = "",
+    reason: Annotated[
+        str, typer.Option(help="Why (e.g. 'replaced').", callback=wire_check(Text))
+    ] = "",
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
     timeout: options.Timeout = 5.0,

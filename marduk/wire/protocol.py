@@ -25,6 +25,7 @@ from marduk.wire.fields import MAX_EPOCH as MAX_EPOCH
 from marduk.wire.fields import MAX_MEMBERS as MAX_MEMBERS
 from marduk.wire.fields import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
 from marduk.wire.fields import MAX_PEERS_PER_NOTICE as MAX_PEERS_PER_NOTICE
+from marduk.wire.fields import PATTERN_TEXT as PATTERN_TEXT
 from marduk.wire.fields import PROTOCOL_VERSION as PROTOCOL_VERSION
 from marduk.wire.fields import CommandKind as CommandKind
 from marduk.wire.fields import DeviceId as DeviceId

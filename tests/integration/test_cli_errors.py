@@ -343,3 +343,22 @@ def test_an_unknown_device_exits_3_for_every_command_that_names_one(
         assert r.returncode == 0, r.stdout
     finally:
         r1.stop()
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["inject-failure", "bad device"], "Invalid value for 'DEVICE': 'bad device': expected "),
+        (["mark-healthy", "bad device"], "Invalid value for 'DEVICE': 'bad device': expected "),
+        (["drain", "d1", "bad device"], "'bad device': expected printable ASCII without spaces"),
+        (["undrain", "--host", "h" * 300], "Invalid value for '--host'"),
+        (["forget", "bad job"], "'bad job': expected 1-128 of A-Z a-z 0-9 _ -"),
+        (["forget", "job/r1/x"], "WORKER is a number"),
+    ],
+)
+def test_wire_mistakes_are_usage_errors_before_any_request(args: list[str], said: str) -> None:
+    # Nothing listens there: a request would fail with exit 1, the check comes first.
+    r = marduk_cli("monitor", *args, "--addr", "nats://127.0.0.1:1", env={"COLUMNS": "80"})
+    assert r.returncode == 2, r.stderr
+    line = one_error_line(r)
+    assert said in line and "$." not in line and "Expected str" not in line, line
