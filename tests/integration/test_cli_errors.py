@@ -110,7 +110,7 @@ def test_controller_says_the_server_has_no_jetstream(
     [
         (["monitor", "inject-failure"], "Missing argument"),
         (["monitor", "status", "--bogus"], "No such option: --bogus"),
-        (["monitor", "status", "--state", "sideways"], "'sideways' is not one of"),
+        (["monitor", "status", "--state", "sideways"], "'--state': 'sideways' is not one of"),
         (["monitor", "inject-failure", "d1", "--state", "healthy"], "is not one of"),
         (["controller", "--log-level", "loud"], "'loud' is not one of"),
         (["agent", "run", "--scope", "pod", "--", "true"], "'pod' is not one of"),
@@ -120,7 +120,7 @@ def test_usage_errors_are_one_line_with_the_help_hint(args: list[str], said: str
     r = marduk_cli(*args, env={"COLUMNS": "80"})
     assert r.returncode == 2, r.stderr
     line = one_error_line(r)
-    assert said in line
+    assert said in line and "Value error" not in line, line  # no pydantic leftovers
     command = " ".join(args[:1] if args[0] == "controller" else args[:2])
     assert line.endswith(f"; see 'python -m marduk {command} -h'"), line
 

@@ -23,3 +23,14 @@ def test_wire_check_passes_good_values_and_lists_and_names_the_bad_one() -> None
         check(["ok", "bad device"])
     with pytest.raises(typer.BadParameter):
         check("")
+
+
+def test_usage_messages_lose_typers_pydantic_prefix() -> None:
+    from marduk.cli import usage_message
+
+    said = "Invalid value for '--state': Value error, 'bogus' is not one of 'live', 'stale'."
+    assert (
+        usage_message(said) == "Invalid value for '--state': 'bogus' is not one of 'live', 'stale'"
+    )
+    plain = "No such option: --bogus"
+    assert usage_message(plain) == plain
