@@ -13,7 +13,6 @@ from marduk.shell import options
 from marduk.wire.protocol import DeviceId, DrainReply, JobName, ShortText, Text, Token, WorkerRef
 from monitor_cli import client
 from monitor_cli.console import (
-    EXIT_ERROR,
     EXIT_UNKNOWN_DEVICE,
     err,
     out,
@@ -71,8 +70,7 @@ def forget(
 def _drain(devices: list[str], host: str, undrain: bool, reason: str, addr: str, prefix: str,
            timeout: float, as_json: bool) -> None:  # fmt: skip
     if not devices and not host:
-        err.print("[red]error:[/red] name DEVICE(s) or --host HOST")
-        raise typer.Exit(EXIT_ERROR)
+        raise typer.BadParameter("none given: name DEVICE(s) or --host HOST", param_hint="DEVICE")
     reply = run_command(
         lambda: client.drain(
             addr, prefix, devices, host, undrain=undrain, reason=reason, timeout=timeout

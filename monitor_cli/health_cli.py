@@ -14,9 +14,7 @@ from marduk.shell import options
 from marduk.wire.protocol import DeviceId, HealthReply, ShortText, Text
 from monitor_cli import client, status_view
 from monitor_cli.console import (
-    EXIT_ERROR,
     EXIT_UNKNOWN_DEVICE,
-    err,
     out,
     print_json,
     run_command,
@@ -145,8 +143,7 @@ def mark_healthy(
     3 the device is unknown: no registered worker uses it (with --json too).
     """
     if (device is None) == (not all_):
-        err.print("[red]error:[/red] give a DEVICE or --all (not both)")
-        raise typer.Exit(EXIT_ERROR)
+        raise typer.BadParameter("give a DEVICE or --all (not both)", param_hint="DEVICE")
 
     async def devices() -> list[str]:
         if device is not None:

@@ -354,6 +354,8 @@ def test_an_unknown_device_exits_3_for_every_command_that_names_one(
         (["undrain", "--host", "h" * 300], "Invalid value for '--host'"),
         (["forget", "bad job"], "'bad job': expected 1-128 of A-Z a-z 0-9 _ -"),
         (["forget", "job/r1/x"], "WORKER is a number"),
+        (["drain"], "Invalid value for DEVICE: none given: name DEVICE(s) or --host HOST"),
+        (["mark-healthy", "d1", "--all"], "give a DEVICE or --all (not both)"),
     ],
 )
 def test_wire_mistakes_are_usage_errors_before_any_request(args: list[str], said: str) -> None:
