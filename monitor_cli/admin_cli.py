@@ -116,27 +116,27 @@ def drain_lines(reply: DrainReply) -> list[str]:
     its new epoch (``members_out``; an older controller's reply names only the restart)."""
     lines = []
     for a in reply.actions:
-        out = [m for m in reply.members_out if m.job == a.job and m.epoch == a.epoch]
-        if a.replica is not None or not out:
+        gone = [m for m in reply.members_out if m.job == a.job and m.epoch == a.epoch]
+        if a.replica is not None or not gone:
             lines.append(
                 f"  {a.kind} sent to {a.job}/{a.replica or '(whole job)'} (epoch {a.epoch})"
             )
             continue
-        for m in out:
+        for m in gone:
             what = (
                 f"spare {_ref(m.spare)} takes node rank {m.spare_node_rank}"
                 if m.spare is not None
                 else "no spare fits"
             )
             lines.append(f"  {_ref(m.member)} (node rank {m.node_rank}) retired (exits 71); {what}")
-        last = out[-1]
+        last = gone[-1]
         nodes = f"{plural(last.nodes, 'node')} (world size {last.world_size})"
         if not last.nodes:
             lines.append(
                 f"  job {a.job} is held below its MIN at epoch {a.epoch}: it forms again once "
                 "enough workers are registered"
             )
-        elif any(m.spare is None for m in out):
+        elif any(m.spare is None for m in gone):
             lines.append(f"  job {a.job} shrinks to {nodes} at epoch {a.epoch}")
         else:
             lines.append(f"  job {a.job} restarts at epoch {a.epoch} with {nodes}")
