@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import sys
+import typing
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -17,6 +18,7 @@ from rich.markup import escape
 
 from marduk.errors import MardukError
 from marduk.shell.runtime import run
+from marduk.wire.protocol import PATTERN_TEXT
 from monitor_cli import client, status_view
 
 out = Console(highlight=False, soft_wrap=True)
@@ -27,7 +29,8 @@ T = TypeVar("T")
 EXIT_ERROR = 1
 # The event is stored durably but no controller decided in time (it will be handled later).
 EXIT_UNDECIDED = 2
-# inject-failure: no registered worker uses the device (a typo, or a device never registered).
+# inject-failure, mark-healthy, drain, undrain: no registered worker uses the device (a typo, or
+# a device never registered).
 EXIT_UNKNOWN_DEVICE = 3
 
 
@@ -43,6 +46,44 @@ def run_command(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
         raise typer.Exit(EXIT_ERROR) from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+
+
+def expected(type_: Any) -> str:
+    """What a wire field type (``marduk.wire.fields``) takes, in words: its pattern as
+    ``PATTERN_TEXT`` says it, and its lengths."""
+    meta = next((a for a in typing.get_args(type_)[1:] if isinstance(a, msgspec.Meta)), None)
+    if meta is None:
+        return "a valid value"
+    parts = [PATTERN_TEXT.get(meta.pattern, f"matching {meta.pattern}")] if meta.pattern else []
+    if meta.max_length is not None:
+        parts.append(f"at most {meta.max_length:,} characters")
+    return ", ".join(parts)
+
+
+def wire_check(type_: Any) -> Callable[[T], T]:
+    """A typer callback that checks a value (or each of a list) against a wire field type: a
+    mistake is a usage error naming the option (exit 2), not the controller's decode error."""
+
+    def check(value: T) -> T:
+        for v in value if isinstance(value, list) else [value]:
+            if v is None:
+                continue
+            try:
+                msgspec.convert(v, type_)
+            except msgspec.ValidationError:
+                raise typer.BadParameter(f"{v!r}: expected {expected(type_)}") from None
+        return value
+
+    return check
+
+
+def job_source(ctx: typer.Context, job: str | None) -> str:
+    """Where ``--job`` came from: "from MARDUK_JOB" when the environment set it (a filter the
+    user may not know is on), else "--job"; "" without one."""
+    if job is None:
+        return ""
+    source = ctx.get_parameter_source("job")  # typer's own click: compare the enum by name
+    return "from MARDUK_JOB" if source is not None and source.name == "ENVIRONMENT" else "--job"
 
 
 def print_json(obj: Any) -> None:

@@ -11,16 +11,15 @@ import typer
 from rich.markup import escape
 
 from marduk.shell import options
-from marduk.wire.protocol import HealthReply
+from marduk.wire.protocol import DeviceId, HealthReply, ShortText, Text
 from monitor_cli import client, status_view
 from monitor_cli.console import (
-    EXIT_ERROR,
     EXIT_UNKNOWN_DEVICE,
-    err,
     out,
     print_json,
     run_command,
     show,
+    wire_check,
 )
 from monitor_cli.status_view import plural
 
@@ -68,8 +67,17 @@ def _report(reply: HealthReply, as_json: bool) -> None:
 
 @options.connection_options
 def inject_failure(
-    device: Annotated[str, typer.Argument(help="UUID of the device, as agents registered it.")],
-    reason: Annotated[str, typer.Option(help="Why (free text, shown to the replicas).")] = "",
+    device: Annotated[
+        str,
+        typer.Argument(
+            help="UUID of the device, as agents registered it.",
+            metavar="DEVICE",
+            callback=wire_check(DeviceId),
+        ),
+    ],
+    reason: Annotated[
+        str, typer.Option(help="Why (free text, shown to the replicas).", callback=wire_check(Text))
+    ] = "",
     state: Annotated[
         FailureState,
         typer.Option(
@@ -77,7 +85,9 @@ def inject_failure(
             "preempting: ask them to checkpoint now (the host is going away).",
         ),
     ] = FailureState.failed,
-    source: Annotated[str, typer.Option(help="Who reports it.")] = "marduk-monitor",
+    source: Annotated[
+        str, typer.Option(help="Who reports it.", callback=wire_check(ShortText))
+    ] = "marduk-monitor",
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
     timeout: options.Timeout = 5.0,
@@ -107,22 +117,33 @@ def inject_failure(
 @options.connection_options
 def mark_healthy(
     device: Annotated[
-        str | None, typer.Argument(help="UUID of the device (omit with --all).", show_default=False)
+        str | None,
+        typer.Argument(
+            help="UUID of the device (omit with --all).",
+            metavar="DEVICE",
+            show_default=False,
+            callback=wire_check(DeviceId),
+        ),
     ] = None,
     all_: Annotated[
         bool,
         typer.Option("--all", help="Every device the controller shows failed or degraded."),
     ] = False,
-    reason: Annotated[str, typer.Option(help="Why (e.g. 'replaced').")] = "",
+    reason: Annotated[
+        str, typer.Option(help="Why (e.g. 'replaced').", callback=wire_check(Text))
+    ] = "",
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
     timeout: options.Timeout = 5.0,
     as_json: options.Json = False,
 ) -> None:
-    """Report a device healthy again: clears its failure history (and its escalation)."""
+    """Report a device healthy again: clears its failure history (and its escalation).
+
+    Exit codes: 0 done; 1 error; 2 stored, but no controller decided in time (it will be);
+    3 the device is unknown: no registered worker uses it (with --json too).
+    """
     if (device is None) == (not all_):
-        err.print("[red]error:[/red] give a DEVICE or --all (not both)")
-        raise typer.Exit(EXIT_ERROR)
+        raise typer.BadParameter("give a DEVICE or --all (not both)", param_hint="DEVICE")
 
     async def devices() -> list[str]:
         if device is not None:
@@ -131,6 +152,7 @@ def mark_healthy(
         return [d.device for d in reply.devices if d.state != "healthy"]
 
     names = run_command(devices)
+    unknown = False
     if not names:
         out.print("no device is failed or degraded; nothing to do")
     for name in names:
@@ -140,3 +162,6 @@ def mark_healthy(
             )
         )
         _report(reply, as_json)
+        unknown = unknown or not reply.known
+    if unknown:
+        raise typer.Exit(EXIT_UNKNOWN_DEVICE)

@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from marduk.wire.protocol import DeviceInfo
+
 ELLIPSIS = "…"
 
 if TYPE_CHECKING:
@@ -67,6 +69,20 @@ def matches_device(device: str, pattern: str) -> bool:
             and device.endswith(tail)
         )
     return device.startswith(pattern)
+
+
+def out_of_service(d: DeviceInfo) -> str:
+    """``drained`` (an operator's ``marduk monitor drain``), ``quarantined`` (flapping: the
+    controller's decision) or "" (in service). Whatever its health, such a device runs nothing."""
+    return "drained" if d.drained else "quarantined" if d.quarantined else ""
+
+
+def in_state(d: DeviceInfo, state: str) -> bool:
+    """``--state``: ``drained`` and ``quarantined`` select devices out of service, ``healthy``
+    only the healthy ones in service; the other states a device's health, in service or not."""
+    if state in ("drained", "quarantined"):
+        return out_of_service(d) == state
+    return d.state == state and not (state == "healthy" and out_of_service(d))
 
 
 def device_list(devices: Sequence[str]) -> str:

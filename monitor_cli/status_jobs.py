@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from marduk.wire.protocol import DeviceInfo, JobInfo, QueryReply, WorkerInfo
-from monitor_cli.status_format import Cell, Grid, abbreviate, age, clean
+from monitor_cli.status_format import Cell, Grid, abbreviate, age, clean, in_state
 
 # --- the summary ---------------------------------------------------------------------------------
 
@@ -21,7 +21,7 @@ class JobSummary:
     live: int
     stale: int
     devices: int
-    unhealthy: int  # devices failed or degraded
+    unhealthy: int  # devices not usable: not healthy, or out of service (drained, quarantined)
     epoch: int  # the highest restart epoch of its scopes
     # The sum of its restart scopes' epochs (each replica once, or the job once with scope
     # job): every restart the controller issued raised one epoch by one. An upper bound:
@@ -51,8 +51,8 @@ def summarize(reply: QueryReply) -> list[JobSummary]:
             scopes[key] = max(scopes.get(key, 0), w.epoch)
         known = {d.device: d for d in devices_of_job.get(job, [])}
         names = {name for w in workers for name in w.devices} | set(known)
-        unhealthy = [d for d in known.values() if d.state != "healthy"]
-        when, what = _last_failure(workers, unhealthy)
+        unhealthy = [d for d in known.values() if not in_state(d, "healthy")]
+        when, what = _last_failure(workers, [d for d in unhealthy if d.state != "healthy"])
         out.append(
             JobSummary(
                 job=job,
@@ -109,7 +109,7 @@ def summary_grid(summaries: Sequence[JobSummary], now: float) -> Grid:
                 clean(failure),
             )
         )
-    columns = ("job", "replicas", "live", "stale", "devices", "unhealthy", "epoch", "restarts")
+    columns = ("job", "replicas", "live", "stale", "devices", "unusable", "epoch", "restarts")
     return Grid("jobs", (*columns, "last failure"), rows, right=frozenset(range(1, 8)), wrap=8)
 
 

@@ -32,7 +32,9 @@ from monitor_cli.status_format import (
     age,
     clean,
     device_list,
+    in_state,
     matches_device,
+    out_of_service,
     plain_lines,
     plural,
     rich_renderables,
@@ -58,8 +60,10 @@ __all__ = [
     "age",
     "current_failures",
     "device_list",
+    "in_state",
     "matches_device",
     "membership_grid",
+    "out_of_service",
     "plain_lines",
     "plural",
     "rich_renderables",
@@ -71,8 +75,12 @@ __all__ = [
 ]
 
 WORKER_STATES = ("live", "stale")
-DEVICE_STATES = ("failed", "degraded", "preempting", "healthy")
-StateFilter = Literal["live", "stale", "failed", "degraded", "preempting", "healthy"]
+# A device's health, then out of service (``marduk monitor drain``, or quarantined for flapping):
+# ``healthy`` selects only devices in service.
+DEVICE_STATES = ("failed", "degraded", "preempting", "healthy", "drained", "quarantined")
+StateFilter = Literal[
+    "live", "stale", "failed", "degraded", "preempting", "healthy", "drained", "quarantined"
+]
 # Above this many workers, status shows the summary and says how to list them.
 DETAIL_LIMIT = 50
 STATE_STYLE = {
@@ -81,6 +89,8 @@ STATE_STYLE = {
     "preempting": "magenta",
     "healthy": "green",
     "stale": "yellow",
+    "drained": "red",
+    "quarantined": "red",
 }
 # Controller events ``top`` keeps as recent failures and restarts.
 RECENT_KINDS = frozenset(
@@ -88,6 +98,8 @@ RECENT_KINDS = frozenset(
         "device_failed",
         "device_degraded",
         "device_preempting",
+        "device_drained",
+        "device_quarantined",
         "restart_issued",
         "fail_issued",
         "stop_issued",
@@ -109,13 +121,16 @@ RECENT_KINDS = frozenset(
 
 @dataclass(frozen=True)
 class Filters:
-    """``status``'s detail filters (``--job`` is applied by the controller)."""
+    """``status``'s detail filters. ``--job`` is applied by the controller: ``job`` and where it
+    came from (``job_source``: "--job" or "from MARDUK_JOB") only head the output."""
 
     replica: str | None = None
     state: StateFilter | None = None
     device: str | None = None
     host: str | None = None
     everything: bool = False  # --all: list every worker however many
+    job: str | None = None
+    job_source: str = ""
 
     @property
     def narrowing(self) -> bool:
@@ -137,7 +152,7 @@ def select(reply: QueryReply, f: Filters) -> tuple[list[WorkerInfo], list[Device
         device = f.device
         devices = [d for d in devices if matches_device(d.device, device)]
     if f.state in DEVICE_STATES:
-        devices = [d for d in devices if d.state == f.state]
+        devices = [d for d in devices if in_state(d, f.state)]
     if f.device is not None or f.state in DEVICE_STATES:
         names = {d.device for d in devices}
         workers = [w for w in workers if names.intersection(w.devices)]
@@ -193,14 +208,18 @@ def devices_grid(devices: Sequence[DeviceInfo], now: float, title: str = "device
     for d in devices:
         shown = d.replicas[:3]
         replicas = ",".join(shown) + (f" +{len(d.replicas) - 3}" if len(d.replicas) > 3 else "")
+        out = out_of_service(d)
+        # Out of service: that first (its health after, when not healthy), and why it is out.
+        state = (out if d.state == "healthy" else f"{d.state}, {out}") if out else d.state
+        reason = d.out_reason if out else d.reason
         rows.append(
             (
                 d.device,  # in full: the one place to copy an id from
-                (d.state, STATE_STYLE.get(d.state, "magenta")),
+                (state, STATE_STYLE.get(out or d.state, "magenta")),
                 age(d.since, now),
                 str(d.failures),
                 replicas or "-",
-                clean(d.reason) or "-",
+                clean(reason) or "-",
             )
         )
     columns = ("device", "state", "since", "failures", "replicas", "reason")
@@ -226,14 +245,40 @@ def _controller(c: ControllerInfo, *, role: bool = True) -> str:
     )
 
 
+def job_line(job: str | None, source: str) -> list[str]:
+    """``job: lin (from MARDUK_JOB)``: the job filter in effect, if any (say it: a variable
+    left set in the shell would hide every other job without a word)."""
+    return [f"job: {job} ({source})" if source else f"job: {job}"] if job is not None else []
+
+
+def nothing_registered(job: str | None, elsewhere: tuple[int, int] | None) -> str:
+    """No worker in the answer: none at all, or none of ``job`` (``elsewhere``: the workers and
+    jobs the whole map has, when asked)."""
+    if job is None:
+        return "no worker has registered"
+    line = f"no worker of job {job} has registered"
+    if elsewhere is None:
+        return line
+    workers, jobs = elsewhere
+    if not workers:
+        return line + " (nor has any other worker)"
+    return line + f" ({plural(workers, 'worker')} in {plural(jobs, 'other job')})"
+
+
 def status_blocks(
-    reply: QueryReply, f: Filters, now: float, *, limit: int = DETAIL_LIMIT
+    reply: QueryReply,
+    f: Filters,
+    now: float,
+    *,
+    limit: int = DETAIL_LIMIT,
+    elsewhere: tuple[int, int] | None = None,
 ) -> list[Block]:
-    """Everything ``marduk monitor status`` prints, in order."""
-    blocks: list[Block] = [*controller_lines(reply, now)]
+    """Everything ``marduk monitor status`` prints, in order. ``elsewhere``: with a job filter
+    that matched nothing, the workers and jobs of the whole map."""
+    blocks: list[Block] = [*controller_lines(reply, now), *job_line(f.job, f.job_source)]
     n_workers, n_devices = len(reply.workers), len(reply.devices)
     if not n_workers and not n_devices:
-        blocks.append("no worker has registered")
+        blocks.append(nothing_registered(f.job, elsewhere))
     else:
         blocks.append(
             f"{plural(len({(w.job, w.replica) for w in reply.workers}), 'replica')}, "
@@ -251,18 +296,20 @@ def status_blocks(
         if devices:
             blocks.append(devices_grid(devices, now))
     else:
-        unhealthy = [d for d in reply.devices if d.state != "healthy"]
-        if unhealthy and len(unhealthy) <= limit:
-            blocks.append(devices_grid(unhealthy, now, title="devices not healthy"))
-        elif unhealthy:
+        unusable = [d for d in reply.devices if not in_state(d, "healthy")]
+        if unusable and len(unusable) <= limit:
             blocks.append(
-                f"{plural(len(unhealthy), 'device')} not healthy: --state failed or "
-                "--state degraded lists them"
+                devices_grid(unusable, now, title="devices not healthy or out of service")
+            )
+        elif unusable:
+            blocks.append(
+                f"{plural(len(unusable), 'device')} not healthy or out of service: --state "
+                "failed, degraded, preempting, drained or quarantined lists them"
             )
         blocks.append(
             f"{plural(n_workers, 'worker')} are too many to list: narrow with --replica, "
-            "--host, --device or --state (live, stale, failed, degraded, healthy), or list "
-            "every one with --all; --json prints everything"
+            f"--host, --device or --state ({', '.join(WORKER_STATES + DEVICE_STATES)}), or "
+            "list every one with --all; --json prints everything"
         )
     rejected = {k: v for k, v in reply.stats.items() if k.startswith("rejected.")}
     if rejected:
@@ -273,12 +320,17 @@ def status_blocks(
 
 
 def current_failures(reply: QueryReply) -> list[ControllerEvent]:
-    """The devices not healthy now, as the events that made them so (newest first): ``top``
-    shows them before any new event arrives."""
+    """The devices not healthy or out of service now, as the events that made them so (newest
+    first): ``top`` shows them before any new event arrives."""
     return [
-        ControllerEvent(kind=f"device_{d.state}", ts=d.since, device=d.device, detail=d.reason)
+        ControllerEvent(
+            kind=f"device_{out_of_service(d) or d.state}",
+            ts=d.since,
+            device=d.device,
+            detail=d.out_reason if out_of_service(d) else d.reason,
+        )
         for d in sorted(reply.devices, key=lambda d: d.since, reverse=True)
-        if d.state != "healthy"
+        if not in_state(d, "healthy")
     ]
 
 
@@ -288,11 +340,15 @@ def top_blocks(
     now: float,
     *,
     problem: str = "",
+    job: str | None = None,
+    job_source: str = "",
 ) -> list[Block]:
-    """``marduk monitor top``: the controller, the jobs, and recent failures and restarts."""
+    """``marduk monitor top``: the controller, the jobs, and recent failures and restarts
+    (``job``: the job filter in effect, and where it came from)."""
     blocks: list[Block] = []
     if reply is not None:
         blocks += controller_lines(reply, now)[:1]
+        blocks += job_line(job, job_source)
         blocks.append(summary_grid(summarize(reply), now))
         if reply.jobs:
             blocks.append(membership_grid(reply.jobs, now))

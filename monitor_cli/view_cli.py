@@ -25,7 +25,7 @@ from marduk.transport import bus
 from marduk.wire.protocol import ControllerEvent, QueryReply, decode
 from marduk.wire.subjects import Subjects
 from monitor_cli import client, status_view
-from monitor_cli.console import err, out, print_json, run_command, show, ts
+from monitor_cli.console import err, job_source, out, print_json, run_command, show, ts
 
 
 def _filtered(reply: QueryReply, f: status_view.Filters) -> QueryReply:
@@ -39,8 +39,9 @@ State = Annotated[
     status_view.StateFilter | None,
     typer.Option(
         "--state",
-        help="Only workers in this state (live, stale) or devices in this one (failed, "
-        "degraded, preempting, healthy), and what they touch.",
+        help="Only workers in this state (live, stale) or devices in this one, and what they "
+        "touch: their health (failed, degraded, preempting; healthy: and in service) or out of "
+        "service (drained by an operator, quarantined for flapping).",
         show_default=False,
     ),
 ]
@@ -48,6 +49,7 @@ State = Annotated[
 
 @options.connection_options
 def status(
+    ctx: typer.Context,
     job: options.Job = None,
     replica: Annotated[
         str | None, typer.Option("--replica", "-r", help="Only this replica (id).")
@@ -77,16 +79,29 @@ def status(
     --json prints the controller's QueryReply (with filters: only the matching workers and
     devices).
     """
-    f = status_view.Filters(replica=replica, state=state, device=device, host=host, everything=all_)
+    f = status_view.Filters(
+        replica=replica,
+        state=state,
+        device=device,
+        host=host,
+        everything=all_,
+        job=job,
+        job_source=job_source(ctx, job),
+    )
     reply = run_command(lambda: client.query(addr, prefix, "map", job, timeout))
     if as_json:
         print_json(_filtered(reply, f))
         return
-    show(status_view.status_blocks(reply, f, time.time()))
+    elsewhere = None
+    if job is not None and not reply.workers and not reply.devices:  # a typo, or a stale variable?
+        whole = run_command(lambda: client.query(addr, prefix, "map", None, timeout))
+        elsewhere = (len(whole.workers), len({w.job for w in whole.workers}))
+    show(status_view.status_blocks(reply, f, time.time(), elsewhere=elsewhere))
 
 
 @options.connection_options
 def top(
+    ctx: typer.Context,
     job: options.Job = None,
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
@@ -100,6 +115,8 @@ def top(
 
     On a terminal the view redraws in place; in a pipe each refresh is a block of plain lines.
     """
+
+    source = job_source(ctx, job)
 
     async def loop() -> None:
         recent: collections.deque[ControllerEvent] = collections.deque(maxlen=10)
@@ -131,7 +148,12 @@ def top(
                     except MardukError as e:
                         problem = f"{ts(time.time())} {e}"
                     blocks = status_view.top_blocks(
-                        reply, list(recent), time.time(), problem=problem
+                        reply,
+                        list(recent),
+                        time.time(),
+                        problem=problem,
+                        job=job,
+                        job_source=source,
                     )
                     if live is not None:
                         live.update(
@@ -161,6 +183,7 @@ def _event_line(e: ControllerEvent) -> str:
 
 @options.connection_options
 def watch(
+    ctx: typer.Context,
     job: options.Job = None,
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = options.DEFAULTS["prefix"],
@@ -176,11 +199,14 @@ def watch(
     answering, and when one serves again.
     """
 
+    source = job_source(ctx, job)
+
     async def loop() -> None:
         seen = 0
 
         def ready() -> None:  # on stderr, so --json output stays pure
-            err.print("watching controller events (Ctrl-C to stop)")
+            of = f" of job {escape(job)} ({source})" if job is not None else ""
+            err.print(f"watching controller events{of} (Ctrl-C to stop)")
 
         async for e in client.events(addr, prefix, job, timeout, on_ready=ready):
             if isinstance(e, client.Notice):  # on stderr too: NATS or the controller came or went

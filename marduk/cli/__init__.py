@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import sys
 from pathlib import Path
@@ -322,6 +323,12 @@ def _without_bool_metavars(command: Any) -> None:
         _without_bool_metavars(sub)
 
 
+def usage_message(text: str) -> str:
+    """A usage error's text without what typer's pydantic coercion prefixes to it
+    ("Invalid value for '--state': Value error, 'bogus' is not one of ..."), and no full stop."""
+    return re.sub(r": (?:Value error|Assertion failed), ", ": ", text).rstrip(".")
+
+
 def main() -> None:
     """The ``marduk`` entry point. A usage error is one line (and exit 2), as other errors are."""
     exceptions = _click_exceptions()
@@ -334,7 +341,7 @@ def main() -> None:
         sys.exit(e.exit_code)
     except exceptions.ClickException as e:
         # typer draws a box wrapped at the terminal width; grep and log collectors want a line.
-        message = e.format_message().rstrip(".")
+        message = usage_message(e.format_message())
         if getattr(e, "ctx", None) is not None:
             message += f"; see '{e.ctx.command_path} -h'"
         options.error_line(message)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from marduk.controller.commit import Commit
+from marduk.core.decisions import Outcome
 from marduk.core.drmap import WorkerKey
 from marduk.core.paging import ENVELOPE_BYTES, SnapshotCache
 from marduk.core.policy import PolicyError
@@ -30,12 +31,16 @@ from marduk.wire.protocol import (
     Forget,
     ForgetReply,
     HealthReply,
+    Member,
+    MemberOut,
+    Membership,
     Query,
     QueryReply,
     RegisterReply,
     Registration,
     Report,
     ReportReply,
+    WorkerRef,
 )
 
 if TYPE_CHECKING:
@@ -145,12 +150,22 @@ class Handlers:
         return ForgetReply(removed=[str(k) for k in outcome.deleted_workers])
 
     async def drain(self, req: Drain, subject: str) -> DrainReply:
+        # The memberships before, to say which member each restart took out and who took its
+        # ranks (an operator's request: the scan over the scopes costs nothing that matters).
+        before = {
+            ekey.job: state.membership
+            for ekey, state in self.ctl.policy.fleet.epochs.items()
+            if ekey.replica is None and state.membership is not None
+        }
         result = self.ctl.policy.drain(req.devices, req.host, req.undrain, req.reason, time.time())
         await self.ctl.outbox.commit(result.outcome)
         for conflict in result.conflicts:
             log.warning("drain --host %s: conflicting claim: %s", req.host, conflict)
         return DrainReply(
-            devices=result.devices, actions=result.actions, conflicts=result.conflicts
+            devices=result.devices,
+            actions=result.actions,
+            conflicts=result.conflicts,
+            members_out=members_out(before, result.outcome),
         )
 
     def decide_health(self, event: DeviceHealth) -> HealthDecided:
@@ -233,3 +248,40 @@ class Handlers:
             total_workers=len(snap.workers),
             total_devices=len(snap.devices),
         )
+
+
+def members_out(before: dict[str, Membership], outcome: Outcome) -> list[MemberOut]:
+    """The members each of ``outcome``'s job restarts took out of the membership ``before``
+    (``DrainReply.members_out``): a spare took the ranks of those its ``member_replaced`` events
+    name; the others were dropped. Dropping renumbers the node ranks in their previous order
+    (``marduk.core.membership.replace``), so the n-th member kept or replaced holds the n-th
+    node rank of the new membership."""
+    replaced = {(e.job, e.replica, e.worker) for e in outcome.events if e.kind == "member_replaced"}
+    found: list[MemberOut] = []
+    for command in outcome.commands:
+        old = before.get(command.job)
+        if command.replica is not None or old is None:
+            continue
+        new = command.membership
+        staying = {(m.replica, m.worker) for m in new.members} if new is not None else set()
+        ranked = sorted(new.members, key=lambda m: m.node_rank) if new is not None else []
+        holders: list[Member] = list(ranked)
+        for m in sorted(old.members, key=lambda m: m.node_rank):
+            key = (m.replica, m.worker)
+            if key in staying:
+                del holders[:1]  # it keeps its ranks (renumbered if some were dropped)
+                continue
+            out = MemberOut(
+                job=command.job,
+                member=WorkerRef(replica=m.replica, worker=m.worker),
+                node_rank=m.node_rank,
+                epoch=command.epoch,
+                nodes=len(ranked),
+                world_size=new.world_size if new is not None else 0,
+            )
+            if (command.job, *key) in replaced and holders:
+                spare = holders.pop(0)
+                out.spare = WorkerRef(replica=spare.replica, worker=spare.worker)
+                out.spare_node_rank = spare.node_rank
+            found.append(out)
+    return found

@@ -26,6 +26,7 @@ from marduk.wire.fields import MAX_MEMBERS as MAX_MEMBERS
 from marduk.wire.fields import MAX_MESSAGE_BYTES as MAX_MESSAGE_BYTES
 from marduk.wire.fields import MAX_PEERS_PER_NOTICE as MAX_PEERS_PER_NOTICE
 from marduk.wire.fields import MAX_TEXT as MAX_TEXT
+from marduk.wire.fields import PATTERN_TEXT as PATTERN_TEXT
 from marduk.wire.fields import PROTOCOL_VERSION as PROTOCOL_VERSION
 from marduk.wire.fields import CommandKind as CommandKind
 from marduk.wire.fields import DeviceId as DeviceId
@@ -363,12 +364,32 @@ class Drain(Message, tag="drain", kw_only=True):
     reason: Text = ""
 
 
+class MemberOut(msgspec.Struct, kw_only=True):
+    """A member of a job whose ranks the controller assigns that a drain took out (its agent
+    exits 71), and what became of its ranks: a spare took them, or none fit and the job shrank
+    (``nodes`` left) or is held below MIN (``nodes`` 0)."""
+
+    job: str
+    member: WorkerRef
+    node_rank: int  # its node rank until ``epoch``
+    epoch: int  # the job's restart without it
+    spare: WorkerRef | None = None  # the spare that takes its ranks; None: no spare fit
+    spare_node_rank: int = 0  # the spare's node rank (the member's, unless the job also shrank)
+    nodes: int = 0  # the job's nodes from ``epoch``; 0: held below MIN until workers are back
+    world_size: int = 0
+
+
 class DrainReply(Message, tag="drain_reply", kw_only=True):
     devices: list[str] = []  # the devices whose service state changed
-    actions: list[Action] = []  # the `fail` commands sent (drain only)
+    # The commands sent (drain only): `fail`; for a job whose ranks the controller assigns, a
+    # `restart` without the members on those devices (``members_out``).
+    actions: list[Action] = []
     # By host: devices that host's workers claim but workers on other hosts claim too; not
     # drained (one claim is false), one line each.
     conflicts: list[str] = []
+    # The members the drain took out of jobs whose ranks the controller assigns, one each
+    # (older controllers: empty; their ``actions`` say only the restart).
+    members_out: list[MemberOut] = []
 
 
 # --- queries -----------------------------------------------------------------------------------

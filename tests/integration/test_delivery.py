@@ -190,7 +190,7 @@ def test_forget_and_mark_healthy_all_from_the_cli(controller_env: dict[str, str]
             "d2": "healthy",
         }
         r = marduk_cli("monitor", "forget", "bad/", env=controller_env)
-        assert r.returncode == 1 and "is not JOB" in r.stderr and "Traceback" not in r.stderr
+        assert r.returncode == 2 and "is not JOB" in r.stderr and "Traceback" not in r.stderr
         # Gone without a goodbye: its registration stays until the worker TTL, and nothing
         # renews it between the two forgets (a live trainer re-registers every few seconds).
         t.stop(signal.SIGKILL)

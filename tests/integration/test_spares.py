@@ -6,6 +6,7 @@ spares never take one rank; a new leader keeps the membership and who was retire
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import nats
@@ -15,7 +16,13 @@ from marduk.store.state import StateStore
 from marduk.wire import protocol as wire
 from marduk.wire.protocol import decode, encode
 from marduk.wire.subjects import Subjects
-from tests.conftest import NatsServer, controller_settings, health_event, start_serving
+from tests.conftest import (
+    NatsServer,
+    controller_settings,
+    health_event,
+    marduk_cli,
+    start_serving,
+)
 
 S = Subjects()
 JOB = "mesh"
@@ -257,3 +264,47 @@ async def test_a_new_leader_keeps_the_membership_and_the_retired(
         await nc.close()
         await standby.stop()
         await leader.stop()
+
+
+async def test_monitor_drain_says_which_member_retired_and_who_took_its_ranks(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    nc = await nats.connect(nats_server.url)
+    env = {"MARDUK_ADDR": nats_server.url, "COLUMNS": "200"}
+
+    async def drain(device: str) -> str:
+        r = await asyncio.to_thread(marduk_cli, "monitor", "drain", device, env=env)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    try:
+        sent = await listen(nc, S.job_commands(JOB), wire.Command)
+        formed = await form(nc, sent)
+        said = await drain("b-d0")  # the spare s takes b's ranks
+        swap = await asyncio.wait_for(sent.get(), 5)
+        assert said.splitlines() == [
+            "1 device drained: b-d0",
+            "  b/0 (node rank 1) retired (exits 71); spare s/0 takes node rank 1",
+            f"  job {JOB} restarts at epoch {swap.epoch} with 2 nodes (world size 4)",
+        ]
+        assert swap.epoch > formed.epoch and "fail sent" not in said
+        said = await drain("a-d0")  # no spare left: the job shrinks to s alone
+        shrink = await asyncio.wait_for(sent.get(), 5)
+        assert said.splitlines()[1:] == [
+            "  a/0 (node rank 0) retired (exits 71); no spare fits",
+            f"  job {JOB} shrinks to 1 node (world size 2) at epoch {shrink.epoch}",
+        ]
+        said = await drain("s-d0")  # below MIN 1: held
+        held = await asyncio.wait_for(sent.get(), 5)
+        assert said.splitlines()[1:] == [
+            "  s/0 (node rank 0) retired (exits 71); no spare fits",
+            f"  job {JOB} is held below its MIN at epoch {held.epoch}: it forms again once "
+            "enough workers are registered",
+        ]
+        # The reply itself, for scripts (--json).
+        r = await asyncio.to_thread(marduk_cli, "monitor", "undrain", "b-d0", "--json", env=env)
+        assert r.returncode == 0 and json.loads(r.stdout)["members_out"] == []
+    finally:
+        await nc.close()
+        await c.stop()

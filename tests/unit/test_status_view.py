@@ -100,9 +100,9 @@ def test_small_status_exact_lines() -> None:
         "standbys: none",
         "3 replicas, 3 workers, 4 devices",
         "jobs:",
-        "  job    replicas  live  stale  devices  unhealthy  epoch  restarts  last failure",
-        "  eval          1     0      1        1          0      0         0  -",
-        "  train         2     2      0        3          1      2         3  device d2 failed: xid 79, 12 s ago",
+        "  job    replicas  live  stale  devices  unusable  epoch  restarts  last failure",
+        "  eval          1     0      1        1         0      0         0  -",
+        "  train         2     2      0        3         1      2         3  device d2 failed: xid 79, 12 s ago",
         "workers:",
         "  job    replica  worker  host  state  seen        devices            scope    epoch  status                step",
         "  train  r1            0  h1    live   2 s ago     GPU-8e1a4c2b…8b31  replica      2  registered            -",
@@ -135,6 +135,56 @@ def test_filters_select_workers_and_the_devices_they_touch() -> None:
         assert picked(device=pattern) == (["r1"], [gpu])
     assert picked(device="GPU-8e1a4c2b…0000") == ([], [])
     assert lines(reply, sv.Filters(replica="nope"))[-1] == "nothing matches these filters"
+
+
+def drained_reply() -> QueryReply:
+    """small_reply, with d3 drained while healthy, d2 (failed) drained, d9 quarantined."""
+    reply = small_reply()
+    why = "drained by an operator: bad fan"
+    for d in reply.devices:
+        if d.device in ("d2", "d3"):
+            d.drained, d.out_reason = True, why
+        if d.device == "d9":
+            d.quarantined, d.out_reason = True, "flapping: failed 4 times in 3600 s"
+    return reply
+
+
+def test_a_device_out_of_service_is_shown_as_such_and_counted() -> None:
+    out = lines(drained_reply())
+    rows = {line.split()[0]: line for line in out[out.index("devices:") + 2 :]}
+    # Its state says it is out (and its health when not healthy); its reason, why it is out.
+    assert rows["d3"].split()[1] == "drained" and rows["d3"].endswith(
+        "drained by an operator: bad fan"
+    )
+    assert "failed, drained" in rows["d2"] and "xid 79" not in rows["d2"]
+    assert rows["d2"].endswith("drained by an operator: bad fan")
+    assert rows["d9"].split()[1] == "quarantined" and rows["d9"].endswith("in 3600 s")
+    # The job's not-usable count takes them in; its last failure stays the failure.
+    jobs = {line.split()[0]: line.split() for line in out[out.index("jobs:") + 2 :][:2]}
+    header = out[out.index("jobs:") + 1].split()
+    assert jobs["train"][header.index("unusable")] == "2"
+    assert jobs["eval"][header.index("unusable")] == "1"
+    assert "device d2 failed: xid 79" in " ".join(jobs["train"])
+
+
+def test_state_selects_devices_out_of_service() -> None:
+    reply = drained_reply()
+
+    def picked(state: sv.StateFilter) -> list[str]:
+        return [d.device for d in sv.select(reply, sv.Filters(state=state))[1]]
+
+    assert picked("drained") == ["d2", "d3"]
+    assert picked("quarantined") == ["d9"]
+    assert picked("healthy") == [reply.devices[0].device]  # in service only
+    assert picked("failed") == ["d2"]  # its health, in service or not
+    # top shows them among the current failures, with why they are out.
+    kinds = {e.device: (e.kind, e.detail) for e in sv.current_failures(reply)}
+    assert kinds["d3"] == ("device_drained", "drained by an operator: bad fan")
+    assert kinds["d9"][0] == "device_quarantined"
+    # At scale, the count of devices not usable has them, and the hints name the states.
+    out = lines(reply, limit=1)
+    assert any(line.startswith("3 devices not healthy or out of service: --state") for line in out)
+    assert any("drained, quarantined), or list" in line for line in out)
 
 
 def test_library_worker_status_is_filled() -> None:
@@ -221,7 +271,7 @@ def test_summary_at_scale_is_short_and_adds_up() -> None:
     # The hint says how to see the rows instead of printing them.
     assert any("--replica" in line and "--all" in line for line in out)
     assert not any(line.startswith("workers:") for line in out)
-    assert "devices not healthy:" in out
+    assert "devices not healthy or out of service:" in out
     # Every job's row is there, whole, with its last failure.
     for job in JOBS:
         row = next(line for line in out if line.startswith(f"  {job} "))
@@ -295,3 +345,22 @@ def test_top_view_lists_recent_failures() -> None:
     ]
     out = sv.plain_lines(sv.top_blocks(None, [], NOW, problem="no controller answered"))
     assert out == ["no controller answered", "recent failures and restarts: none"]
+
+
+def test_a_job_filter_heads_the_output_and_an_empty_match_says_what_else_there_is() -> None:
+    reply = small_reply()
+    f = sv.Filters(job="train", job_source="from MARDUK_JOB")
+    assert lines(reply, f)[2] == "job: train (from MARDUK_JOB)"
+    assert sv.Filters(job="train").narrowing is False  # the controller applied it
+    empty = QueryReply(controller=controller())
+    nosuch = sv.Filters(job="nosuch", job_source="from MARDUK_JOB")
+    out = sv.plain_lines(sv.status_blocks(empty, nosuch, NOW, elsewhere=(15, 3)))
+    assert out[2:] == [
+        "job: nosuch (from MARDUK_JOB)",
+        "no worker of job nosuch has registered (15 workers in 3 other jobs)",
+    ]
+    one = sv.status_blocks(empty, sv.Filters(job="x", job_source="--job"), NOW, elsewhere=(1, 1))
+    assert one[-1] == "no worker of job x has registered (1 worker in 1 other job)"
+    assert sv.status_blocks(empty, sv.Filters(), NOW)[-1] == "no worker has registered"
+    top = sv.plain_lines(sv.top_blocks(reply, [], NOW, job="nosuch", job_source="--job"))
+    assert top[1] == "job: nosuch (--job)"
