@@ -150,7 +150,10 @@ class Reporter:
             await self._link.close(deregister=True, reason="trainer exited 0")
             return ExitCode.OK
         if decision.code == ExitCode.PREEMPTED:
-            log.warning("%s: stopped the trainers", decision.why)
+            ended = (
+                "no trainer had started" if self._core.incarnation < 0 else "stopped the trainers"
+            )
+            log.warning("%s: %s", decision.why, ended)
             await self.report("preempted", summary=decision.why)
         elif decision.code == ExitCode.STOPPED:
             log.warning("%s", decision.why)

@@ -281,16 +281,22 @@ class Supervisor:
                 assert code is not None
                 return code
             try:
-                await self._start_all()
+                started = await self._start_all()
             except OSError as e:
                 log.error("cannot start the trainer %s: %s", shlex.join(self.config.cmd), e)
                 await self.reporter.report("gave_up", summary=f"cannot start: {e}")
                 return ExitCode.SETUP
+            if not started and not self.procs.any_running():
+                # A signal before any rank started (waiting for this node's place): what
+                # happened is a stop, reported as one; no tick may read it as a hang.
+                self.core.stopped()
+                continue
             decision, command = await self._supervise()
             if command is not None:
                 await self._forward(command)  # the libraries learn why they are stopped
             answered = await self._tell_the_others(decision)
             await self.procs.stop_all(decision.why)
+            self.core.stopped()
             self.telemetry.trainers_ended(time.monotonic())
             code = await self._apply(decision, command, answered)
             if code is not None:
@@ -421,9 +427,9 @@ class Supervisor:
             client.opts.rendezvous = self.opts.rendezvous
             await client.reregister()
 
-    async def _start_all(self) -> None:
-        """Start every rank. A signal meanwhile: the ranks not started yet are not (the loop
-        then stops those that are)."""
+    async def _start_all(self) -> bool:
+        """Start every rank (True once all are). A signal meanwhile: the ranks not started
+        yet are not (the loop then stops those that are)."""
         if self.launch is not None and self.launch.from_controller:
             # The fork server imports the framework while this node waits for its place (a
             # spare may wait for hours): its first trainers are then forked, as a restart's are.
@@ -432,7 +438,7 @@ class Supervisor:
             placed = await self.signals.or_signal(self._placement())
             if placed is None:
                 log.warning("%s before this node had its ranks: not starting", self.signals.name)
-                return
+                return False
             self.placed = placed
         incarnation = self.core.started(time.monotonic())
         if self.placed is not None:
@@ -449,6 +455,8 @@ class Supervisor:
             self.coordinator,
         ):
             self._started(incarnation)
+            return True
+        return False
 
     def _rank_env(self, base: dict[str, str], rank: Rank) -> dict[str, str]:
         return rank_env(

@@ -1,0 +1,33 @@
+"""``marduk agent run`` as a new user meets it, with real processes: what it says and reports
+when it is stopped before its trainers start, and when it cannot start as asked."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+from agent.supervise.rules import ExitCode
+from tests.processes import agent_run, status
+
+WAITER = (
+    *("--nnodes", "2:2", "--scope", "job", "--nproc-per-node", "1", "--no-prespawn"),
+    *("--startup-timeout", "0.2", "--monitor-interval", "0.05"),
+)
+
+
+def test_a_sigterm_while_waiting_for_ranks_is_a_preemption_not_a_hang(
+    controller_env: dict[str, str],
+) -> None:
+    # One agent of a job of two: it waits for its place, its ticks queue up meanwhile (each
+    # past --startup-timeout); none of them may read the SIGTERM's stop as a hang.
+    a = agent_run(controller_env, *WAITER, "--job", "waiting", cmd=[sys.executable, "-c", "0"])
+    a.expect("waiting for the controller to assign", timeout=30)
+    time.sleep(1.0)
+    a.proc.send_signal(signal.SIGTERM)
+    assert a.proc.wait(30) == ExitCode.PREEMPTED
+    out = "".join(a.all)
+    assert "hung" not in out and "no first step" not in out, out
+    assert "SIGTERM to the agent (preemption or eviction): no trainer had started" in out, out
+    [worker] = status(controller_env)["workers"]
+    assert worker["status"] == "preempted" and worker["failure_class"] == "", worker
