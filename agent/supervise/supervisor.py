@@ -416,13 +416,16 @@ class Supervisor:
         once (or gave up: they start cold)."""
         if self.opts.rendezvous is None or self.opts.rendezvous.ready:
             return
-        await self.starter.warmed()
+        warm = await self.starter.warmed()
         r = self.opts.rendezvous
         if r is None or r.ready:
             return
+        # Ready either way: a node whose fork server failed starts its trainers cold (the
+        # starter said why), not never.
         self.opts.rendezvous = msgspec.structs.replace(r, ready=True)
         client = self.link.client
-        log.info("the fork server is ready: this node can start its trainers at once")
+        if warm:
+            log.info("the fork server is ready: this node can start its trainers at once")
         if client is not None:
             client.opts.rendezvous = self.opts.rendezvous
             await client.reregister()

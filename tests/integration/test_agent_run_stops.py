@@ -6,6 +6,7 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from pathlib import Path
 
 from agent.supervise.rules import ExitCode
 from tests.processes import agent_run, status
@@ -31,3 +32,27 @@ def test_a_sigterm_while_waiting_for_ranks_is_a_preemption_not_a_hang(
     assert "SIGTERM to the agent (preemption or eviction): no trainer had started" in out, out
     [worker] = status(controller_env)["workers"]
     assert worker["status"] == "preempted" and worker["failure_class"] == "", worker
+
+
+def test_a_fork_server_whose_python_lacks_marduk_says_so_at_once_and_claims_nothing(
+    controller_env: dict[str, str], tmp_path: Path
+) -> None:
+    # A python without the agent's dependencies (no site-packages: no msgspec), as a system
+    # python is: its fork server dies importing; the agent says so, naming the interpreter
+    # and the missing module, while it still waits for its place, and never claims "ready".
+    python = tmp_path / "python3"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    python.chmod(0o755)
+    (tmp_path / "train.py").write_text("print('never run')\n")
+    a = agent_run(
+        controller_env,
+        *("--nnodes", "2:2", "--scope", "job", "--nproc-per-node", "1", "--preload", "none"),
+        cmd=[str(python), str(tmp_path / "train.py")],
+    )
+    a.expect("waiting for the controller to assign", timeout=30)
+    said = a.expect("cannot import marduk's agent package", timeout=20)
+    assert str(python) in said and "No module named 'msgspec'" in said, said
+    assert "starting every trainer cold" in said
+    time.sleep(0.5)
+    a.stop()
+    assert not any("fork server is ready" in line for line in a.all), "".join(a.all)
