@@ -235,6 +235,8 @@ class Supervision:
     def command(self, kind: CommandKind, epoch: int, reason: str) -> Decision:
         """A command from the controller (already verified and fenced by the client)."""
         if kind == "checkpoint":
+            if epoch < self.epoch:  # e.g. asked of the members a grow joiner now joins
+                return Ignore(f"checkpoint of epoch {epoch}: the ranks run at epoch {self.epoch}")
             return Forward(f"checkpoint requested (epoch {epoch}): {reason}")
         if kind == "restart" and not supersedes(epoch, self.epoch):
             return Ignore(f"restart at epoch {epoch}: the ranks run at epoch {self.epoch}")

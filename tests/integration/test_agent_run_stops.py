@@ -56,3 +56,28 @@ def test_a_fork_server_whose_python_lacks_marduk_says_so_at_once_and_claims_noth
     time.sleep(0.5)
     a.stop()
     assert not any("fork server is ready" in line for line in a.all), "".join(a.all)
+
+
+def test_nnodes_one_to_one_has_one_member_and_the_others_wait_quietly(
+    controller_env: dict[str, str], tmp_path: Path
+) -> None:
+    # --nnodes 1:1 without --node-rank: the controller assigns the one node rank, so a second
+    # agent of the job is not a member (it ran rank 0 of world 1 too, before); it and a
+    # spare wait at INFO, as waiting for a place is what they are for.
+    (tmp_path / "train.py").write_text("import time\nprint('step 1', flush=True)\ntime.sleep(60)\n")
+    one = ("--nnodes", "1:1", "--scope", "job", "--job", "one", "--preload", "none")
+    cmd = [sys.executable, str(tmp_path / "train.py")]
+    a = agent_run(controller_env, *one, "--replica", "a", cmd=cmd)
+    a.expect("trainer started", timeout=30)
+    b = agent_run(controller_env, *one, "--replica", "b", cmd=cmd)
+    said = b.expect("not a member of the job at epoch", timeout=30)
+    assert " INFO " in said and "waiting, its trainers not started" in said, said
+    spare = agent_run(controller_env, *one, "--replica", "c", "--spare", cmd=cmd)
+    said = spare.expect("a spare of the job", timeout=30)
+    assert " INFO " in said and "a lost member's ranks" in said, said
+    time.sleep(1.0)
+    for p in (b, spare):
+        p.stop()
+        assert not any("trainer started" in line for line in p.all), "".join(p.all)
+        assert not any("WARNING" in line and "member" in line for line in p.all)
+    a.stop()

@@ -266,6 +266,14 @@ def test_checkpoint_is_forwarded_and_nothing_stops() -> None:
     assert isinstance(d, Forward) and "maintenance" in d.why
 
 
+def test_a_checkpoint_of_an_older_epoch_is_not_for_these_ranks() -> None:
+    # A grow joiner starts at the grow's epoch; the checkpoint asked of the members before it
+    # (queued while the joiner waited for its place) has nothing for it to save.
+    d = started(epoch=6).command("checkpoint", 5, "grow: save a checkpoint now")
+    assert isinstance(d, Ignore) and d.why == "checkpoint of epoch 5: the ranks run at epoch 6"
+    assert isinstance(started(epoch=5).command("checkpoint", 5, "grow"), Forward)
+
+
 def test_epochs_never_go_backwards() -> None:
     s = started(epoch=5)
     assert s.restart_epoch(3) == 5
