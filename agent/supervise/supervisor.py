@@ -295,10 +295,17 @@ class Supervisor:
             if command is not None:
                 await self._forward(command)  # the libraries learn why they are stopped
             answered = await self._tell_the_others(decision)
-            await self.procs.stop_all(decision.why)
+            # Why the trainers stop is said once: by the stop's line, or (a give-up that is no
+            # trainer's failure) before it, the stop then only naming the processes.
+            said = self.procs.any_running()
+            if said and isinstance(decision, GiveUp) and decision.failure is None:
+                self.reporter.say_end(decision, stopping=True)
+                await self.procs.stop_all(None)
+            else:
+                await self.procs.stop_all(decision.why)
             self.core.stopped()
             self.telemetry.trainers_ended(time.monotonic())
-            code = await self._apply(decision, command, answered)
+            code = await self._apply(decision, command, answered, said=said)
             if code is not None:
                 return code
             await self.signals.or_signal(self.between.cleanup())
@@ -350,15 +357,19 @@ class Supervisor:
         decision: Decision,
         command: Command | None,
         answered: tuple[int | None] | None = None,
+        *,
+        said: bool = False,
     ) -> int | None:
         """Report the decision and prepare the restart; an exit code ends the agent.
-        ``answered``: the failure was reported already (``_tell_the_others``)."""
+        ``answered``: the failure was reported already (``_tell_the_others``); ``said``: the
+        decision's reason was logged already (as the trainers were stopped)."""
         if isinstance(decision, Finish | GiveUp):
-            return await self.reporter.ended(decision, command)
+            return await self.reporter.ended(decision, command, said=said)
         assert isinstance(decision, Restart)
         if decision.failure is None:
             assert command is not None
-            log.warning("%s", decision.why)
+            if not said:
+                log.warning("%s", decision.why)
             self.stats["restarts.command"] += 1
             self.core.restarting_at(command.epoch)
             # Not awaited: the next trainer need not wait for the controller's answer (a round

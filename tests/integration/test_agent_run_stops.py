@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from agent.supervise.rules import ExitCode
-from tests.processes import agent_run, status
+from tests.processes import agent_run, controller, inject, status
 
 WAITER = (
     *("--nnodes", "2:2", "--scope", "job", "--nproc-per-node", "1", "--no-prespawn"),
@@ -81,3 +81,25 @@ def test_nnodes_one_to_one_has_one_member_and_the_others_wait_quietly(
         assert not any("trainer started" in line for line in p.all), "".join(p.all)
         assert not any("WARNING" in line and "member" in line for line in p.all)
     a.stop()
+
+
+def test_a_fail_command_and_a_sigterm_are_each_said_once(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    ctl = controller({**env, "MARDUK_DEVICE_MAX_FAILURES": "0"})
+    (tmp_path / "train.py").write_text("import time\nprint('step 1', flush=True)\ntime.sleep(60)\n")
+    cmd = [sys.executable, str(tmp_path / "train.py")]
+    common = ("--devices", "d1", "--preload", "none")
+    failed = agent_run(env, "--replica", "r1", *common, cmd=cmd)
+    failed.expect("trainer started", timeout=30)
+    inject(env, "d1")
+    assert failed.proc.wait(30) == ExitCode.DEVICE_FAILED
+    lines = [line for line in failed.all if "fail command" in line]
+    assert len(lines) == 1 and " ERROR " in lines[0] and "giving up" in lines[0], lines
+    stopped = agent_run(env, "--replica", "r2", *common[2:], "--devices", "d2", cmd=cmd)
+    stopped.expect("trainer started", timeout=30)
+    stopped.proc.send_signal(signal.SIGTERM)
+    assert stopped.proc.wait(30) == ExitCode.PREEMPTED
+    lines = [line for line in stopped.all if "SIGTERM to the agent" in line]
+    assert len(lines) == 1 and "stopping the trainers" in lines[0], lines
+    ctl.stop()
