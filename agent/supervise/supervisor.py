@@ -145,6 +145,7 @@ class Supervisor:
         # Where this node's ranks sit at the current incarnation (the controller's membership
         # with --nnodes MIN:MAX; else the launch spec as given).
         self.placed: LaunchSpec | None = config.launch
+        self._telling_warm: asyncio.Task[None] | None = None  # ``_tell_warm``, once
         launch = self.launch
         self.master = MasterFirst(launch is not None and nproc > 1 and launch.nnodes == 1)
         self.coordinator = CoordinatorFirst(launch is not None and launch.from_controller)
@@ -448,7 +449,8 @@ class Supervisor:
             # The fork server imports the framework while this node waits for its place (a
             # spare may wait for hours): its first trainers are then forked, as a restart's are.
             self.starter.warm_up(self._trainer_env())
-            self._spawn(self._tell_warm(), "warm")
+            if self._telling_warm is None:  # one task, whatever the restarts meanwhile
+                self._telling_warm = self._spawn(self._tell_warm(), "warm")
             placed = await self.signals.or_signal(self._placement())
             if placed is None:
                 log.warning("%s before this node had its ranks: not starting", self.signals.name)
