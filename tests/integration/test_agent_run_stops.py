@@ -103,3 +103,18 @@ def test_a_fail_command_and_a_sigterm_are_each_said_once(
     lines = [line for line in stopped.all if "SIGTERM to the agent" in line]
     assert len(lines) == 1 and "stopping the trainers" in lines[0], lines
     ctl.stop()
+
+
+def test_nats_refusing_the_connection_is_said_at_once(env: dict[str, str], tmp_path: Path) -> None:
+    # Nothing listens at env's address: "connection refused" is known at the first attempt,
+    # so it is said then, not when --connect-timeout runs out; and nothing was ever "lost".
+    a = agent_run(
+        env,
+        *("--replica", "r1", "--devices", "d1", "--connect-timeout", "30", "--no-prespawn"),
+        cmd=[sys.executable, "-c", "import time; time.sleep(60)"],
+    )
+    said = a.expect("cannot reach NATS at", timeout=5)
+    assert "(connection refused); retrying for up to 30 s, then running standalone" in said
+    time.sleep(0.5)
+    a.stop()
+    assert not any("lost the connection" in line for line in a.all), "".join(a.all)
