@@ -140,9 +140,11 @@ class Reporter:
                 await self.report("running", step_at=time.time() - age)
 
     def say_end(self, decision: GiveUp, *, stopping: bool) -> None:
-        """The one line of a give-up that is no trainer's failure (a signal, a controller's
-        fail or stop): said before the trainers are stopped (``stopping``), or by ``ended``."""
-        if decision.code == ExitCode.PREEMPTED:
+        """The one line of a give-up: said before the trainers are stopped (``stopping``), or
+        by ``ended``."""
+        if decision.failure is not None:  # past --max-restarts: the reason says so
+            log.error("%s", decision.why)
+        elif decision.code == ExitCode.PREEMPTED:
             if stopping:
                 ended = "stopping the trainers"
             elif self._core.incarnation < 0:
@@ -168,14 +170,13 @@ class Reporter:
             await self.report("exited", exit_code=0)
             await self._link.close(deregister=True, reason="trainer exited 0")
             return ExitCode.OK
-        if decision.failure is None and not said:
+        if not said:
             self.say_end(decision, stopping=False)
         if decision.code == ExitCode.PREEMPTED:
             await self.report("preempted", summary=decision.why)
         elif decision.code == ExitCode.STOPPED:
             pass
         elif decision.failure is not None:
-            log.error("%s", decision.why)
             await self.failure("gave_up", decision.failure, decision)
         else:
             await self.report("gave_up", summary=decision.why)

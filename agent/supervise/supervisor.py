@@ -296,10 +296,10 @@ class Supervisor:
             if command is not None:
                 await self._forward(command)  # the libraries learn why they are stopped
             answered = await self._tell_the_others(decision)
-            # Why the trainers stop is said once: by the stop's line, or (a give-up that is no
-            # trainer's failure) before it, the stop then only naming the processes.
+            # Why the trainers stop is said once: by the stop's line, or (a give-up) before
+            # it, at its level, the stop then only naming the processes.
             said = self.procs.any_running()
-            if said and isinstance(decision, GiveUp) and decision.failure is None:
+            if said and isinstance(decision, GiveUp):
                 self.reporter.say_end(decision, stopping=True)
                 await self.procs.stop_all(None)
             else:

@@ -118,3 +118,21 @@ def test_nats_refusing_the_connection_is_said_at_once(env: dict[str, str], tmp_p
     time.sleep(0.5)
     a.stop()
     assert not any("lost the connection" in line for line in a.all), "".join(a.all)
+
+
+def test_giving_up_with_ranks_still_running_is_said_once(env: dict[str, str]) -> None:
+    # Local rank 1 crashes past --max-restarts 0 while rank 0 runs: the give-up's reason is
+    # said once (then the stop names the processes), not by the stop line and again after.
+    code = (
+        "import os, sys, time\n"
+        "time.sleep(0.3)\n"
+        "sys.exit(3) if os.environ['LOCAL_RANK'] == '1' else time.sleep(60)\n"
+    )
+    a = agent_run(
+        env,
+        *("--standalone", "--replica", "r1", "--nproc-per-node", "2", "--max-restarts", "0"),
+        cmd=[sys.executable, "-c", code],
+    )
+    assert a.proc.wait(30) == ExitCode.GAVE_UP
+    lines = [line for line in a.all if "local rank 1: exit 3" in line]
+    assert len(lines) == 1 and " ERROR " in lines[0] and "giving up" in lines[0], a.all
