@@ -104,8 +104,9 @@ class AsyncClient(CommandInbox):
 
     # --- lifecycle -------------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Connect and register; raise AgentError when that fails within ``opts.timeout``."""
+    async def start(self, *, on_unreachable: Callable[[str], None] | None = None) -> None:
+        """Connect and register; raise AgentError when that fails within ``opts.timeout``.
+        ``on_unreachable``: told at once why NATS cannot be reached (it is still tried)."""
         o = self.opts
         deadline = time.monotonic() + o.timeout
         try:
@@ -117,6 +118,7 @@ class AsyncClient(CommandInbox):
                 on_disconnected=self._on_disconnected,
                 on_reconnected=self._on_reconnected,
                 credentials=o.credentials,
+                on_unreachable=on_unreachable,
             )
             nc = self._nc
             await nc.subscribe(self.subjects.replica_commands(o.job, o.replica), cb=self._on_msg)
@@ -267,6 +269,8 @@ class AsyncClient(CommandInbox):
     async def _on_disconnected(self) -> None:
         if bus.refusal(self._nc):  # said once by bus; no reconnect follows
             self.state = "disconnected"
+            return
+        if self._nc is None:  # never connected: the attempt failing is start's to say
             return
         if self.state != "closed":
             self.state = "disconnected"

@@ -51,7 +51,8 @@ def run(
             "MARDUK_REPLICA_ID",
             "Replica id of this worker.",
             show_default="with torchrun's options or --standalone: --rdzv-id if given, else "
-            "the host name on one node, 'main' across nodes",
+            "the host name (each node its own replica where the controller assigns the node "
+            "ranks), 'main' across nodes with --node-rank; otherwise required",
         ),
     ] = "",
     worker: Annotated[
@@ -214,7 +215,8 @@ def run(
             envvar="MARDUK_NNODES",
             help="Nodes in the job (one agent each): N, or torchrun's MIN:MAX. Without "
             "--node-rank (or with MIN below MAX) the controller assigns the node ranks and "
-            "the coordinator at each epoch (needs --scope job).",
+            "the coordinator at each epoch (needs --scope job); 1:1 too (agents beyond MAX "
+            "wait as spares). Only N=1 is one node on its own, rank 0 of 1.",
             show_default=str(LAUNCH.nnodes),
         ),
     ] = None,
@@ -227,7 +229,8 @@ def run(
             min=0,
             help="This node's rank (GROUP_RANK); without it, across nodes, the controller "
             "assigns one.",
-            show_default=str(LAUNCH.node_rank),
+            show_default=f"assigned by the controller across nodes (--nnodes MIN:MAX or N above "
+            f"1); {LAUNCH.node_rank} with --nnodes 1",
         ),
     ] = None,
     spare: Annotated[

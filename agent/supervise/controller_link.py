@@ -51,18 +51,21 @@ class ControllerLink:
         self._join_task: asyncio.Task[None] | None = None
         self._collector: StatsCollector | None = None
 
-    async def connect(self) -> AsyncClient:
-        """Register now, within the options' timeout (MardukError: no controller answered)."""
-        self.client = await self._register(self.opts)
+    async def connect(self, on_unreachable: Callable[[str], None] | None = None) -> AsyncClient:
+        """Register now, within the options' timeout (MardukError: no controller answered);
+        ``on_unreachable`` is told at once why NATS cannot be reached, if it cannot."""
+        self.client = await self._register(self.opts, on_unreachable)
         return self.client
 
     def join_in_background(self, on_joined: Callable[[AsyncClient], Awaitable[None]]) -> None:
         """Standalone: try to reach the controller until it answers; then ``on_joined``."""
         self._join_task = self._spawn(self._join(on_joined), "join")
 
-    async def _register(self, opts: Options) -> AsyncClient:
+    async def _register(
+        self, opts: Options, on_unreachable: Callable[[str], None] | None = None
+    ) -> AsyncClient:
         client = AsyncClient(opts, on_command=self._on_command, deliver=lambda _c: None)
-        await client.start()
+        await client.start(on_unreachable=on_unreachable)
         # The library client's counters (commands, dropped forgeries, ...) are exported too.
         if self._collector is not None:
             self._registry.unregister(self._collector)

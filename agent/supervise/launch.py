@@ -197,11 +197,11 @@ def parse_endpoint(endpoint: str) -> tuple[str, int | None]:
 
 def parse_nnodes(value: str) -> tuple[int, int]:
     """``N`` or torchrun's elastic range ``MIN:MAX``: (MIN, MAX)."""
-    lo, _, hi = value.partition(":")
+    lo, colon, hi = value.partition(":")
     try:
-        n, m = int(lo), int(hi or lo)
+        n, m = int(lo), int(hi if colon else lo)  # '2:' is no range (torchrun refuses it too)
     except ValueError:
-        raise LaunchError(f"--nnodes {value!r}: a number, or MIN:MAX") from None
+        raise LaunchError(f"--nnodes {value!r}: a number, or MIN:MAX (both given)") from None
     if not 1 <= n <= m:
         raise LaunchError(f"--nnodes {value}: MIN:MAX with 1 <= MIN <= MAX")
     return n, m

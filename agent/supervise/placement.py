@@ -50,16 +50,14 @@ async def membership_for(
                 me = got[1].member(opts.replica, opts.worker)
                 if me is not None:
                     return got[0], got[1], me
-                why = (
-                    f"not a member of the job at epoch {got[0]} "
-                    f"({len(got[1].members)} node(s)): holding the trainers"
-                )
+                why = _not_a_member(opts, got[0], len(got[1].members))
             else:
                 why = f"waiting for the controller to assign this node's ranks (epoch {epoch})"
         else:
             why = "waiting for the controller"
         if why != said:
-            log.warning("%s", why)
+            # Waiting for a place is what a spare, and every node at the start, does.
+            log.log(logging.WARNING if c is None else logging.INFO, "%s", why)
             said = why
         if c is None:
             await asyncio.sleep(ASK_EVERY_S)
@@ -68,6 +66,19 @@ async def membership_for(
             await asyncio.wait_for(c.membership_changed.wait(), ASK_EVERY_S)
         except TimeoutError:
             await c.reregister()
+
+
+def _not_a_member(opts: Options, epoch: int, nodes: int) -> str:
+    spare = opts.rendezvous is not None and opts.rendezvous.spare
+    if spare:
+        return (
+            f"a spare of the job ({nodes} node(s) at epoch {epoch}): waiting, its trainers not "
+            "started, until the controller gives it a lost member's ranks"
+        )
+    return (
+        f"not a member of the job at epoch {epoch} ({nodes} node(s)): waiting, its trainers "
+        "not started, until the controller gives it ranks (the job may grow, or lose a member)"
+    )
 
 
 def refresh_ports(opts: Options, membership: Membership, me: Member) -> bool:

@@ -122,9 +122,10 @@ class RankProcesses:
             task.cancel()
         self._facts.put_nowait(RankExited(incarnation, rank.index, code))
 
-    async def stop_all(self, why: str) -> None:
+    async def stop_all(self, why: str | None) -> None:
         """SIGTERM every rank's group and every process the trainers left behind; the grace
-        period; SIGKILL what is left; wait until all of it is gone."""
+        period; SIGKILL what is left; wait until all of it is gone. ``why``: for the log
+        line (None: the caller said it)."""
         running = [r for r in self.ranks if r.running]
         # A trainer being forked ahead of time is ours before its pid is known: not a leftover.
         await self._starter.settle()
@@ -148,12 +149,15 @@ class RankProcesses:
             r.close_logs()
 
     async def _terminate(
-        self, running: list[Rank], spare: set[int], termed: set[int], why: str
+        self, running: list[Rank], spare: set[int], termed: set[int], why: str | None
     ) -> None:
         """SIGTERM the running ranks and their trees; SIGKILL them after the grace period."""
         pids = ", ".join(str(r.proc.pid) for r in running if r.proc is not None)
         who = "the trainer" if len(self.ranks) == 1 else f"{len(running)} local rank(s)"
-        log.warning("stopping %s (pid %s): %s", who, pids, why)
+        if why is None:
+            log.info("stopping %s (pid %s)", who, pids)
+        else:
+            log.warning("stopping %s (pid %s): %s", who, pids, why)
         for r in running:
             assert r.proc is not None
             with contextlib.suppress(ProcessLookupError):

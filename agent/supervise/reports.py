@@ -139,9 +139,30 @@ class Reporter:
                 age = time.monotonic() - min(r.step_at for r in stepped)
                 await self.report("running", step_at=time.time() - age)
 
-    async def ended(self, decision: Finish | GiveUp, command: object | None) -> int:
-        """The agent ends: say why, and its exit code. ``command``: the command that decided
-        it (None: the core did, or the controller just joined says the devices are out)."""
+    def say_end(self, decision: GiveUp, *, stopping: bool) -> None:
+        """The one line of a give-up: said before the trainers are stopped (``stopping``), or
+        by ``ended``."""
+        if decision.failure is not None:  # past --max-restarts: the reason says so
+            log.error("%s", decision.why)
+        elif decision.code == ExitCode.PREEMPTED:
+            if stopping:
+                ended = "stopping the trainers"
+            elif self._core.incarnation < 0:
+                ended = "no trainer had started"
+            else:
+                ended = "the trainers are stopped"
+            log.warning("%s: %s", decision.why, ended)
+        elif decision.code == ExitCode.STOPPED:
+            log.warning("%s", decision.why)
+        else:
+            log.error("%s; giving up", decision.why)
+
+    async def ended(
+        self, decision: Finish | GiveUp, command: object | None, *, said: bool = False
+    ) -> int:
+        """The agent ends: say why (unless ``said``: ``say_end`` did), and its exit code.
+        ``command``: the command that decided it (None: the core did, or the controller just
+        joined says the devices are out)."""
         if isinstance(decision, Finish):
             log.info(
                 "trainer finished (exit 0)" if len(self._ranks) == 1 else "every rank finished"
@@ -149,16 +170,15 @@ class Reporter:
             await self.report("exited", exit_code=0)
             await self._link.close(deregister=True, reason="trainer exited 0")
             return ExitCode.OK
+        if not said:
+            self.say_end(decision, stopping=False)
         if decision.code == ExitCode.PREEMPTED:
-            log.warning("%s: stopped the trainers", decision.why)
             await self.report("preempted", summary=decision.why)
         elif decision.code == ExitCode.STOPPED:
-            log.warning("%s", decision.why)
+            pass
         elif decision.failure is not None:
-            log.error("%s", decision.why)
             await self.failure("gave_up", decision.failure, decision)
         else:
-            log.error("%s; giving up", decision.why)
             await self.report("gave_up", summary=decision.why)
             if command is None:  # the controller we joined says our devices are out
                 await self._link.close(deregister=True, reason=decision.why)

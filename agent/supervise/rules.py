@@ -141,6 +141,9 @@ class Supervision:
         self.incarnation = -1  # the ranks' current one; the first is 0
         self.failures: deque[float] = deque()  # local failures within the window, oldest first
         self.ranks = [RankState() for _ in range(nproc)]
+        # Ranks started and not stopped since: only then can they hang (an agent still waiting
+        # for its place, or between incarnations, has nothing to time out).
+        self.live = False
 
     @property
     def step(self) -> int | None:
@@ -154,7 +157,13 @@ class Supervision:
         """Every local rank was started again: a new incarnation (returned)."""
         self.incarnation += 1
         self.ranks = [RankState(started_at=now) for _ in range(self.nproc)]
+        self.live = True
         return self.incarnation
+
+    def stopped(self) -> None:
+        """The ranks of the current incarnation were stopped (or never started): no hang
+        checks until the next ``started``."""
+        self.live = False
 
     def progress(self, rank: int, step: int | None, now: float) -> bool:
         """A step (or, with None, a heartbeat). True: the rank's first sign of life."""
@@ -193,7 +202,7 @@ class Supervision:
         sections are each rank's own."""
         lim = self.limits
         running = [i for i, r in enumerate(self.ranks) if not r.finished]
-        if not running:
+        if not running or not self.live:
             return None
         for i in running:
             for name, (opened, timeout) in self.ranks[i].sections.items():
@@ -226,6 +235,8 @@ class Supervision:
     def command(self, kind: CommandKind, epoch: int, reason: str) -> Decision:
         """A command from the controller (already verified and fenced by the client)."""
         if kind == "checkpoint":
+            if epoch < self.epoch:  # e.g. asked of the members a grow joiner now joins
+                return Ignore(f"checkpoint of epoch {epoch}: the ranks run at epoch {self.epoch}")
             return Forward(f"checkpoint requested (epoch {epoch}): {reason}")
         if kind == "restart" and not supersedes(epoch, self.epoch):
             return Ignore(f"restart at epoch {epoch}: the ranks run at epoch {self.epoch}")

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from agent.channel.handoff import REPLICA as REPLICA_ENV
 from agent.errors import AgentError
 from agent.library import options as library
 from agent.supervise import ports
@@ -109,11 +110,12 @@ class RunArgs:
 
     @property
     def ranks_from_controller(self) -> bool:
-        """``--nnodes MIN:MAX`` (MIN below MAX), or across nodes without ``--node-rank``: the
-        controller assigns the node ranks (marduk/core/membership.py)."""
-        lo, _, hi = (self.nnodes or "1").partition(":")
-        hi = hi or lo
-        return lo != hi or (self.node_rank is None and hi not in ("", "1"))
+        """``--nnodes MIN:MAX`` (MIN below MAX), or ``MIN:MAX`` or ``N`` above 1 without
+        ``--node-rank``: the controller assigns the node ranks (marduk/core/membership.py).
+        Only ``--nnodes 1`` (the default) is one node on its own, rank 0 of 1."""
+        value = self.nnodes or "1"
+        lo, colon, hi = value.partition(":")
+        return lo != (hi or lo) or (self.node_rank is None and (bool(colon) or lo != "1"))
 
 
 def _default_preload(cmd: list[str]) -> list[str]:
@@ -148,9 +150,16 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
     look = lookups or Lookups()
     job = _job(args)
     try:
+        # The options' own mistakes first (cheap), before what the environment lacks.
         _check_regex(args.step_regex)
+        if args.nnodes is not None:
+            parse_nnodes(args.nnodes)
+        _check_spare(args)
+        replica = _replica(args, look)
+        if not replica and not look.environ.get(REPLICA_ENV):
+            raise ConfigError(f"no replica id: give --replica ID (or set {REPLICA_ENV})")
         opts = look.resolve(
-            replica_id=_replica(args, look) or None,
+            replica_id=replica or None,
             devices=[d.strip() for d in args.devices.split(",") if d.strip()]
             if args.devices
             else None,
@@ -175,16 +184,11 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
                 spare=args.spare,
                 pool=args.spare_pool or None,
             )
-        elif args.spare or args.spare_pool:
-            raise ConfigError(
-                f"--{'spare' if args.spare else 'spare-pool'} needs --nnodes MIN:MAX without "
-                "--node-rank (--scope job)"
-            )
         logs = _logs(args, launch, look)
+    except ConfigError:
+        raise
     except (AgentError, LaunchError) as e:
         raise ConfigError(str(e)) from None
-    except ValueError as e:
-        raise ConfigError(f"--nproc-per-node or --local-ranks-filter: {e}") from None
     if not args.cmd:
         raise ConfigError("no trainer command given")
     command = trainer_command(args.cmd, module=args.module, no_python=args.no_python)
@@ -220,9 +224,28 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
     )
 
 
+def _check_spare(args: RunArgs) -> None:
+    """``--spare`` and ``--spare-pool`` need the controller to assign the node ranks."""
+    if not (args.spare or args.spare_pool) or args.ranks_from_controller:
+        return
+    given = (
+        f"--node-rank {args.node_rank}"
+        if args.node_rank is not None
+        else f"--nnodes {args.nnodes}: one node on its own"
+        if args.nnodes is not None
+        else "no --nnodes"
+    )
+    raise ConfigError(
+        f"--{'spare' if args.spare else 'spare-pool'} needs ranks from the controller: "
+        f"--nnodes MIN:MAX without --node-rank, with --scope job (given: {given})"
+    )
+
+
 def _job(args: RunArgs) -> str:
     """The job to register under: a spare of a pool registers under the pool's name until a
     job claims it (marduk/core/pools.py)."""
+    if args.spare_pool == "":
+        raise ConfigError("--spare-pool '': name the pool (or leave the option out)")
     if args.spare_pool:
         try:
             check_job(args.spare_pool)
@@ -240,7 +263,8 @@ def _job(args: RunArgs) -> str:
 
 def _replica(args: RunArgs, look: Lookups) -> str:
     """``--replica``, or with torchrun's options or --standalone: --rdzv-id if given, else the
-    host name on one node, 'main' across nodes."""
+    host name (on one node, or each node where the controller assigns the ranks), 'main'
+    across nodes with --node-rank."""
     if args.replica or not (args.torchrun_style or args.standalone):
         return args.replica
     if args.rdzv_id != LAUNCH.run_id:
@@ -294,18 +318,25 @@ def _launch(args: RunArgs, devices: list[str], look: Lookups) -> LaunchSpec:
 
 def _logs(args: RunArgs, launch: LaunchSpec | None, look: Lookups) -> LogSpec:
     nlocal = launch.nproc_per_node if launch is not None else 1
-    ranks = args.local_ranks_filter
     return LogSpec(
         log_dir=args.log_dir,
         redirects=parse_std(args.redirects, nlocal, "--redirects"),
         tee=parse_std(args.tee, nlocal, "--tee"),
-        local_ranks_filter=(
-            frozenset(int(x) for x in ranks.split(",") if x.strip()) if ranks else None
-        ),
+        local_ranks_filter=_ranks_filter(args.local_ranks_filter),
         prefix_template=(
             default_prefix_template(nlocal, look.environ) if launch is not None else None
         ),
     )
+
+
+def _ranks_filter(ranks: str) -> frozenset[int] | None:
+    """``--local-ranks-filter 0,1``: those local ranks (none given: every one)."""
+    if not ranks:
+        return None
+    parts = [x.strip() for x in ranks.split(",") if x.strip()]
+    if not all(x.isdigit() for x in parts):
+        raise LaunchError(f"--local-ranks-filter {ranks!r}: local ranks, comma-separated (0,1)")
+    return frozenset(int(x) for x in parts)
 
 
 def _count(nproc: str) -> int:

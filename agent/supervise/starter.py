@@ -117,6 +117,8 @@ class Starter:
         self.zygote: Zygote | None = None
         self._zygote_task: asyncio.Task[None] | None = None
         self._warming: asyncio.Task[None] | None = None  # warm_up's fork server start
+        self._warm_env: dict[str, str] = {}  # the environment it imports in
+        self._dropping = asyncio.Lock()  # a failed fork server is dropped (and said) once
         # Processes of ours being made (a fork, a standby's or the zygote's exec): their pids
         # are not known yet, so a sweep of leftovers must wait for them (``settle``).
         self._in_flight: set[asyncio.Future[Any]] = set()
@@ -164,19 +166,42 @@ class Starter:
         trainers at once instead of waiting for the framework's import on the way to its first
         step. ``base_env`` as for ``start``; a second call, or a cold start mode, does nothing."""
         if self._warming is None and self.zygote is None:
+            self._warm_env = base_env
             self._warming = self._spawn(self._warm(base_env), "fork-server-warm-up")
 
-    async def warmed(self) -> None:
+    async def warmed(self) -> bool:
         """Until the fork server ``warm_up`` started can fork a trainer at once: it has imported
-        the framework, or failed, or stayed silent for ``fork_server_timeout_s`` (the trainers
-        then start cold). At once if there is none."""
+        the framework (True), or failed, or stayed silent for ``fork_server_timeout_s`` (False:
+        the trainers start cold; a failure is said at once, in one line). At once, False, if
+        there is none."""
         if self._warming is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self._warming)
         zygote = self.zygote
-        if zygote is not None:
-            with contextlib.suppress(ZygoteError):
-                await zygote.wait_ready(self.fork_server_timeout_s)
+        if zygote is None:
+            return False
+        try:
+            await zygote.wait_ready(self.fork_server_timeout_s)
+        except ZygoteUnsafe:
+            return False  # the first start finds out, and uses a standby process
+        except ZygoteError as e:
+            async with self._dropping:
+                if self.zygote is not zygote:
+                    return False  # a start met the failure first, and said so
+                await self._drop_failed_zygote(self._warm_env)
+            if self.facts.imports_agent:  # else the import check said why, and where
+                log.warning(
+                    "the fork server (%s) failed: %s; the trainers start cold", self.cmd[0], e
+                )
+            return False
+        return True
+
+    async def _drop_failed_zygote(self, env: dict[str, str]) -> None:
+        """The fork server failed: count it, stop it, and (once) check whether the trainer's
+        python can import the agent package at all (if not, every start is cold)."""
+        self._learn(zygote_failures=self.facts.zygote_failures + 1)
+        await self._discard_zygote()
+        await self._check_warm_starts(env)
 
     async def _warm(self, env: dict[str, str]) -> None:
         if needs_import_check(self.facts):
@@ -244,15 +269,15 @@ class Starter:
         except (ZygoteError, OSError) as e:  # OSError: no pidfd (Linux < 5.3), no descriptors
             # One failure per fork server, not per rank: the ranks after the first of this
             # start find none running (it was discarded) and start cold without counting.
-            if self.zygote is not None:
-                self._learn(zygote_failures=self.facts.zygote_failures + 1)
-                await self._discard_zygote()
-                await self._check_warm_starts(env)
+            async with self._dropping:  # once per fork server, whoever meets its failure
+                if self.zygote is not None:
+                    await self._drop_failed_zygote(env)
             if isinstance(e, ZygoteUnsafe):
                 log.error("cannot fork trainers: %s; using a standby process instead", e)
                 self._learn(fork_unsafe=True)
                 return await self._activate_standby(rank, env)
-            log.warning("fork server: %s; starting the trainer cold", e)
+            if self.facts.imports_agent is not False:  # else the import check said it all
+                log.warning("fork server: %s; starting the trainer cold", e)
             self.stats["fork_server.failures"] += 1
             slot.started_by = ""
             cold = await exec_trainer(self.cmd, env, stdin=False)

@@ -70,8 +70,19 @@ async def join_controller(
         redact(opts.addr),
         opts.timeout,
     )
+    then = "exiting (--require-controller)" if config.require_controller else "running standalone"
+
+    def unreachable(why: str) -> None:
+        log.warning(
+            "cannot reach NATS at %s (%s); retrying for up to %g s, then %s",
+            redact(opts.addr),
+            why,
+            opts.timeout,
+            then,
+        )
+
     try:
-        client = await signals.or_signal(link.connect())
+        client = await signals.or_signal(link.connect(unreachable))
     except MardukError as e:
         if config.require_controller:
             log.error("cannot register with the controller: %s", e)

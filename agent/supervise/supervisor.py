@@ -145,6 +145,7 @@ class Supervisor:
         # Where this node's ranks sit at the current incarnation (the controller's membership
         # with --nnodes MIN:MAX; else the launch spec as given).
         self.placed: LaunchSpec | None = config.launch
+        self._telling_warm: asyncio.Task[None] | None = None  # ``_tell_warm``, once
         launch = self.launch
         self.master = MasterFirst(launch is not None and nproc > 1 and launch.nnodes == 1)
         self.coordinator = CoordinatorFirst(launch is not None and launch.from_controller)
@@ -281,18 +282,31 @@ class Supervisor:
                 assert code is not None
                 return code
             try:
-                await self._start_all()
+                started = await self._start_all()
             except OSError as e:
                 log.error("cannot start the trainer %s: %s", shlex.join(self.config.cmd), e)
                 await self.reporter.report("gave_up", summary=f"cannot start: {e}")
                 return ExitCode.SETUP
+            if not started and not self.procs.any_running():
+                # A signal before any rank started (waiting for this node's place): what
+                # happened is a stop, reported as one; no tick may read it as a hang.
+                self.core.stopped()
+                continue
             decision, command = await self._supervise()
             if command is not None:
                 await self._forward(command)  # the libraries learn why they are stopped
             answered = await self._tell_the_others(decision)
-            await self.procs.stop_all(decision.why)
+            # Why the trainers stop is said once: by the stop's line, or (a give-up) before
+            # it, at its level, the stop then only naming the processes.
+            said = self.procs.any_running()
+            if said and isinstance(decision, GiveUp):
+                self.reporter.say_end(decision, stopping=True)
+                await self.procs.stop_all(None)
+            else:
+                await self.procs.stop_all(decision.why)
+            self.core.stopped()
             self.telemetry.trainers_ended(time.monotonic())
-            code = await self._apply(decision, command, answered)
+            code = await self._apply(decision, command, answered, said=said)
             if code is not None:
                 return code
             await self.signals.or_signal(self.between.cleanup())
@@ -344,15 +358,19 @@ class Supervisor:
         decision: Decision,
         command: Command | None,
         answered: tuple[int | None] | None = None,
+        *,
+        said: bool = False,
     ) -> int | None:
         """Report the decision and prepare the restart; an exit code ends the agent.
-        ``answered``: the failure was reported already (``_tell_the_others``)."""
+        ``answered``: the failure was reported already (``_tell_the_others``); ``said``: the
+        decision's reason was logged already (as the trainers were stopped)."""
         if isinstance(decision, Finish | GiveUp):
-            return await self.reporter.ended(decision, command)
+            return await self.reporter.ended(decision, command, said=said)
         assert isinstance(decision, Restart)
         if decision.failure is None:
             assert command is not None
-            log.warning("%s", decision.why)
+            if not said:
+                log.warning("%s", decision.why)
             self.stats["restarts.command"] += 1
             self.core.restarting_at(command.epoch)
             # Not awaited: the next trainer need not wait for the controller's answer (a round
@@ -410,29 +428,33 @@ class Supervisor:
         once (or gave up: they start cold)."""
         if self.opts.rendezvous is None or self.opts.rendezvous.ready:
             return
-        await self.starter.warmed()
+        warm = await self.starter.warmed()
         r = self.opts.rendezvous
         if r is None or r.ready:
             return
+        # Ready either way: a node whose fork server failed starts its trainers cold (the
+        # starter said why), not never.
         self.opts.rendezvous = msgspec.structs.replace(r, ready=True)
         client = self.link.client
-        log.info("the fork server is ready: this node can start its trainers at once")
+        if warm:
+            log.info("the fork server is ready: this node can start its trainers at once")
         if client is not None:
             client.opts.rendezvous = self.opts.rendezvous
             await client.reregister()
 
-    async def _start_all(self) -> None:
-        """Start every rank. A signal meanwhile: the ranks not started yet are not (the loop
-        then stops those that are)."""
+    async def _start_all(self) -> bool:
+        """Start every rank (True once all are). A signal meanwhile: the ranks not started
+        yet are not (the loop then stops those that are)."""
         if self.launch is not None and self.launch.from_controller:
             # The fork server imports the framework while this node waits for its place (a
             # spare may wait for hours): its first trainers are then forked, as a restart's are.
             self.starter.warm_up(self._trainer_env())
-            self._spawn(self._tell_warm(), "warm")
+            if self._telling_warm is None:  # one task, whatever the restarts meanwhile
+                self._telling_warm = self._spawn(self._tell_warm(), "warm")
             placed = await self.signals.or_signal(self._placement())
             if placed is None:
                 log.warning("%s before this node had its ranks: not starting", self.signals.name)
-                return
+                return False
             self.placed = placed
         incarnation = self.core.started(time.monotonic())
         if self.placed is not None:
@@ -449,6 +471,8 @@ class Supervisor:
             self.coordinator,
         ):
             self._started(incarnation)
+            return True
+        return False
 
     def _rank_env(self, base: dict[str, str], rank: Rank) -> dict[str, str]:
         return rank_env(

@@ -190,11 +190,19 @@ class JobViews:
         """A job without a membership: held below MIN, or forming its first one."""
         lo, hi = self.fleet.nnodes(ekey.job)
         n = len(self.fleet.usable(ekey.job, now))
-        if state is not None and state.command is not None:
-            return "held", f"below MIN: {n} of {lo} usable worker(s) registered", state.issued_at
         since = self.membership.quorum_since.get(ekey.job, 0.0)
         timeout = self.fleet.config.join_timeout_s
         left = f", forms within {max(0.0, since + timeout - now):.0f}s" if since else ""
+        if state is not None and state.command is not None:
+            if n < lo:
+                return (
+                    "held",
+                    f"below MIN: {n} of {lo} usable worker(s) registered",
+                    state.issued_at,
+                )
+            # MIN is back: it waits out --join-timeout (for more) before it forms again.
+            detail = f"{n} of {lo}:{hi} usable worker(s) registered (MIN again){left}"
+            return "held", detail, state.issued_at
         return "forming", f"{n} of {lo}:{hi} worker(s) registered{left}", since
 
 

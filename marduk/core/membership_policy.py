@@ -428,7 +428,8 @@ class MembershipRules:
             left = len(previous.members) - len(change.dropped)
             what = (
                 f"job held: {left} node(s) left, below MIN {lowest}; its trainers wait until "
-                f"{lowest} workers are registered, then the membership forms again"
+                f"{lowest} worker{'' if lowest == 1 else 's'} {'is' if lowest == 1 else 'are'} "
+                "registered, then the membership forms again"
             )
             state.membership = None
             # Its shape and pool, kept: its last workers may go too, and a pool's spares bring

@@ -163,10 +163,14 @@ async def connect(
     on_reconnected: Callback | None = None,
     on_closed: Callback | None = None,
     credentials: Credentials | None = None,
+    on_unreachable: Callable[[str], None] | None = None,
 ) -> NATS:
-    """Connect to the NATS server(s) at ``addr`` (comma-separated URLs allowed)."""
+    """Connect to the NATS server(s) at ``addr`` (comma-separated URLs allowed).
+    ``on_unreachable``: told why (``connection refused``), once, when an attempt fails while
+    ``timeout`` lets it try again, so that a caller can say so at once, not at the end."""
     servers = parse_servers(addr)
     last_error: list[BaseException] = []
+    told: list[bool] = []
     creds = credentials if credentials is not None else default_credentials()
     auth = creds.nats_options()  # CredentialsError (one line) for a missing file
 
@@ -185,6 +189,9 @@ async def connect(
         if refused or not (last_error and _is_auth_error(last_error[0])):
             last_error[:] = [e]
         log.debug("nats: %s: %s", type(e).__name__, e)
+        if on_unreachable is not None and not connected and not told:
+            told.append(True)
+            on_unreachable(_describe(last_error[0], creds))
 
     async def noop() -> None:
         return None

@@ -53,7 +53,7 @@ def test_a_new_agent_grows_the_shrunk_mesh_back_after_a_checkpoint(
         new = job.join("node2")
         job.running = [0, new]
         grown = job.wait_stepping(t_start, alone.epoch, timeout=120)
-        t_registered, _ = first_line(job, new, "holding the trainers", t_start)
+        t_registered, _ = first_line(job, new, "its trainers not started", t_start)
         t_saved, line = first_line(job, 0, SAVED.pattern, t_registered)
         # Its fork server warmed up first: the grow never keeps the member waiting for it.
         t_warm, _ = first_line(job, new, "the fork server is ready", t_start)

@@ -87,6 +87,20 @@ def test_held_below_min() -> None:
     assert info.resize_detail == "below MIN: 1 of 2 usable worker(s) registered"
 
 
+def test_held_with_min_back_says_it_waits_out_the_join_timeout_not_below_min() -> None:
+    p = Policy(config())  # --join-timeout 5
+    for w in "ab":
+        p.register(reg(w, lo=2, hi=3), now=0)
+    p.tick(now=6)
+    running(p, 7, "a", "b")
+    p.on_health(DeviceHealth(device="a-d0", state="failed", event_id="x"), now=8)
+    assert one(p, 9).resize_detail == "below MIN: 1 of 2 usable worker(s) registered"
+    p.register(reg("c", lo=2, hi=3), now=10)
+    info = one(p, 11)
+    assert info.resize == "held"
+    assert info.resize_detail == "2 of 2:3 usable worker(s) registered (MIN again), forms within 4s"
+
+
 def test_the_metrics_of_a_job() -> None:
     p = Policy(config())
     shrunk(p, hi=3)

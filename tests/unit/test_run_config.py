@@ -22,7 +22,7 @@ class Fakes:
         self.resolved: dict[str, Any] = {}
         self.checked: list[LaunchSpec] = []
         self.preloaded: list[list[str]] = []
-        self.environ: dict[str, str] = {}
+        self.environ: dict[str, str] = {"MARDUK_REPLICA_ID": "from-env"}
 
     def resolve(self, **kw: Any) -> Options:
         self.resolved = kw
@@ -177,7 +177,9 @@ def test_nproc_gpu_is_one_rank_per_device() -> None:
         ({"step_regex": "("}, "--step-regex '('"),
         ({"redirects": "9"}, "--redirects '9'"),
         ({"nproc_per_node": "2", "tee": "5:1"}, "--tee '5:1': local rank 5 of 2"),
-        ({"local_ranks_filter": "a"}, "--nproc-per-node or --local-ranks-filter"),
+        ({"local_ranks_filter": "a"}, "--local-ranks-filter 'a': local ranks"),
+        ({"nnodes": "2:"}, "--nnodes '2:': a number, or MIN:MAX (both given)"),
+        ({"nnodes": ":2"}, "--nnodes ':2'"),
         ({"rdzv_endpoint": "h:x"}, "--rdzv-endpoint 'h:x'"),
         ({"nproc_per_node": "2", "rank_devices": "split"}, "--rank-devices split"),
         ({"cmd": []}, "no trainer command given"),
@@ -193,6 +195,16 @@ def test_an_option_that_cannot_work_is_one_line_naming_it(kw: dict[str, Any], me
 def test_the_resolvers_error_is_reported_as_it_is() -> None:
     with pytest.raises(ConfigError, match=r"^replica_id is required"):
         build(Fakes(fail="replica_id is required (or set MARDUK_REPLICA_ID)"))
+
+
+def test_no_replica_anywhere_names_the_option_and_its_variable() -> None:
+    fakes = Fakes()
+    fakes.environ.clear()
+    with pytest.raises(ConfigError) as e:
+        build(fakes)
+    assert str(e.value) == "no replica id: give --replica ID (or set MARDUK_REPLICA_ID)"
+    build(fakes, replica="r1")
+    build(fakes, nproc_per_node="2")  # torchrun's options: the host name
 
 
 def test_a_bad_regex_is_reported_before_anything_is_resolved() -> None:
@@ -245,3 +257,45 @@ def test_a_pool_option_that_cannot_work_is_refused(kw: dict[str, Any], says: str
     kw = {"nnodes": "1:2", "scope": "job", **kw}
     with pytest.raises(ConfigError, match=says):
         build(Fakes(), **kw)
+
+
+@pytest.mark.parametrize(
+    ("kw", "given"),
+    [
+        ({"spare": True}, "no --nnodes"),
+        ({"spare_pool": "gpu8"}, "no --nnodes"),
+        ({"spare": True, "nnodes": "1"}, "--nnodes 1: one node on its own"),
+        ({"spare": True, "nnodes": "2:2", "node_rank": 1, "scope": "job"}, "--node-rank 1"),
+    ],
+)
+def test_a_spare_without_ranks_from_the_controller_is_told_so_first(
+    kw: dict[str, Any], given: str
+) -> None:
+    # No --replica either: the spare's own mistake is the one to name, not the environment's.
+    fakes = Fakes(fail="not this one")
+    fakes.environ.clear()
+    with pytest.raises(ConfigError) as e:
+        build(fakes, **kw)
+    option = "--spare" if kw.get("spare") else "--spare-pool"
+    assert str(e.value) == (
+        f"{option} needs ranks from the controller: --nnodes MIN:MAX without --node-rank, "
+        f"with --scope job (given: {given})"
+    )
+
+
+def test_an_empty_spare_pool_is_refused_not_ignored() -> None:
+    with pytest.raises(ConfigError, match=r"^--spare-pool '': name the pool"):
+        build(Fakes(), nnodes="1:2", scope="job", spare_pool="")
+
+
+def test_nnodes_one_to_one_without_a_node_rank_asks_the_controller_as_the_help_says() -> None:
+    # Two agents of one job with --nnodes 1:1 ran rank 0 of world 1 each: now the controller
+    # assigns the one node rank (a second agent is beyond MAX: it holds, as a spare does).
+    launch = build(Fakes(), nnodes="1:1", scope="job").launch
+    assert launch.from_controller and (launch.min_nodes, launch.nnodes) == (1, 1)
+    with pytest.raises(ConfigError, match=r"--nnodes 1:1 without --node-rank.*--scope job"):
+        build(Fakes(), nnodes="1:1")
+    assert build(Fakes(), nnodes="1:1", spare=True, scope="job").opts.rendezvous.spare
+    # Given a node rank, or --nnodes 1 (the default), it is one node on its own.
+    assert not build(Fakes(), nnodes="1:1", node_rank=0).launch.from_controller
+    assert not build(Fakes(), nnodes="1").launch.from_controller

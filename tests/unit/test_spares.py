@@ -265,6 +265,18 @@ def test_below_min_the_job_is_held_then_forms_again() -> None:
     assert ranks(back.command) == [("b", 0, 0), ("c", 1, 2)]
 
 
+def test_the_held_jobs_reason_counts_its_workers_in_words() -> None:
+    p = Policy(PolicyConfig(device_max_failures=0, join_timeout_s=0))
+    formed(p, lo=1, spares=0)
+    p.on_health(fail("a-d0", 1), now=3)  # shrinks to b alone
+    r = p.on_health(fail("b-d0", 2), now=4)
+    [why] = [e.detail for e in r.outcome.events if e.kind == "job_held"]
+    assert why.endswith(
+        "job held: 0 node(s) left, below MIN 1; its trainers wait until 1 worker is "
+        "registered, then the membership forms again"
+    )
+
+
 def test_a_quarantine_or_drain_takes_out_only_the_member_using_it() -> None:
     p = Policy()
     first = formed(p)

@@ -141,6 +141,19 @@ def test_no_first_step_within_the_startup_timeout_is_a_hang() -> None:
     assert d.why == "no first step within 60s"
 
 
+def test_ranks_never_started_or_stopped_cannot_hang() -> None:
+    # An agent waiting for its place (a spare, a job below MIN) has no trainer: a SIGTERM
+    # then must be reported as what it is, not as "no first step within 60s".
+    waiting = Supervision(LIMITS, 2)
+    assert waiting.tick(1e6) is None
+    s = started(now=0.0)
+    s.progress(0, 3, now=1.0)
+    s.stopped()  # between incarnations, or waiting for the next epoch's place
+    assert s.tick(1e6) is None
+    s.started(2e6)
+    assert isinstance(s.tick(2e6 + 61.0), Restart)
+
+
 def test_no_step_for_the_hang_timeout_is_a_hang() -> None:
     s = started()
     assert s.progress(0, 7, now=1.0) is True  # the first sign of life
@@ -251,6 +264,14 @@ def test_fail_and_stop_give_up_with_their_codes() -> None:
 def test_checkpoint_is_forwarded_and_nothing_stops() -> None:
     d = started().command("checkpoint", 1, "maintenance in 60 s")
     assert isinstance(d, Forward) and "maintenance" in d.why
+
+
+def test_a_checkpoint_of_an_older_epoch_is_not_for_these_ranks() -> None:
+    # A grow joiner starts at the grow's epoch; the checkpoint asked of the members before it
+    # (queued while the joiner waited for its place) has nothing for it to save.
+    d = started(epoch=6).command("checkpoint", 5, "grow: save a checkpoint now")
+    assert isinstance(d, Ignore) and d.why == "checkpoint of epoch 5: the ranks run at epoch 6"
+    assert isinstance(started(epoch=5).command("checkpoint", 5, "grow"), Forward)
 
 
 def test_epochs_never_go_backwards() -> None:
