@@ -50,8 +50,8 @@ def average_gradients(manager: Manager, model: nn.Module) -> None:
     Marduk's Guard calls on a peer's failure) closes gloo's connections only when the last
     reference to the process group's context goes, and a Work holds one, done or failed. A
     trainer that kept the last step's Works (a loop variable) kept its connections open while
-    it waited for the next quorum, and a peer that had moved on to the next collective of the
-    step waited in it until torchft's timeout (docs/benchmarks.md, "torchft")."""
+    it waited for the next quorum, and a peer still waiting on it in a collective of that step
+    waited until torchft's timeout (docs/benchmarks.md, "torchft")."""
     works = [manager.allreduce(p.grad) for p in model.parameters()]
     for work in works:
         work.wait()
