@@ -15,25 +15,29 @@ The replica id is Marduk's (``MARDUK_REPLICA_ID``, which ``marduk agent run --re
 torchft appends a fresh uuid to it per incarnation. Devices are found as ``agent.connect`` finds
 them (``MARDUK_DEVICES``, NVML, jax). A ``restart`` or ``fail`` command, delivered on the agent
 library's thread, calls ``manager.report_error`` (the step in flight does not commit), aborts
-the process group (a pending collective ends now, and the peers' fails at once rather than at
-their timeout) and asks the loop to exit at its next ``guard.step()``; a loop that does not get
-there within ``exit_after`` seconds (stuck in a collective or a quorum) is ended from the agent's
-thread. The exit is ``os._exit``: nothing deregisters (the next incarnation re-registers), and
-there is nothing to save (the group heals from a peer). Exit codes: ``RESTART_EXIT`` (75) for
-``restart``, 71 for ``fail`` (as ``marduk agent run``: the device is bad, replace the pod).
+the process group (the peers' collectives pending with this group fail, at the latest when it
+exits, rather than at their timeout) and asks the loop to exit at its next ``guard.step()``; a
+loop that does not get there within ``exit_after`` seconds (stuck in a collective or a quorum)
+is ended from the agent's thread. The exit is ``os._exit``: nothing deregisters (the next
+incarnation re-registers), and there is nothing to save (the group heals from a peer). Exit
+codes: ``RESTART_EXIT`` (75) for ``restart``, 71 for ``fail`` (as ``marduk agent run``: the
+device is bad, replace the pod).
 
 The group also asks for ``peer_failed`` notices: when the controller restarts or fails another
 group of the job, this one is told at once. If that group was in this group's last quorum, the
 Guard reports the error to the Manager (the step in flight does not commit) and aborts the
 process group, and does not exit (with torchft's ProcessGroupGloo the abort ends the peers'
-collectives pending with this group at once, not this group's own: that one ends when its peer
-aborts or dies, or at torchft's timeout; bench/torchft_abort_probe.py). The next step's quorum
-forms without the failed group (torchft reconfigures the process group when the membership
-changes, which it does: the failed group's trainer is ended by its agent). A notice about a
-group not in the last quorum (already gone), or one that comes while the next quorum is
-forming (no collective of the step has started), abandons nothing. Which groups were in the
-quorum is read from the Manager's quorum answers (``Manager._client``, wrapped at ``attach``);
-where that is not possible the Guard only reports the error, and aborts nothing.
+collectives pending with this group, not this group's own: that one ends when its peer aborts
+or dies, or at torchft's timeout; bench/torchft_abort_probe.py). The peers' end only once this
+trainer holds no Work of the step: torchft 0.2.0's abort closes gloo's connections when the
+process group's last reference goes, and a Work, done or failed, holds one; wait on a step's
+Works in a function that drops them, as examples/torchft_ddp.py's ``average_gradients``. The
+next step's quorum forms without the failed group (torchft reconfigures the process group when
+the membership changes, which it does: the failed group's trainer is ended by its agent). A
+notice about a group not in the last quorum (already gone), or one that comes while the next
+quorum is forming (no collective of the step has started), abandons nothing. Which groups were
+in the quorum is read from the Manager's quorum answers (``Manager._client``, wrapped at
+``attach``); where that is not possible the Guard only reports the error, and aborts nothing.
 
 The lighthouse can issue a quorum with a group just before that group dies. So the Guard
 remembers the incarnation each notice names (torchft's full ``name:uuid``, as last seen in a

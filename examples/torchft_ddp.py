@@ -42,6 +42,21 @@ def weights_hash(model: nn.Module) -> str:
     return h.hexdigest()[:12]
 
 
+def average_gradients(manager: Manager, model: nn.Module) -> None:
+    """Average the gradients across the groups in the quorum (what torchft's DDP wrapper does;
+    its 0.2.0 comm hook fails on a step the Manager was told to abandon).
+
+    No Work outlives this call: torchft 0.2.0's abort (``ProcessGroupWrapper.abort``, what
+    Marduk's Guard calls on a peer's failure) closes gloo's connections only when the last
+    reference to the process group's context goes, and a Work holds one, done or failed. A
+    trainer that kept the last step's Works (a loop variable) kept its connections open while
+    it waited for the next quorum, and a peer still waiting on it in a collective of that step
+    waited until torchft's timeout (docs/benchmarks.md, "torchft")."""
+    works = [manager.allreduce(p.grad) for p in model.parameters()]
+    for work in works:
+        work.wait()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE"))
@@ -99,10 +114,7 @@ def main() -> int:
         optimizer.zero_grad()  # starts the quorum (heals here when behind)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
-        # Average the gradients across the groups in the quorum (what torchft's DDP wrapper
-        # does; its 0.2.0 comm hook fails on a step the Manager was told to abandon).
-        for work in [manager.allreduce(p.grad) for p in model.parameters()]:
-            work.wait()
+        average_gradients(manager, model)
         optimizer.step()  # commits only if every group's step went well
         step = manager.current_step()
         if step != last:

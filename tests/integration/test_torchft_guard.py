@@ -304,3 +304,26 @@ def test_the_ranks_of_a_group_may_refuse_differently_and_still_agree() -> None:
         for m in managers:
             m.shutdown(wait=False)
         lighthouse.shutdown()
+
+
+HELD_WORK = Path(__file__).resolve().parents[1] / "trainers" / "torchft_held_work.py"
+
+
+@pytest.mark.parametrize("mode", ["released", "held"])
+def test_a_peers_abort_ends_a_recv_only_once_the_peer_holds_no_work(mode: str) -> None:
+    """What the Guard's abort frees: torchft 0.2.0's ``ProcessGroupWrapper.abort`` closes gloo's
+    connections only when the last reference to the process group goes, and a Work holds one.
+    The example's ``average_gradients`` keeps none, so a peer waiting in a recv from this group
+    fails as soon as it aborts; a Work kept (a loop variable, as the example had) keeps the
+    connections open and the peer waits the 3 s timeout: the benchmark's 3 s crash stalls."""
+    pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[dev]'")
+    out = subprocess.run(
+        [sys.executable, str(HELD_WORK), mode], capture_output=True, text=True, timeout=60
+    )
+    said = [line for line in out.stdout.splitlines() if line.startswith("recv ended after ")]
+    assert len(said) == 1, (out.stdout, out.stderr[-2000:])
+    seconds = float(said[0].split()[3])
+    if mode == "released":
+        assert seconds < 2.0 and "Connection closed by peer" in said[0], said
+    else:
+        assert seconds >= 2.9 and "Timed out" in said[0], said
