@@ -171,7 +171,6 @@ class Guard:
         self._waiting = 0  # the Manager's quorum calls in flight
         self._stepped = False  # guard.step() was called: the trainer's startup is over
         self._beats: threading.Thread | None = None
-        self.aborting: threading.Thread | None = None  # the last abort, on a thread of its own
 
     @property
     def restart_requested(self) -> bool:
@@ -200,7 +199,11 @@ class Guard:
             self.manager.report_error(MardukCommandError(f"{cmd.kind}: {cmd.reason}"))
         except Exception as e:  # never let the callback die before the exit is scheduled
             log.warning("report_error: %s", e)
-        self._abort_aside()
+        if self.pg is not None:
+            try:
+                self.pg.abort()
+            except Exception as e:
+                log.warning("aborting the process group: %s", e)
         timer = threading.Timer(self.exit_after, self._exit, kwargs={"late": True})
         timer.daemon = True
         timer.start()
@@ -273,25 +276,11 @@ class Guard:
             self.manager.report_error(error)
         except Exception as e:
             log.warning("report_error: %s", e)
-        if abort:
-            self._abort_aside()
-
-    def _abort_aside(self) -> None:
-        """Abort the process group on a thread of its own: torchft's abort waits for an
-        allreduce of its own still queued or running (up to the collective timeout), and the
-        library's callback thread must not (the next command, the exit timer wait behind it)."""
-        pg = self.pg
-        if pg is None:
-            return
-
-        def abort() -> None:
+        if abort and self.pg is not None:
             try:
-                pg.abort()
+                self.pg.abort()
             except Exception as e:
                 log.warning("aborting the process group: %s", e)
-
-        self.aborting = threading.Thread(target=abort, name="marduk-ft-abort", daemon=True)
-        self.aborting.start()
 
     def _quorum_forming(self) -> bool:
         """The Manager is waiting for this step's quorum, or configuring or healing with it
