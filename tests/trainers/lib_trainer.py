@@ -31,25 +31,34 @@ def on_term(*_: object) -> None:
     sys.exit(0)
 
 
+def idle() -> None:
+    """Wait forever, returning to the interpreter every 0.1 s: Python runs a signal's handler
+    only in the main thread and between bytecodes, and a SIGTERM the kernel hands to another
+    thread (the library's, e.g. the first to run after a SIGCONT) does not interrupt a long
+    sleep of the main thread."""
+    while True:
+        time.sleep(0.1)
+
+
 signal.signal(signal.SIGTERM, on_term)
 if args.mode == "steps-then-stall":
     for i in range(20):
         client.step(i)  # not printed: only the library reports progress
         time.sleep(0.1)
     print("STALLING", flush=True)
-    time.sleep(3600)
+    idle()
 elif args.mode == "steps-then-freeze":  # hung without dying: the whole process stopped
     for i in range(20):
         client.step(i)
         time.sleep(0.1)
     print("FREEZING", flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
-    time.sleep(3600)
+    idle()
 elif args.mode == "long-section":
     client.step(1)
     with client.section("checkpoint", timeout=0.5):
         print("IN SECTION", flush=True)
-        time.sleep(3600)
+        idle()
 elif args.mode == "checkpoint":  # save when asked, keep training
     step = 0
     while True:
