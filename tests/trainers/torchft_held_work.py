@@ -90,7 +90,7 @@ def main() -> None:
         port = s.getsockname()[1]
     me = [sys.executable, __file__]
     r0 = subprocess.Popen([*me, "0", str(port), sys.argv[1]])
-    time.sleep(0.3)  # rank 0 holds the store
+    # No wait for rank 0's store: a TCPStore client retries its connection until it listens.
     r1 = subprocess.Popen([*me, "1", str(port), sys.argv[1]])
     try:
         r0.wait(60)
