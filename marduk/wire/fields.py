@@ -49,6 +49,9 @@ def clip_text(text: str) -> str:
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
+# How many failures were merged into an epoch's command after it was issued (0: as issued);
+# bounded like an epoch, for the same JSON peers.
+Revision = Annotated[int, msgspec.Meta(ge=0, le=MAX_EPOCH)]
 # Any integer decodes; decode() answers every value but PROTOCOL_VERSION with reason "version".
 Version = int
 

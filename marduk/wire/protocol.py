@@ -38,6 +38,7 @@ from marduk.wire.fields import NonNegInt as NonNegInt
 from marduk.wire.fields import Port as Port
 from marduk.wire.fields import PosInt as PosInt
 from marduk.wire.fields import QueryWhat as QueryWhat
+from marduk.wire.fields import Revision as Revision
 from marduk.wire.fields import Role as Role
 from marduk.wire.fields import Scope as Scope
 from marduk.wire.fields import ShortText as ShortText
@@ -83,6 +84,9 @@ class Registration(Message, tag="register", kw_only=True):
     epoch: Epoch = 0
     # The highest epoch it has received, applied or not: the controller never reissues it.
     seen_epoch: Epoch = 0
+    # The revision of ``epoch``'s command its incarnation started with, as its ack said
+    # (``Ack.revision``): said again, for a leader that never got the ack. Null: not said.
+    revision: Revision | None = None
     role: Role = "library"
     # Tell this replica when another replica of its job restarts or fails (``peer_failed``
     # commands): torchft groups abandon the step in flight instead of waiting for a timeout.
@@ -132,6 +136,12 @@ class Command(Message, tag="command", kw_only=True):
     # and that are still registered: their agents act as on ``fail`` (exit 71). Every command
     # of the job lists them until they deregister, so one that missed it converges.
     retired: Annotated[list[WorkerRef], msgspec.Meta(max_length=MAX_MEMBERS)] = []
+    # How many failures were merged into this epoch's command since it was issued (each merge,
+    # a repeat of a device listed included, sends it again one higher). An agent says in its
+    # ack which revision its incarnation started with; a failure merged after that is not
+    # covered by the restart, and the controller issues a new epoch for it. Older agents
+    # ignore it.
+    revision: Revision = 0
 
 
 class RegisterReply(Message, tag="register_reply", kw_only=True):
@@ -181,6 +191,10 @@ class Ack(Message, tag="ack", kw_only=True):
     devices: Annotated[list[DeviceId], msgspec.Meta(max_length=MAX_DEVICES_PER_WORKER)] | None = (
         None
     )
+    # The revision of the epoch's command (``Command.revision``) this worker's incarnation
+    # started with: updates that came before it started are covered by it, a failure merged
+    # at a higher revision is not (null: an agent older than this field; ``devices`` decides).
+    revision: Revision | None = None
 
 
 class AckReply(Message, tag="ack_reply", kw_only=True):
