@@ -130,7 +130,9 @@ class Handlers:
     async def ack(self, ack: Ack, subject: str) -> AckReply:
         self.ctl.edge.check_subject_job(ack.job, subject)
         key = WorkerKey(ack.job, ack.replica, ack.worker)
-        outcome = self.ctl.policy.ack(key, ack.epoch, time.time(), devices=ack.devices)
+        outcome = self.ctl.policy.ack(
+            key, ack.epoch, time.time(), devices=ack.devices, revision=ack.revision
+        )
         await self.ctl.outbox.commit(outcome)
         return AckReply(epoch=self.ctl.policy.epoch_of_worker(key))
 

@@ -5,7 +5,9 @@ and ``Issuer``, the ``ServiceRules`` (flapping) and the membership's ``issue_or_
 ``spends_budget``.
 
 * A ``failed`` device restarts every scope using it (coalesced into a restart in flight, its
-  device merged in); past its failure budget the scopes get ``fail``.
+  device merged in at the command's next revision: covered only for the workers whose
+  incarnation starts after it, ``marduk.core.acks``); past its failure budget the scopes get
+  ``fail``.
 * **Flap damping.** A device that goes (back) to ``failed`` more than ``flap_limit`` times in
   ``flap_window_s`` is quarantined, even if it reported ``healthy`` in between (which clears the
   failure budget, so without damping it would be restarted on forever).
@@ -24,7 +26,7 @@ from marduk.core.decisions import HealthResult, Outcome, action_of, scope_order
 from marduk.core.drmap import WorkerKey
 from marduk.core.fleet import Fleet, out_of_service
 from marduk.core.issuer import Issuer
-from marduk.core.records import DeviceRecord, EpochKey, EpochRecord
+from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, MergedFailure
 from marduk.core.service_policy import IssueOrReplace, ServiceRules
 from marduk.wire.protocol import (
     CommandKind,
@@ -257,7 +259,7 @@ class DeviceRules:
         state = self.fleet.epochs[ekey]
         command = state.command
         assert command is not None
-        self._merge_device(ekey, state, event.device, reason, now, out)
+        self._merge_device(ekey, state, event, reason, now, out)
         reply.actions.append(action_of(ekey, command.kind, state.epoch, coalesced=True))
         merged = state.command
         assert merged is not None
@@ -274,23 +276,44 @@ class DeviceRules:
         )
 
     def _merge_device(
-        self, ekey: EpochKey, state: EpochRecord, device: str, reason: str, now: float, out: Outcome
+        self,
+        ekey: EpochKey,
+        state: EpochRecord,
+        event: DeviceHealth,
+        reason: str,
+        now: float,
+        out: Outcome,
     ) -> None:
-        """A failure joins the restart in flight: send it again with the device merged in.
+        """A failure joins the restart in flight: send it again with the device merged in, at
+        the next revision.
 
         Same epoch (agents act once per epoch), so the scope hears of every failed device
-        without a second restart; repeats of a device already listed send nothing.
+        without a second restart. A repeat of a device already listed is a failure too (it
+        may come after a worker's new trainer started): it moves the revision, though the
+        devices stay. Each merge is kept (``EpochRecord.merged``): a worker whose incarnation
+        started at a lower revision was not covered by it, and its ack restarts it again
+        (``AckRules``). The event the command was issued for (a redelivery) changes nothing.
         """
         command = state.command
         assert command is not None
-        if device in command.devices:
+        if event.event_id and event.event_id == command.event_id:
             return
-        merged = msgspec.structs.replace(
-            command,
-            devices=[*command.devices, device],
-            reason=clip_text(command.reason + "; " + reason),
-        )
+        device = event.device
+        revision = command.revision + 1
+        if device in command.devices:
+            merged = msgspec.structs.replace(command, revision=revision)
+        else:
+            merged = msgspec.structs.replace(
+                command,
+                devices=[*command.devices, device],
+                reason=clip_text(command.reason + "; " + reason),
+                revision=revision,
+            )
         state.command = merged
+        state.merged = [m for m in state.merged if m.device != device]
+        state.merged.append(
+            MergedFailure(device=device, revision=revision, event_id=event.event_id)
+        )
         out.resent.append(merged)
         self.fleet.scopes.sent(ekey, now)
         if state not in out.write_ahead and state not in out.put_epochs:

@@ -87,6 +87,7 @@ class Issuer:
             retired=fleet.retired(ekey),
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
+        state.merged = []  # a new incarnation: nothing merged into it yet
         fleet.scopes.put(ekey, state)
         if ekey.replica is None:  # members gone keep their entries while it lists them
             fleet.sizes.settle(ekey.job, state.membership)

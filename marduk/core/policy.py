@@ -107,10 +107,10 @@ class Policy:
             self._membership.issue_or_replace,
             self._membership.spends_budget,
         )
-        self._registration = RegistrationRules(
-            fleet, self._membership, self._grow, self._service, self._pools
-        )
         self._acks = AckRules(fleet, issuer)
+        self._registration = RegistrationRules(
+            fleet, self._membership, self._grow, self._service, self._pools, self._acks
+        )
         self._reports = ReportRules(fleet, issuer, self._acks, self._grow)
         self._tick = TickRules(fleet, issuer, self._membership, self._grow)
         self._jobs = JobViews(fleet, issuer, self._membership, self._grow)
@@ -239,10 +239,17 @@ class Policy:
         return self._registration.forget(job, replica, worker, now)
 
     def ack(
-        self, key: WorkerKey, epoch: int, now: float, *, devices: Sequence[str] | None = None
+        self,
+        key: WorkerKey,
+        epoch: int,
+        now: float,
+        *,
+        devices: Sequence[str] | None = None,
+        revision: int | None = None,
     ) -> Outcome:
-        """A worker acted on ``epoch``, knowing its command's ``devices`` (None: not said)."""
-        return self._acks.ack(key, epoch, now, devices=devices)
+        """A worker acted on ``epoch``, its incarnation starting at ``revision`` of the epoch's
+        command, knowing its ``devices`` (None: not said)."""
+        return self._acks.ack(key, epoch, now, devices=devices, revision=revision)
 
     def on_report(self, report: Report, now: float) -> ReportResult:
         """A supervisor reports its trainer's status; a failure restarts the worker's scope."""

@@ -76,6 +76,16 @@ class JobShape(msgspec.Struct, kw_only=True, frozen=True):
     pool: str | None = None
 
 
+class MergedFailure(msgspec.Struct, kw_only=True, frozen=True):
+    """A failure of ``device`` merged into the scope's restart in flight (``event_id``, the
+    event that said it), which made its command's ``revision``. A worker on the device whose
+    incarnation started at a lower revision is not covered by the restart (``AckRules``)."""
+
+    device: str
+    revision: int
+    event_id: str = ""
+
+
 class EpochRecord(msgspec.Struct, kw_only=True):
     job: str
     replica: str | None
@@ -102,6 +112,10 @@ class EpochRecord(msgspec.Struct, kw_only=True):
     resized_at: float = 0.0
     # A job held below MIN: its shape as its own workers gave it, written ahead with the hold.
     shape: JobShape | None = None
+    # The failures merged into the current command since it was issued, the latest of each
+    # device (at most the command's devices): persisted with it, so a new leader knows which
+    # failures an ack at an older revision did not cover. Cleared by every new epoch.
+    merged: list[MergedFailure] = []
 
 
 class DeviceRecord(msgspec.Struct, kw_only=True):

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Literal
 
+from marduk.core.acks import AckRules
 from marduk.core.decisions import (
     Outcome,
     PolicyConfig,
@@ -136,12 +137,14 @@ class RegistrationRules:
         grow: GrowRules,
         service: ServiceRules,
         pools: PoolRules,
+        acks: AckRules,
     ) -> None:
         self.fleet = fleet
         self.membership = membership
         self.grow = grow
         self.service = service
         self.pools = pools
+        self.acks = acks
 
     def register(self, reg: Registration, now: float) -> Registered:
         """Check, then record the worker: its scope's epoch (adopting one it saw), whether it
@@ -198,6 +201,10 @@ class RegistrationRules:
             retired=old.retired if old and same_process(old.registration, reg) else "",
         )
         self._record(ekey, state, rec, out)
+        if not fresh_process and reg.revision is not None and reg.epoch == state.epoch:
+            # The ack of this epoch may never have reached this leader (acks are not
+            # persisted): the revision it started with is checked as the ack's would be.
+            self.acks.restart_uncovered(ekey, rec, now, out, revision=reg.revision)
         if result != "unchanged" or was_stale:
             # Agents re-register every 30 s to converge; an unchanged one is neither written
             # nor announced (one back from stale is written: its new registration time).

@@ -388,6 +388,88 @@ def test_an_ack_that_knew_the_merged_device_or_says_nothing_restarts_nothing() -
         assert not p.awaiting(EpochKey("j", "r2"))
 
 
+def test_a_failure_right_after_the_replica_was_handed_its_restart_is_not_covered_by_it() -> None:
+    """Issue 24: d1 fails (epoch 1); r1's agent receives epoch 1 and starts its new trainer;
+    d1 fails again before r1's ack reached the leader. Coalesced into epoch 1 (its command
+    resent at revision 1), but r1's ack says its incarnation started at revision 0, before
+    that failure: the restart did not cover it, so r1 restarts again, for that event."""
+    p = Policy()
+    p.register(reg("r1", ["d1"]), now=0)
+    assert [c.epoch for c in p.on_health(failed("d1", "e1"), now=1).outcome.commands] == [1]
+    again = p.on_health(failed("d1", "e2"), now=1.001)
+    assert [(a.epoch, a.coalesced) for a in again.reply.actions] == [(1, True)]
+    assert not again.outcome.commands
+    assert [(c.epoch, c.revision, c.devices) for c in again.outcome.resent] == [(1, 1, ["d1"])]
+    out = p.ack(WorkerKey("j", "r1", 0), epoch=1, now=1.002, devices=["d1"], revision=0)
+    assert [(c.epoch, c.devices, c.event_id, c.revision) for c in out.commands] == [
+        (2, ["d1"], "e2", 0)
+    ]
+    assert [e.kind for e in out.events] == ["restart_issued"]
+    assert "revision 0 of 1" in (out.events[0].detail or "")
+    assert p.awaiting(EpochKey("j", "r1")) == {WorkerKey("j", "r1", 0)}
+
+
+def test_an_update_taken_in_before_the_trainer_started_is_covered() -> None:
+    """The same race, but the update (revision 1) reached the agent before its new trainer
+    started: the ack says revision 1, and the one restart covers both failures."""
+    p = Policy()
+    p.register(reg("r1", ["d1"]), now=0)
+    p.on_health(failed("d1", "e1"), now=1)
+    p.on_health(failed("d1", "e2"), now=1.001)
+    p.on_health(failed("d1", "e3"), now=1.002)
+    assert p.epochs[EpochKey("j", "r1")].command.revision == 2  # type: ignore[union-attr]
+    assert not p.ack(WorkerKey("j", "r1", 0), epoch=1, now=1.01, revision=2).commands
+    assert not p.awaiting(EpochKey("j", "r1"))
+    # Confirmed: the next failure takes a new epoch (not merged), as before.
+    assert [c.epoch for c in p.on_health(failed("d1", "e4"), now=2).outcome.commands] == [2]
+
+
+def test_an_event_redelivered_for_its_own_command_moves_no_revision() -> None:
+    """The event a command was issued for, redelivered (its dedup record never written), is
+    not a second failure: the revision stays, and an ack at revision 0 covers it."""
+    p = acceptance_map()
+    p.on_health(failed("d1", "e1"), now=1)
+    q = restored(p)
+    q.on_health(failed("d1", "e1"), now=2)
+    assert q.epochs[EpochKey("j", "r1")].command.revision == 0  # type: ignore[union-attr]
+    assert not q.ack(WorkerKey("j", "r1", 0), epoch=1, now=3, revision=0).commands
+
+
+def test_only_the_worker_on_a_device_merged_after_it_started_restarts_again() -> None:
+    """A replica of two workers: d2 (worker 1's) is merged into the restart for d1 at
+    revision 1. Worker 0's incarnation started before that, but d2 is not its device: its ack
+    restarts nothing. Worker 1's started before it too: the replica restarts again."""
+    p = Policy()
+    p.register(reg("r1", ["d1"], worker=0), now=0)
+    p.register(reg("r1", ["d2"], worker=1, pid=2), now=0)
+    p.on_health(failed("d1", "e1"), now=1)
+    p.on_health(failed("d2", "e2"), now=1.001)
+    assert not p.ack(WorkerKey("j", "r1", 0), epoch=1, now=1.01, revision=0).commands
+    out = p.ack(WorkerKey("j", "r1", 1), epoch=1, now=1.02, revision=0)
+    assert [(c.epoch, c.devices, c.event_id) for c in out.commands] == [(2, ["d2"], "e2")]
+
+
+def test_a_new_leader_checks_the_revision_a_worker_registers_with() -> None:
+    """The merge (revision 1) was stored, r1's ack at revision 0 never reached the old leader:
+    after the takeover r1 registers again, saying epoch 1 at revision 0. The new leader (the
+    merges are on the epoch record) restarts it again; one that says revision 1 does not."""
+    p = Policy()
+    p.register(reg("r1", ["d1"]), now=0)
+    p.on_health(failed("d1", "e1"), now=1)
+    p.on_health(failed("d1", "e2"), now=1.001)
+    for revision, restarts in ((0, True), (1, False), (None, False)):
+        q = restored(p)
+        again = msgspec.structs.replace(reg("r1", ["d1"], epoch=1), revision=revision)
+        got = q.register(again, now=2)
+        # Above the old leader's reserved block, as every epoch of a new leader.
+        assert [c.epoch > 1 for c in got.outcome.commands] == [True] * restarts, revision
+        assert (got.epoch > 1) is restarts
+        if restarts:  # the reply carries it: the agent restarts without waiting for a resend
+            assert got.command is not None and got.command.event_id == "e2"
+            # Its renewals say the same: nothing more until it acts on epoch 2.
+            assert not q.register(again, now=3).outcome.commands
+
+
 def test_a_vacant_scope_keeps_its_epochs_for_the_retention_then_they_are_dropped() -> None:
     p = Policy(PolicyConfig(epoch_retention_s=100))
     p.register(reg("r1", ["d1"]), now=0)
