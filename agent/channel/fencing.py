@@ -4,18 +4,22 @@ The controller gives every restart of a scope a new, higher epoch and resends a 
 its workers confirm it (docs/decisions.md #3). An agent acts on each epoch once:
 
 * a command above the last epoch received is **new**: act on it;
-* one at that epoch naming devices not seen for it is an **update** (another device failed
-  and joined the restart in flight): deliver it again, unless the epoch was already acted on
-  (acked), when it changes nothing;
+* one at that epoch at a higher revision, or naming devices not seen for it, is an **update**
+  (another failure joined the restart in flight): deliver it again, unless the epoch was
+  already acted on (acked), when it changes nothing here: the ack said the revision the
+  incarnation started with, and the controller restarts the scope again for a failure merged
+  after it (a failure is covered by a restart only if the restart's incarnation starts after
+  it);
 * one at an epoch held without knowing its command (the process was started at it, or adopted
   it from the controller) is **known**: its devices are learnt, nothing is delivered;
 * anything else is **stale** (an older epoch, a resend): dropped;
 * one more than ``MAX_EPOCH_JUMP`` above the last epoch received is **implausible** unless the
   controller confirmed it (a registration reply): dropped, and the agent asks the controller.
 
-``Fence`` holds what the rule needs (the epoch received, its devices, the epoch acked) and
-returns a new one with each verdict; the library's ``CommandInbox`` keeps one, the supervisor
-asks ``supersedes`` before it restarts a trainer for a command.
+``Fence`` holds what the rule needs (the epoch received, its devices and revision, the epoch
+acked and the revision it was acked at) and returns a new one with each verdict; the library's
+``CommandInbox`` keeps one, the supervisor asks ``supersedes`` before it restarts a trainer for
+a command.
 """
 
 from __future__ import annotations
@@ -51,28 +55,36 @@ class Sighting(Protocol):
     def epoch(self) -> int: ...
     @property
     def devices(self) -> Sequence[str]: ...
+    @property
+    def revision(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Fence:
-    """The last epoch received, the devices of its command (empty: not known) and the last
-    epoch acted on (acked)."""
+    """The last epoch received, the devices of its command (empty: not known) and the highest
+    revision of it seen; the last epoch acted on (acked) and the revision of its command known
+    then: what the incarnation that acted on it started with."""
 
     received: int = 0
     devices: frozenset[str] = frozenset()
     acked: int = 0
+    revision: int = 0
+    acked_revision: int = 0
 
     @classmethod
     def started_at(cls, epoch: int) -> Fence:
         """A process started for ``epoch`` (MARDUK_EPOCH): it acts on nothing up to it."""
         return cls(received=epoch, acked=epoch)
 
-    def is_update(self, epoch: int, devices: Iterable[str]) -> bool:
-        """Same epoch as the last one received, naming devices not seen for it."""
-        return epoch == self.received and not set(devices) <= self.devices
+    def is_update(self, epoch: int, devices: Iterable[str], revision: int = 0) -> bool:
+        """Same epoch as the last one received, at a higher revision or naming devices not
+        seen for it (a controller older than revisions sends only the devices)."""
+        return epoch == self.received and (
+            revision > self.revision or not set(devices) <= self.devices
+        )
 
     def admit(
-        self, epoch: int, devices: Iterable[str], *, confirmed: bool = False
+        self, epoch: int, devices: Iterable[str], revision: int = 0, *, confirmed: bool = False
     ) -> tuple[Verdict, Fence]:
         """The verdict on a command, and the fence after it. ``confirmed``: the controller's
         registration reply carried it (no jump is implausible then)."""
@@ -82,28 +94,40 @@ class Fence:
         if epoch == self.received and not self.devices:
             # We hold this epoch without knowing its devices (started at it, or adopted it from
             # a registration reply): its command is the one we already act on, not news.
-            return Verdict.KNOWN, replace(self, devices=seen)
-        update = self.is_update(epoch, seen)
+            return Verdict.KNOWN, replace(self, devices=seen, revision=max(self.revision, revision))
+        update = self.is_update(epoch, seen, revision)
         if epoch < self.received or (epoch == self.received and not update):
             return Verdict.STALE, self
+        learnt = replace(self, devices=self.devices | seen, revision=max(self.revision, revision))
         if update and epoch <= self.acked:
-            # Acted on already: more failed devices of the same restart change nothing; the
-            # controller starts a new epoch for a worker on a failed device that has restarted.
-            return Verdict.STALE, replace(self, devices=self.devices | seen)
+            # Acted on already: the incarnation started before this failure joined, so it
+            # changes nothing here; the ack said the revision it started with, and the
+            # controller starts a new epoch for a failure merged after that.
+            return Verdict.STALE, learnt
         if update:
-            return Verdict.UPDATE, replace(self, devices=self.devices | seen)
-        return Verdict.NEW, Fence(received=epoch, devices=seen, acked=self.acked)
+            return Verdict.UPDATE, learnt
+        return Verdict.NEW, Fence(
+            received=epoch,
+            devices=seen,
+            acked=self.acked,
+            revision=revision,
+            acked_revision=self.acked_revision,
+        )
 
     def ack(self, epoch: int) -> Fence:
-        """The trainer acted on ``epoch``."""
-        return replace(self, acked=max(self.acked, epoch))
+        """The trainer acted on ``epoch``, knowing the revision of it received so far (of an
+        epoch below the one received, no revision is known: 0)."""
+        if epoch <= self.acked:
+            return self
+        at = self.revision if epoch == self.received else 0
+        return replace(self, acked=epoch, acked_revision=at)
 
     def adopt(self, epoch: int) -> Fence:
         """The controller (or the local agent) says the scope is at ``epoch``: commands up to
         it are not news. A higher epoch is held without knowing its command's devices."""
         if epoch <= self.received:
             return self
-        return replace(self, received=epoch, devices=frozenset())
+        return replace(self, received=epoch, devices=frozenset(), revision=0)
 
     def registered(
         self, epoch: int, command: Sighting | None, *, fresh: bool
@@ -111,22 +135,31 @@ class Fence:
         """A registration reply: the scope's ``epoch`` and the ``command`` that set it (if any).
 
         ``fresh``: the first registration of a process not started at an epoch; it starts
-        after every restart commanded so far, so it adopts the epoch as acted on (KNOWN).
-        Otherwise a command it has not seen (one it missed while disconnected) is admitted as
-        confirmed (NEW or UPDATE: deliver it), and else the epoch is adopted (KNOWN).
+        after every restart commanded so far, so it adopts the epoch as acted on (KNOWN), at
+        the command's revision. Otherwise a command it has not seen (one it missed while
+        disconnected) is admitted as confirmed (NEW or UPDATE: deliver it), and else the epoch
+        is adopted (KNOWN).
         """
         if fresh:
             at = max(self.acked, epoch)
             held = self.adopt(at)
             if command is not None and command.epoch == held.received:
                 # Resends of that command (to workers yet to confirm) are not news to us.
-                held = replace(held, devices=held.devices | frozenset(command.devices))
-            return Verdict.KNOWN, replace(held, acked=at)
+                held = replace(
+                    held,
+                    devices=held.devices | frozenset(command.devices),
+                    revision=max(held.revision, command.revision),
+                )
+            started = held.revision if at == held.received else 0
+            return Verdict.KNOWN, replace(held, acked=at, acked_revision=started)
         if command is not None and (
             command.epoch > self.received
-            or (bool(self.devices) and self.is_update(command.epoch, command.devices))
+            or (
+                bool(self.devices)
+                and self.is_update(command.epoch, command.devices, command.revision)
+            )
         ):
-            return self.admit(command.epoch, command.devices, confirmed=True)
+            return self.admit(command.epoch, command.devices, command.revision, confirmed=True)
         return Verdict.KNOWN, self.adopt(epoch)
 
 

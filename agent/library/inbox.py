@@ -91,7 +91,7 @@ class CommandInbox:
             self._accept_notice(c)
             return
         last = self.fence.received
-        verdict, self.fence = self.fence.admit(c.epoch, c.devices, confirmed=confirmed)
+        verdict, self.fence = self.fence.admit(c.epoch, c.devices, c.revision, confirmed=confirmed)
         if verdict is Verdict.IMPLAUSIBLE:
             self.stats["dropped_implausible"] += 1
             self._record(

@@ -169,6 +169,7 @@ class AsyncClient(CommandInbox):
             incarnation=o.incarnation,
             epoch=self.fence.acked,
             seen_epoch=self.fence.received,
+            revision=self.fence.acked_revision,
             role=o.role,
             peer_notices=o.peer_notices,
             rendezvous=o.rendezvous,
@@ -414,13 +415,18 @@ class AsyncClient(CommandInbox):
             self._record("ack not sent: no connection to NATS; the next registration reports it")
             return False
         o = self.opts
+        # Said as the fence holds it, not as ``command`` was: an update that came before this
+        # ack (another failure joined the restart) is covered by the incarnation that follows.
+        fence = self.fence
+        known = fence.devices if command.epoch == fence.received else command.devices
         ack = wire.Ack(
             job=o.job,
             replica=o.replica,
             worker=o.worker,
             epoch=command.epoch,
             command_id=command.command_id,
-            devices=list(command.devices),
+            devices=sorted(known),
+            revision=fence.acked_revision if command.epoch == fence.acked else 0,
         )
         try:
             assert self._nc is not None

@@ -14,6 +14,7 @@ from agent.channel.fencing import MAX_EPOCH_JUMP, Fence, Verdict, supersedes
 class Seen:
     epoch: int
     devices: list[str]
+    revision: int = 0
 
 
 def test_a_newer_epoch_is_new_and_an_older_or_repeated_one_stale() -> None:
@@ -33,6 +34,34 @@ def test_more_devices_at_the_same_epoch_are_an_update_until_it_is_acked() -> Non
     fence = fence.ack(1)
     verdict, after = fence.admit(1, ["c"])
     assert verdict is Verdict.STALE and after.devices == {"a", "b", "c"}  # learnt, not delivered
+
+
+def test_a_higher_revision_is_an_update_taken_in_until_the_ack_then_not() -> None:
+    """A repeat of a device already listed moves the revision only: an update before the ack
+    (the new trainer has not started: it is covered), learnt but not delivered after it; the
+    ack keeps the revision its incarnation started with, for the controller to check."""
+    _, fence = Fence().admit(1, ["a"])
+    verdict, fence = fence.admit(1, ["a"], 1)
+    assert verdict is Verdict.UPDATE and fence.revision == 1
+    assert fence.admit(1, ["a"], 1)[0] is Verdict.STALE  # a resend of it
+    fence = fence.ack(1)
+    assert (fence.acked, fence.acked_revision) == (1, 1)
+    verdict, after = fence.admit(1, ["a"], 2)
+    assert verdict is Verdict.STALE and after.revision == 2 and after.acked_revision == 1
+    assert after.ack(1).acked_revision == 1  # acked once: what it started with stays
+    # The next epoch starts over at its own revision; the acked one's stays until acked.
+    verdict, nxt = after.admit(2, ["a"], 0)
+    assert verdict is Verdict.NEW and (nxt.revision, nxt.acked_revision) == (0, 1)
+    assert nxt.ack(2).acked_revision == 0
+
+
+def test_a_fresh_process_started_after_every_revision_so_far() -> None:
+    verdict, fence = Fence().registered(7, Seen(7, ["a"], 3), fresh=True)
+    assert verdict is Verdict.KNOWN and (fence.acked, fence.acked_revision) == (7, 3)
+    assert fence.admit(7, ["a"], 3)[0] is Verdict.STALE
+    # Not fresh: a revision it missed is delivered (converged) as an update.
+    _, fence = Fence().admit(7, ["a"])
+    assert fence.registered(7, Seen(7, ["a"], 1), fresh=False)[0] is Verdict.UPDATE
 
 
 def test_the_epoch_a_process_was_started_at_is_known_not_news() -> None:
