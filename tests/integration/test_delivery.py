@@ -21,6 +21,7 @@ from marduk.wire.protocol import decode, encode
 from marduk.wire.subjects import Subjects
 from monitor_cli import client as monitor
 from tests.conftest import NatsServer, controller_settings, eventually, health_event, start_serving
+from tests.tcp_proxy import TcpProxy
 
 S = Subjects()
 
@@ -65,34 +66,73 @@ async def test_a_failure_joining_a_restart_in_flight_reaches_every_replica(
         await c.stop()
 
 
+@pytest.mark.parametrize("second", ["d2", "d3"])
 async def test_a_failure_merged_while_the_ack_travels_restarts_the_replica_again(
-    nats_server: NatsServer, tmp_path: Path
+    nats_server: NatsServer, tmp_path: Path, second: str
 ) -> None:
-    """r2 acts on epoch 1 (d3) and acks; d2 fails before that ack reaches the leader and is
-    merged into epoch 1. The ack says r2 acted knowing only d3: its trainer may have started
-    before d2 failed, so the leader restarts r2 again at epoch 2 for d2 (before the ack carried
-    its devices, d2's failure was answered "coalesced" and never acted on)."""
+    """r2 acts on epoch 1 (d3) and acks; ``second`` (another of its devices, or d3 again)
+    fails while that ack is held on its way to the leader (a TCP proxy holds what r2 sends)
+    and is merged into epoch 1, at revision 1. The update reaches r2 after it acted: not
+    delivered. Its ack says its incarnation started at revision 0, before that failure: the
+    leader restarts r2 again at epoch 2, for that event (issue 24: a repeat of d3 was answered
+    "coalesced" and never acted on)."""
     c = await serve(nats_server, tmp_path)
-    r2 = await agent(nats_server, "r2", ["d2", "d3"])
+    proxy = await TcpProxy(nats_server.port).start()
+    r2 = await connect_async("r2", ["d2", "d3"], addr=proxy.url, timeout=10)
     nc = await nats.connect(nats_server.url)
     try:
-        await health_event(nc, "d3")
+        await health_event(nc, "d3", event_id="e1")
         first = await r2.wait(5)
         assert first is not None and (first.epoch, first.devices) == (1, ("d3",))
-        # The trainer acted on `first`; its ack is still on the way when d2 fails.
-        reply = await health_event(nc, "d2")
+        proxy.hold(down=False)  # what r2 sends waits in the proxy; it still receives
+        acking = asyncio.create_task(r2.ack(first))
+        await eventually(lambda: r2.fence.acked == 1)  # acted on: the ack is on its way
+        reply = await health_event(nc, second, event_id="e2")
         assert [(a.replica, a.epoch, a.coalesced) for a in reply.actions] == [("r2", 1, True)]
-        assert await r2.ack(first)
-        update = await r2.wait(5)  # the merged command, delivered after the trainer acted
-        assert update is not None and (update.epoch, update.devices) == (1, ("d3", "d2"))
+        await eventually(lambda: r2.fence.revision == 1)  # the update came, after the ack
+        assert r2.stats["updates"] == 0 and await r2.wait(0.1) is None
+        proxy.pass_()
+        assert await acking
         again = await r2.wait(5)
         assert again is not None and (again.kind, again.epoch, again.devices) == (
             "restart",
             2,
-            ("d2",),
+            (second,),
         )
+        command = c.policy.epochs[EpochKey("default", "r2")].command
+        assert command is not None and command.event_id == "e2"
         assert await r2.ack(again)
-        assert await r2.wait(0.3) is None  # acted on knowing d2: nothing more
+        assert await r2.wait(0.3) is None  # acted on at its latest revision: nothing more
+    finally:
+        await nc.close()
+        await r2.close()
+        await proxy.stop()
+        await c.stop()
+
+
+@pytest.mark.parametrize("second", ["d2", "d3"])
+async def test_a_failure_merged_before_the_agent_acted_is_covered_by_its_restart(
+    nats_server: NatsServer, tmp_path: Path, second: str
+) -> None:
+    """The same failures, but the update reaches r2 before its trainer acts (a library
+    trainer acks, then exits or starts over): the incarnation that follows starts after the
+    second failure, so the one restart covers both. Its ack says revision 1: no epoch 2."""
+    c = await serve(nats_server, tmp_path)
+    r2 = await agent(nats_server, "r2", ["d2", "d3"])
+    nc = await nats.connect(nats_server.url)
+    try:
+        await health_event(nc, "d3", event_id="e1")
+        first = await r2.wait(5)
+        assert first is not None and first.epoch == 1
+        reply = await health_event(nc, second, event_id="e2")
+        assert [(a.epoch, a.coalesced) for a in reply.actions] == [(1, True)]
+        update = await r2.wait(5)  # delivered: the trainer has not acted yet
+        assert update is not None and update.epoch == 1 and second in update.devices
+        assert await r2.ack(first)
+        await eventually(lambda: c.stats["received.ack"] >= 1)
+        assert await r2.wait(1.5) is None  # resends stop; no second restart
+        assert c.policy.epoch_of(EpochKey("default", "r2")) == 1
+        assert not c.policy.awaiting(EpochKey("default", "r2"))
     finally:
         await nc.close()
         await r2.close()
