@@ -290,9 +290,11 @@ class DeviceRules:
         Same epoch (agents act once per epoch), so the scope hears of every failed device
         without a second restart. A repeat of a device already listed is a failure too (it
         may come after a worker's new trainer started): it moves the revision, though the
-        devices stay. Each merge is kept (``EpochRecord.merged``): a worker whose incarnation
-        started at a lower revision was not covered by it, and its ack restarts it again
-        (``AckRules``). The event the command was issued for (a redelivery) changes nothing.
+        devices stay, and goes out with the next resend (``tick``), not at once: a storm of
+        repeats sends at most one command a resend interval per scope. Each merge is kept
+        (``EpochRecord.merged``, persisted): a worker whose incarnation started at a lower
+        revision was not covered by it, and its ack restarts it again (``AckRules``). The
+        event the command was issued for (a redelivery) changes nothing.
         """
         command = state.command
         assert command is not None
@@ -300,7 +302,8 @@ class DeviceRules:
             return
         device = event.device
         revision = command.revision + 1
-        if device in command.devices:
+        repeat = device in command.devices
+        if repeat:
             merged = msgspec.structs.replace(command, revision=revision)
         else:
             merged = msgspec.structs.replace(
@@ -314,8 +317,9 @@ class DeviceRules:
         state.merged.append(
             MergedFailure(device=device, revision=revision, event_id=event.event_id)
         )
-        out.resent.append(merged)
-        self.fleet.scopes.sent(ekey, now)
+        if not repeat:
+            out.resent.append(merged)
+            self.fleet.scopes.sent(ekey, now)
         if state not in out.write_ahead and state not in out.put_epochs:
             out.put_epochs.append(state)
 

@@ -82,14 +82,15 @@ async def test_a_failure_while_the_old_trainer_stops_is_covered_by_the_restart(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
     """The second failure reaches the supervisor while it is still stopping the old trainer
-    (one that takes a moment to end on SIGTERM): the update is taken in before the ack, the
-    next trainer starts after both failures, and one restart covers them (no epoch 2)."""
+    (one that takes 2.5 s to end on SIGTERM; a repeat of a listed device goes out with the
+    next resend, within a second): the update is taken in before the ack, the next trainer
+    starts after both failures, and one restart covers them (no epoch 2)."""
     c = await start_serving(Controller(controller_settings(nats_server, tmp_path / "ctl")))
     nc = await nats.connect(nats_server.url)
     slow = TRAINER.replace(
         "import os, time\n",
         "import os, signal, sys, time\n"
-        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), sys.exit(0)))\n",
+        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2.5), sys.exit(0)))\n",
     )
     (tmp_path / "train.py").write_text(slow)
     env = {"MARDUK_ADDR": nats_server.url, "PYTHONUNBUFFERED": "1"}
