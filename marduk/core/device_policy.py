@@ -284,8 +284,8 @@ class DeviceRules:
         now: float,
         out: Outcome,
     ) -> None:
-        """A failure joins the restart in flight: send it again with the device merged in, at
-        the next revision.
+        """A failure joins the restart in flight: its command at the next revision, the device
+        merged in, sent again.
 
         Same epoch (agents act once per epoch), so the scope hears of every failed device
         without a second restart. A repeat of a device already listed is a failure too (it

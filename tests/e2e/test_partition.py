@@ -10,7 +10,9 @@ reconnect) or slowed. The standby takes over. After the heal:
 
 * every accepted event was decided (its dedup record is stored) and acted on: each replica its
   decision names applied the very epoch it names (new, or the restart it was coalesced into)
-  after the event was published (a later restart for a later event would hide a dropped one);
+  after the event was published (a later restart for a later event would hide a dropped one),
+  or, coalesced into an epoch the replica had already started, a restart issued for a failure
+  coalesced into that epoch (the one its ack at the earlier revision got: issue 24);
 * no replica saw one epoch used for two decisions, and no stored epoch record went backwards;
 * no write of an earlier term was stored after a later term's first write (its claim of the
   ``term`` key): every stored write carries the fence of the latest term claimed before it;
@@ -21,7 +23,9 @@ writes land after the successor's claim (every mode) and, holding only what the 
 events are left decided by a command the agents dropped as stale (item 2); without the
 inherited-restart rule (item 1), the new leader coalesces backlog failures into restarts the
 agents had already applied ("drop" and "slow": a held subscription is redelivered to only
-after ack_wait, when the agents have re-registered).
+after ack_wait, when the agents have re-registered). The chased storm (a failure right after a
+replica applied an epoch, before its ack) fails on the first chase without revisions: the
+failure is coalesced into the epoch the replica already runs, and nothing more is sent.
 """
 
 from __future__ import annotations

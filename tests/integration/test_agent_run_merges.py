@@ -39,6 +39,16 @@ async def started_at(p: Proc, epoch: int) -> None:
     await asyncio.to_thread(p.expect, f"START epoch={epoch}", 30)
 
 
+def supervise(addr: str, tmp_path: Path, trainer: str) -> Proc:
+    """``marduk agent run`` of replica r1 on device d1, reaching NATS at ``addr``."""
+    (tmp_path / "train.py").write_text(trainer)
+    return agent_run(
+        {"MARDUK_ADDR": addr, "PYTHONUNBUFFERED": "1"},
+        *("--replica", "r1", "--devices", "d1", "--preload", "none"),
+        cmd=[sys.executable, str(tmp_path / "train.py")],
+    )
+
+
 async def test_a_failure_after_the_new_trainer_started_restarts_it_again(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
@@ -50,13 +60,7 @@ async def test_a_failure_after_the_new_trainer_started_restarts_it_again(
     c = await start_serving(Controller(controller_settings(nats_server, tmp_path / "ctl")))
     proxy = await TcpProxy(nats_server.port).start()
     nc = await nats.connect(nats_server.url)
-    (tmp_path / "train.py").write_text(TRAINER)
-    env = {"MARDUK_ADDR": proxy.url, "PYTHONUNBUFFERED": "1"}
-    sup = agent_run(
-        env,
-        *("--replica", "r1", "--devices", "d1", "--preload", "none"),
-        cmd=[sys.executable, str(tmp_path / "train.py")],
-    )
+    sup = supervise(proxy.url, tmp_path, TRAINER)
     try:
         await started_at(sup, 0)
         proxy.hold(down=False)  # what the supervisor sends waits; it still receives
@@ -92,13 +96,7 @@ async def test_a_failure_while_the_old_trainer_stops_is_covered_by_the_restart(
         "import os, signal, sys, time\n"
         "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2.5), sys.exit(0)))\n",
     )
-    (tmp_path / "train.py").write_text(slow)
-    env = {"MARDUK_ADDR": nats_server.url, "PYTHONUNBUFFERED": "1"}
-    sup = agent_run(
-        env,
-        *("--replica", "r1", "--devices", "d1", "--preload", "none"),
-        cmd=[sys.executable, str(tmp_path / "train.py")],
-    )
+    sup = supervise(nats_server.url, tmp_path, slow)
     try:
         await started_at(sup, 0)
         await health_event(nc, "d1", event_id="e1")
