@@ -87,6 +87,8 @@ class Issuer:
             retired=fleet.retired(ekey),
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
+        if kind == "checkpoint":
+            state.checkpoints += 1
         fleet.scopes.put(ekey, state)
         if ekey.replica is None:  # members gone keep their entries while it lists them
             fleet.sizes.settle(ekey.job, state.membership)
