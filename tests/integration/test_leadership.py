@@ -55,6 +55,19 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     return c
 
 
+def answer_late(kv: Any, method: str, clock: Clock, late: float) -> None:
+    """``kv.<method>`` answers ``late`` seconds (of the fake clock) after it was sent: a slow
+    server, a full socket."""
+    call = getattr(kv, method)
+
+    async def answered_late(*args: Any, **kw: Any) -> Any:
+        result = await call(*args, **kw)
+        clock.now += late
+        return result
+
+    setattr(kv, method, answered_late)
+
+
 class Candidate:
     def __init__(self, nc: NATS, name: str) -> None:
         self.elected: list[int] = []
@@ -179,15 +192,7 @@ async def test_the_fence_is_three_quarters_of_the_ttl_counted_from_the_renewals_
     try:
         await a.lead._campaign()
         assert a.lead.is_leader
-        kv: Any = a.lead.kv
-        update = kv.update
-
-        async def slow_update(*args: Any, **kw: Any) -> int:
-            revision: int = await update(*args, **kw)
-            clock.now += TTL / 2  # the reply comes back half a TTL after the send
-            return revision
-
-        kv.update = slow_update
+        answer_late(a.lead.kv, "update", clock, TTL / 2)
         clock.now += 0.1
         sent = clock.now
         await a.lead._renew()
@@ -212,15 +217,7 @@ async def test_the_fence_of_an_election_counts_from_the_claim_s_send(
     Kills: the election's fence counted from the create's reply instead of its send."""
     conns, (a,) = await candidates(nats_server.url, "a")
     try:
-        kv: Any = a.lead.kv
-        create = kv.create
-
-        async def slow_create(*args: Any, **kw: Any) -> int:
-            revision: int = await create(*args, **kw)
-            clock.now += TTL / 2  # the reply comes back half a TTL after the send
-            return revision
-
-        kv.create = slow_create
+        answer_late(a.lead.kv, "create", clock, TTL / 2)
         sent = clock.now
         await a.lead._campaign()
         assert a.elected == [1] and clock.now == sent + TTL / 2
