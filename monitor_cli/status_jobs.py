@@ -24,8 +24,9 @@ class JobSummary:
     unhealthy: int  # devices not usable: not healthy, or out of service (drained, quarantined)
     epoch: int  # the highest restart epoch of its scopes
     # The sum of its restart scopes' epochs (each replica once, or the job once with scope
-    # job): every restart the controller issued raised one epoch by one. An upper bound:
-    # after a controller restart epochs continue above a reserved block, so they can skip.
+    # job) less those that were a checkpoint command: every restart (or fail) the controller
+    # issued raised one epoch by one. An upper bound: after a controller restart epochs
+    # continue above a reserved block, so they can skip.
     restarts: int
     last_failure: str
     last_failure_at: float
@@ -46,9 +47,11 @@ def summarize(reply: QueryReply) -> list[JobSummary]:
     for job in sorted(set(by_job) | set(devices_of_job)):
         workers = by_job.get(job, [])
         scopes: dict[str | None, int] = {}
+        restarts: dict[str | None, int] = {}
         for w in workers:
             key = w.replica if w.scope == "replica" else None
             scopes[key] = max(scopes.get(key, 0), w.epoch)
+            restarts[key] = max(restarts.get(key, 0), w.epoch - w.checkpoints)
         known = {d.device: d for d in devices_of_job.get(job, [])}
         names = {name for w in workers for name in w.devices} | set(known)
         unhealthy = [d for d in known.values() if not in_state(d, "healthy")]
@@ -62,7 +65,7 @@ def summarize(reply: QueryReply) -> list[JobSummary]:
                 devices=len(names),
                 unhealthy=len(unhealthy),
                 epoch=max(scopes.values(), default=0),
-                restarts=sum(scopes.values()),
+                restarts=sum(restarts.values()),
                 last_failure=what,
                 last_failure_at=when,
                 spares=sum(w.part == "spare" and w.state == "live" for w in workers),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import signal
 import sys
@@ -119,7 +120,7 @@ def controller(
             envvar="MARDUK_GROW_SETTLE",
             min=0.0,
             help="Seconds a new worker must stay live (never stale) before it joins a job "
-            "below MAX; keep it above --worker-ttl.",
+            "below MAX; keep it above --worker-ttl (below it, a warning at start).",
         ),
     ] = 30.0,
     restart_on_degraded: Annotated[
@@ -251,6 +252,8 @@ def controller(
     from marduk.transport import bus
 
     setup_logging(json_logs=json_logs, level=log_level)
+    if (warning := settle_warning(grow_settle, worker_ttl)) is not None:
+        logging.getLogger("marduk.controller").warning("%s", warning)
     settings = ControllerSettings(
         addr=addr,
         prefix=prefix,
@@ -289,6 +292,22 @@ def controller(
         return await run_controller(settings, stop)
 
     raise typer.Exit(run(main()))
+
+
+def settle_warning(grow_settle: float, worker_ttl: float) -> str | None:
+    """What to say about a ``--grow-settle`` below ``--worker-ttl`` (None: nothing).
+
+    A warning, not a usage error: a worker is stale only once it was silent for the TTL, so
+    one that dies within it still counts as live and, with a shorter settle, may join a job,
+    which then restarts at once without it. A test bench or a single machine where workers do
+    not flap may want grows that fast (the suite's end-to-end grows settle in 1 s)."""
+    if grow_settle >= worker_ttl:
+        return None
+    return (
+        f"--grow-settle {grow_settle:g}s is below --worker-ttl {worker_ttl:g}s: a new worker "
+        "that dies within the TTL still counts as live and may join a job, which then "
+        "restarts without it; keep it above the TTL unless workers never flap"
+    )
 
 
 def _mount() -> None:

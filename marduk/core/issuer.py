@@ -88,6 +88,8 @@ class Issuer:
         )
         state.epoch, state.issued_at, state.command = epoch, now, command
         state.merged = []  # a new incarnation: nothing merged into it yet
+        if kind == "checkpoint":
+            state.checkpoints += 1
         fleet.scopes.put(ekey, state)
         if ekey.replica is None:  # members gone keep their entries while it lists them
             fleet.sizes.settle(ekey.job, state.membership)

@@ -92,6 +92,9 @@ class EpochRecord(msgspec.Struct, kw_only=True):
     epoch: int = 0
     issued_at: float = 0.0
     command: Command | None = None
+    # How many of its epochs were a ``checkpoint`` command (a grow's, a preemption notice's):
+    # no trainer restarts for one, so status counts restarts as the epoch less these.
+    checkpoints: int = 0
     # Epochs up to the ceiling may be issued without a write: the ceiling is persisted before
     # any command above the previous one goes out, and a restored controller issues above it.
     # Epochs must only increase; gaps are harmless.

@@ -26,6 +26,8 @@ def worker_infos(
             continue
         rec = fleet.workers[key]
         reg = rec.registration
+        ekey = fleet.epoch_key_of(rec)
+        scope = fleet.epochs.get(ekey)
         infos.append(
             WorkerInfo(
                 job=reg.job,
@@ -41,7 +43,8 @@ def worker_infos(
                 incarnation=reg.incarnation,
                 applied_epoch=rec.applied_epoch,
                 seen_epoch=reg.seen_epoch,
-                epoch=fleet.epoch_of(fleet.epoch_key_of(rec)),
+                epoch=fleet.epoch_of(ekey),
+                checkpoints=scope.checkpoints if scope is not None else 0,
                 registered_at=rec.registered_at,
                 updated_at=rec.updated_at,
                 **_report_fields(fleet, key),

@@ -41,17 +41,17 @@ def decode(data: bytes, type_: type[T], *, max_bytes: int = MAX_MESSAGE_BYTES) -
         str(data, "utf-8")
         msg = decoder.decode(data)
     except msgspec.ValidationError as e:
-        # The version first: a newer peer's message may fail our schema anywhere.
-        _check_version(_peek_version(data))
+        # Validation stops at the first value of the wrong shape (the very first byte, when the
+        # payload is not an object), before the bytes after it are read: read them all first.
+        _check_json(data)
         raise ProtocolError("invalid", f"invalid {_name(type_)}: {_readable(e)}") from None
     except msgspec.DecodeError as e:
         raise ProtocolError("malformed", f"malformed JSON: {e}") from None
     except UnicodeDecodeError as e:
         raise ProtocolError("malformed", f"malformed JSON: not UTF-8 at byte {e.start}") from None
     except RecursionError:
-        # msgspec guards its recursion with the interpreter's limit (about 1,000 levels).
-        _check_version(_scan_version(data))
-        raise ProtocolError("malformed", "malformed JSON: nested too deeply") from None
+        _check_json(data)
+        raise _too_deep() from None
     except Exception as e:  # the sender's bytes, never our bug: see the docstring
         raise ProtocolError("malformed", f"malformed JSON: {type(e).__name__}: {e}") from None
     _check_version(getattr(msg, "v", PROTOCOL_VERSION))
@@ -62,20 +62,32 @@ class _Envelope(msgspec.Struct):
     v: object = PROTOCOL_VERSION
 
 
-def _peek_version(data: bytes) -> object:
-    """The ``v`` of a message that failed validation, or PROTOCOL_VERSION if there is none.
+def _check_json(data: bytes) -> None:
+    """What comes before the schema, for a payload the typed decoder refused: not JSON
+    (``malformed``), then a top-level ``v`` other than 1 (``version``), then nesting too deep
+    for the decoder (``malformed``). Returns if the payload is JSON it can read, of version 1.
 
-    Validation stops at the first bad field, before the rest is parsed: bytes that are not
-    JSON after it are ``malformed`` here, so the answer does not depend on the fields' order.
+    Only refused payloads pay for this second pass; a valid message is parsed once.
     """
     try:
-        return msgspec.json.decode(data, type=_Envelope).v
-    except msgspec.ValidationError:  # not an object: no version to read
-        return PROTOCOL_VERSION
-    except RecursionError:
-        return _scan_version(data)
+        try:
+            version = msgspec.json.decode(data, type=_Envelope).v
+        except msgspec.ValidationError:  # not an object: no version, but is it JSON at all?
+            msgspec.json.decode(data, type=msgspec.Raw)
+            return
     except msgspec.DecodeError as e:
         raise ProtocolError("malformed", f"malformed JSON: {e}") from None
+    except RecursionError:
+        # Past the decoder's depth its syntax is not checked: nested too deeply is malformed
+        # anyway, unless a newer peer's top-level v says why we cannot read it.
+        _check_version(_scan_version(data))
+        raise _too_deep() from None
+    _check_version(version)
+
+
+def _too_deep() -> ProtocolError:
+    # msgspec guards its recursion with the interpreter's limit (about 1,000 levels).
+    return ProtocolError("malformed", "malformed JSON: nested too deeply")
 
 
 # A JSON string (group 1: the string "v"); a top-level-looking "v" member with an integer value (up

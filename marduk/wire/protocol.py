@@ -438,6 +438,9 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     # The highest epoch the worker said it has received (its registration's seen_epoch).
     seen_epoch: int = 0
     epoch: int
+    # How many of the scope's epochs were a checkpoint command, not a restart (0 from a
+    # controller older than the field).
+    checkpoints: int = 0
     registered_at: float
     updated_at: float
     # From the supervisor's latest report (empty for a library-only worker).

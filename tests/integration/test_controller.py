@@ -171,6 +171,46 @@ async def test_bad_input_gets_an_error_reply_and_a_counter(
         await r1.close()
 
 
+# Not JSON, whatever its first value (issue 24: each was answered `invalid`), and, for
+# contrast, JSON of the wrong shape.
+NOT_JSON = [
+    b'[},]\\:[, {}"{"]null...',
+    b"null x",
+    b'"abc" garbage',
+    b"[" * 2_000 + b"x",  # nested past the decoder's limit before the bad byte
+    b'{"device":' + b"[" * 2_000 + b"x",
+]
+WRONG_SHAPE = [b"null", b'"abc"', b"[1, 2]"]
+
+
+async def test_not_json_is_malformed_on_every_subject_whatever_its_first_value(
+    controller: Controller, nats_server: NatsServer
+) -> None:
+    """The syntax check comes first (docs/protocol.md, *Strict edge*), on the health stream and
+    on every request subject the leader serves, as NATS micro lists them."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        info = json.loads((await nc.request("$SRV.INFO.marduk", b"", timeout=5)).data)
+        subjects = [e["subject"].replace(".*.", ".j.") for e in info["endpoints"]]
+        assert len(subjects) >= 7, subjects
+        sent = 0
+        for payload, code in [(p, "malformed") for p in NOT_JSON] + [
+            (p, "invalid") for p in WRONG_SHAPE
+        ]:
+            for subject in [S.health, *subjects]:
+                if subject == S.health:
+                    data = await health_raw(nc, payload)
+                else:
+                    data = (await nc.request(subject, payload, timeout=5)).data
+                reply = decode(data, wire.ErrorReply)
+                assert reply.code == code, (subject, payload[:30], reply.message)
+                sent += 1
+        assert controller.stats["rejected.malformed"] == len(NOT_JSON) * (1 + len(subjects))
+        assert controller.stats["rejected"] == sent
+    finally:
+        await nc.close()
+
+
 async def test_bad_input_without_reply_is_counted(
     controller: Controller, nats_server: NatsServer
 ) -> None:

@@ -47,6 +47,7 @@ TAGGED = (
     | wire.DrainReply
 )
 PROTOCOL_MD = ROOT / "docs" / "protocol.md"
+ARCHITECTURE_MD = ROOT / "docs" / "architecture.md"
 
 
 def _messages() -> set[str]:
@@ -234,18 +235,23 @@ async def test_only_inbox_reply_subjects_are_answered_as_documented(
     controller: Controller, nats_server: NatsServer
 ) -> None:
     """A plain subject in Marduk-Reply-To gets no answer (the controller would otherwise
-    publish wherever a client says, with its own rights); the doc says so."""
+    publish wherever a client says, with its own rights), nor does a header that is no subject
+    at all; the docs say so, and name the counters the controller keeps (architecture.md
+    named only one of the two)."""
     text = " ".join(PROTOCOL_MD.read_text().split())
     assert "`Marduk-Reply-To`: a subject that starts with `_INBOX.`" in text
     assert "Any other subject gets no answer" in text
+    for doc in (text, " ".join(ARCHITECTURE_MD.read_text().split())):
+        assert "`rejected.reply_subject`" in doc and "`rejected.reply_header`" in doc
     nc = await nats.connect(nats_server.url)
     try:
         plain, inbox = await nc.subscribe("mon1.replies"), await nc.subscribe("_INBOX.mon1")
         event = wire.DeviceHealth(device="GPU-x", state="failed")
-        for reply_to in ("mon1.replies", "_INBOX.mon1"):
+        for reply_to in ("mon1.replies", "_INBOX.mon 1", "_INBOX.mon1"):
             await store_health(nc, wire.encode(event), reply_to)
         assert wire.decode((await inbox.next_msg(timeout=5)).data, wire.HealthReply).known is False
         assert controller.stats["rejected.reply_subject"] == 1
+        assert controller.stats["rejected.reply_header"] == 1
         assert not plain.pending_msgs
     finally:
         await nc.close()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import nats
 
+from marduk.cli import settle_warning
 from marduk.controller import Controller
 from marduk.core.records import EpochRecord
 from marduk.store.state import StateStore
@@ -235,3 +236,20 @@ async def test_a_new_leader_counts_the_settle_from_the_joiners_record(
         if c2 is not None:
             await c2.stop()
         await c1.stop()
+
+
+def test_a_settle_below_the_worker_ttl_is_said_once_in_one_line(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    """Its help says to keep --grow-settle above --worker-ttl, and it was taken silently below
+    it (issue 24). A warning, not a usage error: grows that settle in a second have their use
+    (this suite's), at the cost a worker dying within the TTL bouncing the job once."""
+    proc = spawn_controller(nats_server, tmp_path / "a")  # --grow-settle 0.3, the TTL's 15 s
+    try:
+        line = proc.expect("--grow-settle")
+        proc.expect("serving prefix")
+    finally:
+        proc.stop()
+    assert " WARNING " in line and "--grow-settle 0.3s is below --worker-ttl 15s" in line
+    assert sum("--grow-settle" in seen for seen in proc.all) == 1
+    assert settle_warning(30, 15) is None and settle_warning(15, 15) is None

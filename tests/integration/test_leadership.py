@@ -1,8 +1,8 @@
 """Leadership and takeover, pinned down: each test kills a hand-made mutant that once survived the suite.
 
 A fake clock (``time.monotonic`` as ``marduk.controller.leadership`` sees it) and a real lease bucket: two
-candidates racing for an expired lease, the key overwritten under a leader, a renewal whose
-reply is slow, a standby whose mirror is behind at election, an event stored before the first
+candidates racing for an expired lease, two for an absent one, the key overwritten under a
+leader, a renewal whose reply is slow, an election whose reply is slow, a standby whose mirror is behind at election, an event stored before the first
 consumer exists, a batch decided before the lease lapsed and committed after. Each test names
 the mutant it kills; each was checked by applying that mutant by hand.
 """
@@ -53,6 +53,19 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     c = Clock()
     monkeypatch.setattr(leadership_module.time, "monotonic", c)
     return c
+
+
+def answer_late(kv: Any, method: str, clock: Clock, late: float) -> None:
+    """``kv.<method>`` answers ``late`` seconds (of the fake clock) after it was sent: a slow
+    server, a full socket."""
+    call = getattr(kv, method)
+
+    async def answered_late(*args: Any, **kw: Any) -> Any:
+        result = await call(*args, **kw)
+        clock.now += late
+        return result
+
+    setattr(kv, method, answered_late)
 
 
 class Candidate:
@@ -109,6 +122,39 @@ async def test_two_candidates_racing_for_an_expired_lease_one_wins(
         await close(conns)
 
 
+async def test_two_candidates_campaigning_at_once_on_an_empty_bucket_one_wins(
+    nats_server: NatsServer, clock: Clock
+) -> None:
+    """No lease key yet (a fresh deployment, or the holder resigned): two candidates both read
+    it absent before either writes, then both claim term 1: exactly one is elected.
+
+    Kills: the absent lease taken with a plain put instead of a create (both elected at 1)."""
+    conns, (a, b) = await candidates(nats_server.url, "a", "b")
+    both_read = asyncio.Barrier(2)
+    try:
+        for c in (a, b):
+            kv: Any = c.lead.kv
+            get = kv.get
+
+            async def read_then_wait(*args: Any, _get: Any = get, _kv: Any = kv, **kw: Any) -> Any:
+                _kv.get = _get  # once: a create that meets the key reads it again
+                try:
+                    return await _get(*args, **kw)
+                finally:
+                    await both_read.wait()
+
+            kv.get = read_then_wait
+        await asyncio.gather(a.lead._campaign(), b.lead._campaign())
+        assert sorted(a.elected + b.elected) == [1]
+        assert a.lead.is_leader != b.lead.is_leader
+        winner = a if a.lead.is_leader else b
+        stored = await winner.lead.kv.get(KEY)  # type: ignore[union-attr]
+        assert stored.revision == winner.lead._revision
+        assert stored.value and winner.lead.holder.encode() in stored.value
+    finally:
+        await close(conns)
+
+
 async def test_a_leader_whose_lease_key_was_overwritten_steps_down(
     nats_server: NatsServer, clock: Clock
 ) -> None:
@@ -146,15 +192,7 @@ async def test_the_fence_is_three_quarters_of_the_ttl_counted_from_the_renewals_
     try:
         await a.lead._campaign()
         assert a.lead.is_leader
-        kv: Any = a.lead.kv
-        update = kv.update
-
-        async def slow_update(*args: Any, **kw: Any) -> int:
-            revision: int = await update(*args, **kw)
-            clock.now += TTL / 2  # the reply comes back half a TTL after the send
-            return revision
-
-        kv.update = slow_update
+        answer_late(a.lead.kv, "update", clock, TTL / 2)
         clock.now += 0.1
         sent = clock.now
         await a.lead._renew()
@@ -164,6 +202,28 @@ async def test_the_fence_is_three_quarters_of_the_ttl_counted_from_the_renewals_
         clock.now = sent + FENCE * TTL + 0.01
         assert not a.lead.serving()  # under 1.0 x TTL, and counted from the send
         clock.now = sent + 0.9 * TTL
+        assert not a.lead.serving()
+    finally:
+        await close(conns)
+
+
+async def test_the_fence_of_an_election_counts_from_the_claim_s_send(
+    nats_server: NatsServer, clock: Clock
+) -> None:
+    """An election whose claim is answered half a TTL after it was sent: the new leader's
+    fence counts from the send, as a renewal's does (a standby that saw the claim stored
+    starts its TTL then), so it ends FENCE x TTL after the send, not after the reply.
+
+    Kills: the election's fence counted from the create's reply instead of its send."""
+    conns, (a,) = await candidates(nats_server.url, "a")
+    try:
+        answer_late(a.lead.kv, "create", clock, TTL / 2)
+        sent = clock.now
+        await a.lead._campaign()
+        assert a.elected == [1] and clock.now == sent + TTL / 2
+        clock.now = sent + FENCE * TTL - 0.01
+        assert a.lead.serving()
+        clock.now = sent + FENCE * TTL + 0.01
         assert not a.lead.serving()
     finally:
         await close(conns)

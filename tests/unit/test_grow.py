@@ -14,9 +14,11 @@ from marduk.core import grow as rule
 from marduk.core import membership as rdzv
 from marduk.core.policy import Outcome, Policy, PolicyConfig
 from marduk.core.records import EpochKey
-from marduk.wire.protocol import Command, DeviceHealth, Registration, Report
+from marduk.wire.protocol import Command, DeviceHealth, QueryReply, Registration, Report
+from monitor_cli.status_jobs import summarize
 from tests.unit.test_spares import cand, key, rz
 from tests.unit.test_spares import reg as spares_reg
+from tests.unit.test_status_view import controller
 
 JOB = EpochKey("j", None)
 PIDS = {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5, "s": 9}
@@ -526,3 +528,21 @@ def test_a_worker_first_heard_late_by_a_new_leader_settles_from_the_takeover() -
     q.register(reg("b"), now=50)
     [ask] = q.register(reg("c"), now=50).outcome.commands  # live from the takeover at 30
     assert ask.kind == "checkpoint"
+
+
+def test_status_counts_a_grow_s_checkpoint_as_no_restart() -> None:
+    """operations.md: each restart adds one to `restarts` in `marduk monitor status`. The
+    grow's checkpoint takes an epoch too and was counted as one (issue 24: `restarts 6` for 5
+    restarts and a grow checkpoint); so is it on a new leader, from the stored record."""
+    p = Policy(config())
+    issued = [shrunk(p)]  # the job formed at epoch 1, then went on without `a` at 2
+    running(p, 4, "b")
+    p.register(reg("c"), now=5)
+    [ask] = p.tick(now=23).commands
+    [restart] = checkpointed(p, "b", now=25).commands
+    assert (ask.kind, restart.kind) == ("checkpoint", "restart")
+    assert [c.epoch for c in issued] == [2] and restart.epoch == 4
+    for policy in (p, restored(p, now=26)):
+        reply = QueryReply(controller=controller(), workers=policy.worker_infos(now=26))
+        [job] = summarize(reply)
+        assert (job.epoch, job.restarts) == (4, 3)

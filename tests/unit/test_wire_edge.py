@@ -207,10 +207,10 @@ BIG = 10_000_000  # a max_bytes that lets 100,000-deep objects through to the pa
 @pytest.mark.parametrize(
     ("data", "max_bytes", "reason"),
     [
-        # msgspec stops at the first byte: a Registration is an object, not an array.
-        (_deep_list(1_000), None, "invalid"),
-        (_deep_list(100_000), None, "invalid"),
-        (b"[" * 100_000, None, "invalid"),
+        # Not an object, but too deep to read: the depth comes before the schema.
+        (_deep_list(1_000), None, "malformed"),
+        (_deep_list(100_000), None, "malformed"),
+        (b"[" * 100_000, None, "malformed"),
         (_deep_dict(1_000), None, "malformed"),
         (_deep_dict(100_000), None, "oversized"),  # 600 KB
         (_deep_dict(100_000), BIG, "malformed"),
@@ -219,9 +219,12 @@ BIG = 10_000_000  # a max_bytes that lets 100,000-deep objects through to the pa
         (_in_field(_deep_list(100_000)), None, "malformed"),
         (_in_field(_deep_dict(1_000)), None, "malformed"),
         (_in_field(_deep_dict(100_000)), BIG, "malformed"),
-        # A kept field is refused at its first wrong type, before any depth (devices: strings).
-        (_in_field(_deep_list(1_000), b"devices"), None, "invalid"),
-        (_in_field(_deep_list(100_000), b"devices"), None, "invalid"),
+        # A kept field of the wrong type (devices: strings) is too deep to read all the same.
+        (_in_field(_deep_list(1_000), b"devices"), None, "malformed"),
+        (_in_field(_deep_list(100_000), b"devices"), None, "malformed"),
+        # Just under the depth: JSON the decoder reads, of the wrong shape.
+        (_deep_list(500), None, "invalid"),
+        (_in_field(_deep_list(500), b"devices"), None, "invalid"),
     ],
     ids=[
         "list-1k",
@@ -237,6 +240,8 @@ BIG = 10_000_000  # a max_bytes that lets 100,000-deep objects through to the pa
         "field-dict-100k",
         "devices-list-1k",
         "devices-list-100k",
+        "list-500",
+        "devices-list-500",
     ],
 )
 def test_deep_nesting_is_refused(data: bytes, max_bytes: int | None, reason: str) -> None:
@@ -251,6 +256,82 @@ def test_deep_nesting_is_malformed_for_every_request(type_: type[Any], depth: in
     body = msgspec.json.encode(BASE[type_])[:-1] + b',"x":' + _deep_list(depth) + b"}"
     assert refused(body, type_).reason == "malformed"
     assert refused(_deep_dict(depth), type_, max_bytes=BIG).reason == "malformed"
+
+
+# Not JSON, whatever the first value: the typed decoder refuses a payload that is not an object
+# at its first byte, and a field of the wrong shape before the bytes after it. Each was `invalid`.
+NOT_JSON = [
+    b'[},]\\:[, {}"{"]null...',  # the fuzzing client's: `invalid DeviceHealth: Expected object`
+    b"null x",
+    b"null}",
+    b'"abc" garbage',
+    b'"abc"]',
+    b"1 2",
+    b"[1, 2,]",
+    b'{"v": 2, "device": 7, "x": tru}',
+    b'{"device": 7, "state": 7, "y": [1,]}',
+    # Nesting past the decoder's limit before the bad bytes.
+    b"[" * 2_000 + b"x",
+    b'{"device":' + b"[" * 2_000 + b"x",
+]
+# JSON of the wrong shape, for contrast: the schema's answer.
+WRONG_SHAPE = [b"null", b'"abc"', b"1", b"[1, 2]", b"[]", b'{"job": [[1]], "device": [[1]]}']
+
+
+@pytest.mark.parametrize("data", NOT_JSON, ids=lambda d: repr(d[:24]))
+@pytest.mark.parametrize("type_", REQUEST_TYPES, ids=lambda t: t.__name__)
+def test_not_json_is_malformed_whatever_its_first_value(type_: type[Any], data: bytes) -> None:
+    e = refused(data, type_)
+    assert e.reason == "malformed", str(e)
+    assert str(e).startswith("malformed JSON: ")
+
+
+@pytest.mark.parametrize("data", WRONG_SHAPE, ids=repr)
+@pytest.mark.parametrize("type_", REQUEST_TYPES, ids=lambda t: t.__name__)
+def test_json_of_the_wrong_shape_is_invalid(type_: type[Any], data: bytes) -> None:
+    e = refused(data, type_)
+    assert e.reason == "invalid", str(e)
+    assert str(e).startswith(f"invalid {type_.__name__}: ")
+
+
+def _is_json(data: bytes) -> bool:
+    try:
+        str(data, "utf-8")
+        msgspec.json.decode(data, type=msgspec.Raw)
+    except (UnicodeDecodeError, msgspec.DecodeError):
+        return False
+    return True
+
+
+_small_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=4),
+    lambda children: (
+        st.lists(children, max_size=3)
+        | st.dictionaries(st.sampled_from(["v", "device", "job", "x"]), children, max_size=3)
+    ),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    _small_json,
+    st.integers(min_value=0),
+    st.sampled_from([b"", b"x", b",", b"]", b"}", b'"', b"[", b"tru", b":", b"\\", b"\xff"]),
+)
+def test_malformed_is_exactly_not_json(value: Any, at: int, junk: bytes) -> None:
+    # Junk spliced anywhere into any JSON value: malformed if and only if the result is not
+    # JSON, for every type, whatever the first value and wherever the first wrong field.
+    data = json.dumps(value).encode()
+    at %= len(data) + 1
+    data = data[:at] + junk + data[at:]
+    for type_ in REQUEST_TYPES:
+        try:
+            wire.decode(data, type_)
+        except ProtocolError as e:
+            assert (e.reason == "malformed") == (not _is_json(data)), (data, str(e))
+        else:
+            assert _is_json(data)
 
 
 # --- 4. every v but 1 is "version" ------------------------------------------------------------
