@@ -20,7 +20,7 @@ from nats.micro.request import Request as MicroRequest
 
 from marduk.aio import RateLimitedLog
 from marduk.controller.commit import NotServing
-from marduk.controller.endpoint_stats import ANSWERED, DROPPED, Outcome, Tally
+from marduk.controller.endpoint_stats import ANSWERED, DROPPED, RequestEnd, Tally
 from marduk.core.policy import PolicyError
 from marduk.errors import ProtocolError
 from marduk.wire.protocol import (
@@ -119,14 +119,14 @@ class Edge:
 
         async def handle(request: MicroRequest) -> None:
             start = tally.started()
-            outcome = Outcome("cancelled", "stopped before it was answered", answered=False)
+            end = RequestEnd("cancelled", "stopped before it was answered", answered=False)
             try:
-                outcome = await self._serve(request, type_, handler, kind)
+                end = await self._serve(request, type_, handler, kind)
             except Exception as e:  # a bug: the task's guard logs it; the tally counts it
-                outcome = Outcome("internal", f"{type(e).__name__}: {e}", answered=False)
+                end = RequestEnd("internal", f"{type(e).__name__}: {e}", answered=False)
                 raise
             finally:
-                tally.done(start, outcome)
+                tally.done(start, end)
 
         return on_request
 
@@ -136,7 +136,7 @@ class Edge:
         type_: type[T],
         handler: Callable[[T, str], Awaitable[msgspec.Struct | None]],
         kind: str,
-    ) -> Outcome:
+    ) -> RequestEnd:
         """One request: decode, decide, answer; how that ended (never raises on input)."""
         self.ctl.stats[f"received.{kind}"] += 1
         if not self.ctl.leading():
@@ -163,9 +163,9 @@ class Edge:
         failed = await self.answer(reply_to, reply, request.respond)
         if failed:
             why = "not an inbox" if failed == "reply_subject" else "could not answer on"
-            return Outcome(failed, f"{why}: {reply_to[:100]}", answered=False)
+            return RequestEnd(failed, f"{why}: {reply_to[:100]}", answered=False)
         if isinstance(reply, ErrorReply):
-            return Outcome(reply.code, reply.message)
+            return RequestEnd(reply.code, reply.message)
         return ANSWERED
 
     async def answer(

@@ -15,9 +15,8 @@ import uuid
 from collections import Counter
 from collections.abc import Coroutine
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
-import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.errors import ServiceUnavailableError
 from prometheus_client import CollectorRegistry
@@ -42,13 +41,10 @@ from marduk.store.state import StateStore
 from marduk.transport import auth, bus
 from marduk.transport.credentials import redact
 from marduk.transport.embedded import EmbeddedServer, ServerKeeper
-from marduk.wire.protocol import (
-    ControllerInfo,
-)
+from marduk.wire.protocol import ControllerInfo
 from marduk.wire.subjects import Subjects
 
 log = logging.getLogger("marduk.controller")
-T = TypeVar("T", bound=msgspec.Struct)
 
 
 STATE_OPEN_S = 30.0
@@ -318,7 +314,7 @@ class Controller:
         if self.nc is not None and self.roles.is_(Role.SERVING):
             await self.takeover.publish_hello()
 
-    # --- leadership ------------------------------------------------------------------------------
+    # --- what the parts are handed --------------------------------------------------------------
 
     def spawn_background(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         return self._background.spawn(coro, name)
@@ -401,12 +397,6 @@ class Controller:
                 continue
             except Exception:
                 self.edge.log_internal("tick")
-
-    # --- the edge: decode, dispatch, reply -------------------------------------------------------
-
-    # --- handlers --------------------------------------------------------------------------------
-
-    # --- commit: persist, then publish -----------------------------------------------------------
 
 
 _GC_FULL_INTERVAL_S = 600.0
