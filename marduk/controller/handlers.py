@@ -107,7 +107,7 @@ class Handlers:
                     )
                 )
             raise
-        await self.ctl.outbox.commit(result.outcome)
+        await self.ctl.pipeline.submit(result.outcome).durable
         return RegisterReply(
             job=reg.job,
             replica=reg.replica,
@@ -124,14 +124,14 @@ class Handlers:
         self.ctl.edge.check_subject_job(req.job, subject)
         key = WorkerKey(req.job, req.replica, req.worker)
         outcome, known = self.ctl.policy.deregister(key, req.reason, time.time())
-        await self.ctl.outbox.commit(outcome)
+        await self.ctl.pipeline.submit(outcome).durable
         return DeregisterReply(known=known)
 
     async def ack(self, ack: Ack, subject: str) -> AckReply:
         self.ctl.edge.check_subject_job(ack.job, subject)
         key = WorkerKey(ack.job, ack.replica, ack.worker)
         outcome = self.ctl.policy.ack(key, ack.epoch, time.time(), devices=ack.devices)
-        await self.ctl.outbox.commit(outcome)
+        await self.ctl.pipeline.submit(outcome).durable
         return AckReply(epoch=self.ctl.policy.epoch_of_worker(key))
 
     async def report(self, report: Report, subject: str) -> ReportReply:
@@ -141,12 +141,12 @@ class Handlers:
         if any(not a.coalesced for a in result.actions):
             what = report.failure_class or "unclassified"
             self.count_bounded("restarts", f"{report.status}/{what}")
-        await self.ctl.outbox.commit(result.outcome)
+        await self.ctl.pipeline.submit(result.outcome).durable
         return ReportReply(actions=result.actions)
 
     async def forget(self, req: Forget, subject: str) -> ForgetReply:
         outcome = self.ctl.policy.forget(req.job, req.replica, req.worker, time.time())
-        await self.ctl.outbox.commit(outcome)
+        await self.ctl.pipeline.submit(outcome).durable
         return ForgetReply(removed=[str(k) for k in outcome.deleted_workers])
 
     async def drain(self, req: Drain, subject: str) -> DrainReply:
@@ -158,7 +158,7 @@ class Handlers:
             if ekey.replica is None and state.membership is not None
         }
         result = self.ctl.policy.drain(req.devices, req.host, req.undrain, req.reason, time.time())
-        await self.ctl.outbox.commit(result.outcome)
+        await self.ctl.pipeline.submit(result.outcome).durable
         for conflict in result.conflicts:
             log.warning("drain --host %s: conflicting claim: %s", req.host, conflict)
         return DrainReply(

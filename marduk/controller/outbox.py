@@ -51,17 +51,12 @@ def _has_writes(o: Outcome) -> bool:
 
 
 class Outbox:
-    """The steps of the commit pipeline (``commit``): write ahead, publish, persist, announce,
-    each write retried while we lead and within its budget."""
+    """The steps of the commit pipeline (``commit.Steps``): write ahead, publish, persist,
+    announce, each write retried while we lead and within its budget."""
 
     def __init__(self, ctl: Controller) -> None:
         self.ctl = ctl
         self._signer: auth.Signer | None = None  # for ctl.signing_seed, made on first use
-
-    async def commit(self, outcome: Outcome) -> None:
-        """Commit a decision (``commit``): back once its records are written; raises
-        ``NotServing`` if it was fenced, and then nothing of it went out."""
-        await self.ctl.pipeline.commit(outcome)
 
     def publish_failed(self, error: Exception) -> None:
         self.ctl.stats["errors.publish"] += 1

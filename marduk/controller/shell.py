@@ -392,7 +392,7 @@ class Controller:
             if not self.leading():
                 continue
             try:
-                await self.outbox.commit(self.policy.tick(time.time()))
+                await self.pipeline.submit(self.policy.tick(time.time())).durable
             except NotServing:
                 continue
             except Exception:
