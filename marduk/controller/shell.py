@@ -13,13 +13,14 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import replace
 from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.errors import ServiceUnavailableError
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 
 from marduk import __version__
 from marduk.aio import Pulse, TaskSet
@@ -90,7 +91,7 @@ class Controller:
         )
         self.health: HealthConsumer | None = None
         self.registry = CollectorRegistry()
-        self.registry.register(StatsCollector(self.stats, lambda: gauges(self)))
+        self.registry.register(StatsCollector(self.stats, self._gauges))
         # The parts, each with one job; the controller holds the state they share.
         self.edge = Edge(self)
         self.handlers = Handlers(self)
@@ -329,6 +330,9 @@ class Controller:
             task.get_name(),
             exc_info=error,
         )
+
+    def _gauges(self) -> Iterator[Metric]:
+        return gauges(self.leading(), self.policy, lambda: len(self.takeover.live_standbys()))
 
     def _ready(self) -> tuple[bool, str]:
         if self.leading():
