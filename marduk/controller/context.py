@@ -104,7 +104,7 @@ class Context:
     (what nats-py buffers while reconnecting would go out after a new leader may lead)."""
     spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]]
     """Start a task of the work in flight (a request, an event's commit, a step-down): its
-    error is counted and logged."""
+    error is counted and logged; ``Controller.stop`` gives it a grace, then cancels it."""
     step_down: Callable[[str], None]
     """Give the lease up (why), in a task of its own: never from inside a commit, since
     stepping down waits for the commits in flight."""

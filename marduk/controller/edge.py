@@ -127,13 +127,17 @@ class Edge:
         one by one, each would wait for its own store round trip). Micro's own stats then time
         only the hand-off, and never count an error (we answer errors, we do not raise them):
         ``tally`` records each request's whole work, from its decoding to its answer, and its
-        errors by code, for the STATS reply's ``data`` (``endpoint_stats``)."""
+        errors by code, for the STATS reply's ``data`` (``endpoint_stats``).
+
+        Either way the work is a task of ``ctx.spawn``'s, so a stop drains it (with a grace)
+        rather than cut it off: an operator's request is awaited shielded, since stopping the
+        service cancels the subscription's handler that awaits it."""
         kind = type_.__name__.lower()
         tally = tally if tally is not None else Tally()
 
         async def on_request(request: MicroRequest) -> None:
             if not concurrent:
-                await handle(request)
+                await asyncio.shield(self._ctx.spawn(handle(request), f"request-{kind}"))
                 return
             # One task per request (bounded): this endpoint's next request is decided while
             # this one's records are written, so their commits go out together. Tasks start

@@ -99,7 +99,7 @@ class Controller:
         # restarts it, a standby leads meanwhile).
         self._tasks = TaskSet(self._task_crashed, on_return=self._task_returned)
         # The work in flight (per request, per event, a step-down): counted and logged if it
-        # fails.
+        # fails; ``stop`` gives it a grace, then cancels it.
         self._logs = Logs(self.stats)
         self._background = TaskSet(self._logs.task_failed)
         # The one role (marduk.core.role); the two events below follow it for waiters.
@@ -311,7 +311,14 @@ class Controller:
                 await leadership.close()
 
     async def stop(self) -> None:
-        """Stop serving, hand the lease over, close NATS, stop the embedded server."""
+        """Stop serving, hand the lease over, stop the loops, let the work in flight finish,
+        close NATS, stop the embedded server.
+
+        In kopf's order: nothing new comes in (unsubscribed, the pipeline drained), the root
+        tasks (the loops, the takeover in progress) are cancelled and awaited, then the work
+        in flight (a request's answer, an event's acknowledgement, a step-down) gets
+        ``stop_grace_s`` to finish while NATS is still up; what is still running then is
+        cancelled and named in the log (``TaskSet.drain``)."""
         if self._stopping():
             return
         self.roles.handle(Event.STOP, "fatal" if self.fatal.is_set() else "asked to stop")
@@ -322,6 +329,8 @@ class Controller:
         await self._tasks.stop()
         if term_task is not None:
             await asyncio.gather(term_task, return_exceptions=True)
+        grace = self.settings.stop_grace_s
+        await self._background.drain(grace, cancel_s=grace)
         if self.mirror is not None:
             await self.mirror.stop()
         if self._metrics is not None:
