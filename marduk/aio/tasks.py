@@ -3,7 +3,8 @@
 ``TaskSet`` holds its tasks (the event loop keeps only weak references to them), names them and
 hands an exception nobody awaits to the owner's policy (count and log, record, or treat as
 fatal), like kopf's guarded tasks; ``stop`` cancels them and names those that would not stop;
-``drain`` lets them finish first, within a grace period.
+``drain`` lets them finish first, within a grace period, then cancels and names the stuck ones
+(kopf's reactor stops its root tasks the same way, then gives the tasks they spawned a grace).
 """
 
 from __future__ import annotations
@@ -61,18 +62,29 @@ class TaskSet:
         for task in list(self._tasks):
             task.cancel()
 
-    async def drain(self, grace_s: float) -> list[str]:
-        """Let the tasks finish within ``grace_s``, then ``stop`` (cancel) those still running;
-        the names of those that would not stop."""
-        tasks = list(self._tasks)
-        if tasks:
-            await asyncio.wait(tasks, timeout=grace_s)
-        return await self.stop()
+    async def drain(self, grace_s: float, *, cancel_s: float | None = None) -> list[str]:
+        """Let the tasks finish within ``grace_s``, then ``stop`` those still running: cancel
+        them and wait ``cancel_s`` (None: until they end). The names of those stuck at the
+        grace, which are logged (and those that would not stop even then, by ``stop``)."""
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]  # never itself
+        if not tasks:
+            return []
+        _, pending = await asyncio.wait(tasks, timeout=grace_s)
+        stuck = sorted(t.get_name() for t in pending)
+        if stuck:
+            log.warning(
+                "%d task(s) still running after a %gs grace, cancelled: %s",
+                len(stuck),
+                grace_s,
+                ", ".join(stuck),
+            )
+        await self.stop(cancel_s)
+        return stuck
 
     async def stop(self, grace_s: float | None = None) -> list[str]:
         """Cancel every task and wait ``grace_s`` (None: until they end); the names of those
         still running (logged), which a task that swallows its cancellation would be."""
-        tasks = list(self._tasks)
+        tasks = [t for t in self._tasks if t is not asyncio.current_task()]  # never itself
         for task in tasks:
             task.cancel()
         if not tasks:

@@ -13,7 +13,8 @@ Several controllers may run against one NATS (docs/decisions.md #9): each campai
 (``leadership``); the leader serves (request subjects, the durable health consumer, the
 periodic ``tick``), the others are hot standbys that mirror the state buckets and take over when
 the lease lapses (``takeover``). The controller's role is one value moved by events
-(``marduk.core.role``). ``shell`` wires the parts together and owns the lifecycle. See
+(``marduk.core.role``). ``shell`` wires the parts together and owns the lifecycle; each part is
+handed a ``Context`` (``context``) and the callables it uses, never the ``Controller``. See
 docs/architecture.md, *The controller*.
 """
 

@@ -60,7 +60,7 @@ def _future() -> asyncio.Future[None]:
 
 @dataclass(slots=True)
 class Steps:
-    """What the pipeline calls; the controller supplies them."""
+    """What the pipeline calls (the controller's ``Outbox`` supplies them)."""
 
     leading: Callable[[], bool]
     write_ahead: Callable[[list[EpochRecord]], Awaitable[bool]]
@@ -93,7 +93,9 @@ class CommitPipeline:
 
     def submit(self, outcome: Outcome) -> Commit:
         """Queue an outcome behind every one decided before it (synchronously: the order of
-        ``submit`` calls is the order things go out)."""
+        ``submit`` calls is the order things go out). The one way in: whoever answers or
+        acknowledges awaits the commit's ``durable`` (a health event times ``published`` on
+        the way)."""
         commit = Commit(outcome)
         if self._closed:
             _fail(commit, "not serving")
@@ -104,10 +106,6 @@ class CommitPipeline:
         if self._runner is None or self._runner.done():
             self._runner = asyncio.create_task(self._run(), name="commit")
         return commit
-
-    async def commit(self, outcome: Outcome) -> None:
-        """Submit and wait until durable (raises ``NotServing`` if dropped)."""
-        await self.submit(outcome).durable
 
     def busy(self) -> bool:
         """True while anything is queued, going out or being written."""

@@ -7,35 +7,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import re
-import time
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 from nats.micro.request import Request as MicroRequest
+from nats.micro.service import Service as MicroService
 
-from marduk.aio import RateLimitedLog
 from marduk.controller.commit import NotServing
-from marduk.controller.endpoint_stats import ANSWERED, DROPPED, Outcome, Tally
+from marduk.controller.context import Context, Route
+from marduk.controller.endpoint_stats import ANSWERED, DROPPED, RequestEnd, ServiceTallies, Tally
 from marduk.core.policy import PolicyError
 from marduk.errors import ProtocolError
 from marduk.wire.protocol import (
     DeviceHealth,
     ErrorReply,
+    HealthReply,
     decode,
     encode,
 )
 from marduk.wire.subjects import REPLY_HEADER
-
-if TYPE_CHECKING:
-    from marduk.controller.handlers import HealthDecided
-    from marduk.controller.shell import Controller
-
-log = logging.getLogger("marduk.controller")
 
 T = TypeVar("T", bound=msgspec.Struct)
 # What a reply subject may be: tokens without wildcards or whitespace, well under the server's
@@ -43,6 +37,17 @@ T = TypeVar("T", bound=msgspec.Struct)
 _REPLY_SUBJECT = re.compile(r"[^\s.*>]+(\.[^\s.*>]+)*")
 _REPLY_SUBJECT_MAX = 512
 _REQUESTS_IN_FLIGHT = 1024  # x 256 KiB at most each: a flood stays well under 500 MiB
+
+
+class HealthDecision(Protocol):
+    """A health event decided (``Handlers.decide_health``), its commit on its way out."""
+
+    @property
+    def reply(self) -> HealthReply: ...
+
+    async def committed(self) -> None:
+        """Back once the decision's commands are out and its records durable (``NotServing``:
+        dropped)."""
 
 
 class _EventIdOnly(msgspec.Struct):
@@ -72,17 +77,37 @@ def reply_subject(request: MicroRequest) -> str:
 
 class Edge:
     """Where messages come in and answers go out: decode strictly, reject (counted, logged a few
-    times a minute), answer; never raise on input."""
+    times a minute), answer; never raise on input.
 
-    def __init__(self, ctl: Controller) -> None:
-        self.ctl = ctl
+    Handed the handlers' table (``routes``) and their health decision (``decide_health``)."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        routes: Callable[[], list[Route]],
+        decide_health: Callable[[DeviceHealth], HealthDecision],
+    ) -> None:
+        self._ctx = ctx
+        self._routes = routes
+        self._decide_health = decide_health
         # Requests in flight at once: each endpoint's handler spawns one task per request, so
         # a registration waiting for its records does not hold up the next one's decision.
         self._in_flight = asyncio.Semaphore(_REQUESTS_IN_FLIGHT)
-        # A flood of junk must not flood the log: a few lines per kind a minute; an internal
-        # error's traceback once a minute per kind.
-        self._limited = RateLimitedLog(log, clock=time.time)
-        self.internal = RateLimitedLog(log, burst=1, more=None, clock=time.time)
+
+    async def add_endpoints(self, service: MicroService, tallies: ServiceTallies) -> None:
+        """Serve every route of the table on ``service``, each counted in its ``tallies``."""
+        for route in self._routes():
+            await service.add_endpoint(
+                name=route.name,
+                subject=route.subject,
+                handler=self.endpoint(
+                    route.type_,
+                    route.handler,
+                    concurrent=route.concurrent,
+                    tally=tallies.endpoint(route.name),
+                ),
+            )
 
     def endpoint(
         self,
@@ -102,31 +127,35 @@ class Edge:
         one by one, each would wait for its own store round trip). Micro's own stats then time
         only the hand-off, and never count an error (we answer errors, we do not raise them):
         ``tally`` records each request's whole work, from its decoding to its answer, and its
-        errors by code, for the STATS reply's ``data`` (``endpoint_stats``)."""
+        errors by code, for the STATS reply's ``data`` (``endpoint_stats``).
+
+        Either way the work is a task of ``ctx.spawn``'s, so a stop drains it (with a grace)
+        rather than cut it off: an operator's request is awaited shielded, since stopping the
+        service cancels the subscription's handler that awaits it."""
         kind = type_.__name__.lower()
         tally = tally if tally is not None else Tally()
 
         async def on_request(request: MicroRequest) -> None:
             if not concurrent:
-                await handle(request)
+                await asyncio.shield(self._ctx.spawn(handle(request), f"request-{kind}"))
                 return
             # One task per request (bounded): this endpoint's next request is decided while
             # this one's records are written, so their commits go out together. Tasks start
             # in the order they are created, so decisions keep the order requests arrived in.
             await self._in_flight.acquire()
-            task = self.ctl.spawn_background(handle(request), f"request-{kind}")
+            task = self._ctx.spawn(handle(request), f"request-{kind}")
             task.add_done_callback(lambda _t: self._in_flight.release())
 
         async def handle(request: MicroRequest) -> None:
             start = tally.started()
-            outcome = Outcome("cancelled", "stopped before it was answered", answered=False)
+            end = RequestEnd("cancelled", "stopped before it was answered", answered=False)
             try:
-                outcome = await self._serve(request, type_, handler, kind)
+                end = await self._serve(request, type_, handler, kind)
             except Exception as e:  # a bug: the task's guard logs it; the tally counts it
-                outcome = Outcome("internal", f"{type(e).__name__}: {e}", answered=False)
+                end = RequestEnd("internal", f"{type(e).__name__}: {e}", answered=False)
                 raise
             finally:
-                tally.done(start, outcome)
+                tally.done(start, end)
 
         return on_request
 
@@ -136,26 +165,26 @@ class Edge:
         type_: type[T],
         handler: Callable[[T, str], Awaitable[msgspec.Struct | None]],
         kind: str,
-    ) -> Outcome:
+    ) -> RequestEnd:
         """One request: decode, decide, answer; how that ended (never raises on input)."""
-        self.ctl.stats[f"received.{kind}"] += 1
-        if not self.ctl.leading():
+        self._ctx.stats[f"received.{kind}"] += 1
+        if not self._ctx.leading():
             # Our lease lapsed (a paused process) and we have not noticed yet: the new leader
             # answers; one reply per request.
-            self.ctl.stats["fenced"] += 1
+            self._ctx.stats["fenced"] += 1
             return DROPPED
         reply: msgspec.Struct | None
         try:
-            req = decode(request.data, type_, max_bytes=self.ctl.settings.max_message_bytes)
+            req = decode(request.data, type_, max_bytes=self._ctx.settings.max_message_bytes)
             reply = await handler(req, request.subject)
         except NotServing:
             return DROPPED  # no answer: the client retries and reaches the new leader
         except ProtocolError as e:
-            reply = self.reject(kind, e.reason, str(e), request.subject)
+            reply = self._ctx.logs.reject(kind, e.reason, str(e), request.subject)
         except PolicyError as e:
-            reply = self.reject(kind, e.code, str(e), request.subject)
+            reply = self._ctx.logs.reject(kind, e.code, str(e), request.subject)
         except Exception as e:  # the controller never crashes on input
-            self.log_internal(f"{kind} on {request.subject}")
+            self._ctx.logs.internal(f"{kind} on {request.subject}")
             reply = ErrorReply(code="internal", message=f"{type(e).__name__}: {e}"[:4000])
         reply_to = reply_subject(request)
         if reply is None or not reply_to:
@@ -163,9 +192,9 @@ class Edge:
         failed = await self.answer(reply_to, reply, request.respond)
         if failed:
             why = "not an inbox" if failed == "reply_subject" else "could not answer on"
-            return Outcome(failed, f"{why}: {reply_to[:100]}", answered=False)
+            return RequestEnd(failed, f"{why}: {reply_to[:100]}", answered=False)
         if isinstance(reply, ErrorReply):
-            return Outcome(reply.code, reply.message)
+            return RequestEnd(reply.code, reply.message)
         return ANSWERED
 
     async def answer(
@@ -176,8 +205,9 @@ class Edge:
     ) -> str:
         """Answer on ``subject``, an inbox; through ``respond`` (a micro request's) if given.
         Returns "" once answered, else why not (an error code, counted)."""
-        nc = self.ctl.nc
-        if nc is None:
+        try:
+            nc = self._ctx.connection()
+        except NotServing:
             return "not_connected"
 
         async def send(data: bytes) -> None:
@@ -186,15 +216,17 @@ class Edge:
         if not subject.startswith("_INBOX."):
             # Never a confused deputy: a caller naming $KV..., $JS... or marduk.ctl.hello as
             # its reply subject would have us write there with the controller's rights.
-            self.reject("reply", "reply_subject", f"not an inbox: {subject[:100]}", subject)
+            self._ctx.logs.reject(
+                "reply", "reply_subject", f"not an inbox: {subject[:100]}", subject
+            )
             return "reply_subject"
         try:
             await send(encode(reply))
             return ""
         except nats.errors.MaxPayloadError as e:
             # Say so, rather than leave the client to conclude nobody answered.
-            self.ctl.stats["errors.reply_too_large"] += 1
-            self.log_limited("reply", f"reply on {subject} too large: {e}")
+            self._ctx.stats["errors.reply_too_large"] += 1
+            self._ctx.logs.limited("reply", f"reply on {subject} too large: {e}")
             too_large = ErrorReply(
                 code="reply_too_large",
                 message=f"the answer ({len(encode(reply))} bytes) exceeds the server's max "
@@ -204,34 +236,9 @@ class Edge:
                 await send(encode(too_large))
             return "reply_too_large"
         except Exception as e:
-            self.ctl.stats["errors.reply"] += 1
-            self.log_limited("reply", f"could not answer on {subject}: {e}")
+            self._ctx.stats["errors.reply"] += 1
+            self._ctx.logs.limited("reply", f"could not answer on {subject}: {e}")
             return "reply"
-
-    def reject(self, kind: str, reason: str, message: str, subject: str) -> ErrorReply:
-        self.ctl.stats[f"rejected.{reason}"] += 1
-        self.ctl.stats["rejected"] += 1
-        self.log_limited(f"{kind}.{reason}", f"rejected {kind} on {subject}: {message}")
-        return ErrorReply(code=reason, message=message[:4000])
-
-    def log_limited(self, key: str, line: str, level: int = logging.WARNING) -> None:
-        """The first few of each kind per minute: a flood of junk must not flood the log."""
-        self._limited.log(key, level, "%s", line)
-
-    def log_internal(self, what: str) -> None:
-        """An internal error: counted; the traceback once a minute per kind, not per message."""
-        self.ctl.stats["errors.internal"] += 1
-        self.internal.log(
-            f"handling.{what.split(' ')[0]}",
-            logging.ERROR,
-            "internal error handling %s (repeats this minute are counted)",
-            what,
-            exc_info=True,
-        )
-
-    def check_subject_job(self, job: str, subject: str) -> None:
-        if self.ctl.subjects.job_of(subject) != job:
-            raise ProtocolError("subject_mismatch", f"message for job {job!r} sent on {subject}")
 
     async def on_health_msg(self, msg: Msg) -> None:
         """One event from the durable consumer, decided here, in the consumer's callback: in
@@ -242,13 +249,14 @@ class Edge:
         consumer's max_ack_pending bounds how many are in flight."""
         finish = self.decide_health_msg(msg)
         if finish is not None:
-            self.ctl.spawn_background(finish, "health-event")
+            self._ctx.spawn(finish, "health-event")
 
     def decide_health_msg(self, msg: Msg) -> Coroutine[Any, Any, None] | None:
         """Decide an event without yielding; return what is left to do (None: nothing, and
         the event is not acked: redelivered to whoever leads after ack_wait)."""
-        self.ctl.stats["received.devicehealth"] += 1
-        if not self.ctl.leading():
+        ctx = self._ctx
+        ctx.stats["received.devicehealth"] += 1
+        if not ctx.leading():
             return None
         reply_to = (msg.headers or {}).get(REPLY_HEADER, "")
         if reply_to and (
@@ -256,20 +264,22 @@ class Edge:
         ):
             # A subject the server would refuse (too long, spaces, wildcards) would make our
             # publish fail and nats-py drop the connection: decide, but answer nobody.
-            self.reject("devicehealth", "reply_header", f"bad {REPLY_HEADER} header", msg.subject)
+            ctx.logs.reject(
+                "devicehealth", "reply_header", f"bad {REPLY_HEADER} header", msg.subject
+            )
             reply_to = ""
         try:
-            event = decode(msg.data, DeviceHealth, max_bytes=self.ctl.settings.max_message_bytes)
+            event = decode(msg.data, DeviceHealth, max_bytes=ctx.settings.max_message_bytes)
             if not event.event_id:
                 # Stable across redeliveries: the stream sequence names the event.
-                event.event_id = f"{self.ctl.subjects.prefix}.health#{msg.metadata.sequence.stream}"
-            decided = self.ctl.handlers.decide_health(event)
+                event.event_id = f"{ctx.subjects.prefix}.health#{msg.metadata.sequence.stream}"
+            decided = self._decide_health(event)
         except ProtocolError as e:
-            rejected = self.reject("devicehealth", e.reason, str(e), msg.subject)
+            rejected = ctx.logs.reject("devicehealth", e.reason, str(e), msg.subject)
             # Named as a valid event would be: its own id, or its stream sequence.
             rejected.event_id = (
                 _event_id_of(msg.data)
-                or f"{self.ctl.subjects.prefix}.health#{msg.metadata.sequence.stream}"
+                or f"{ctx.subjects.prefix}.health#{msg.metadata.sequence.stream}"
             )
             return self._answer_health(msg, reply_to, rejected)
         except Exception:
@@ -277,10 +287,10 @@ class Edge:
             return None
         return self._commit_health(msg, reply_to, decided)
 
-    async def _commit_health(self, msg: Msg, reply_to: str, decided: HealthDecided) -> None:
+    async def _commit_health(self, msg: Msg, reply_to: str, decided: HealthDecision) -> None:
         """Wait for the decision's commit, then answer and acknowledge."""
         try:
-            await self.ctl.handlers.health_committed(decided)
+            await decided.committed()
         except NotServing:
             return
         except Exception:
@@ -292,11 +302,11 @@ class Edge:
         # Not the event's fault (a publish failed mid-commit, a bug): it is not terminated
         # but left for redelivery (bounded by the consumer's max_deliver), and since our
         # state may now be ahead of the store we step down; whoever leads rebuilds.
-        self.log_internal("devicehealth")
-        self.ctl.takeover.spawn_step_down("internal error while handling a health event")
+        self._ctx.logs.internal("devicehealth")
+        self._ctx.step_down("internal error while handling a health event")
 
     async def _answer_health(self, msg: Msg, reply_to: str, reply: msgspec.Struct) -> None:
-        if not isinstance(reply, ErrorReply) and not self.ctl.leading():
+        if not isinstance(reply, ErrorReply) and not self._ctx.leading():
             # Its records are stored under our term (the store fenced them), so an ack landing
             # late would be harmless; still, a lapsed leader neither answers nor acks: the
             # event is redelivered to whoever leads, which finds it handled (or decides it).
@@ -307,5 +317,5 @@ class Edge:
             # A bad message is terminated (never redelivered); a handled one acknowledged.
             await (msg.term() if isinstance(reply, ErrorReply) else msg.ack())
         except Exception as e:
-            self.ctl.stats["errors.ack"] += 1
-            self.log_limited("ack", f"could not acknowledge a health event: {e}")
+            self._ctx.stats["errors.ack"] += 1
+            self._ctx.logs.limited("ack", f"could not acknowledge a health event: {e}")

@@ -19,7 +19,7 @@ from nats.micro.service import EndpointStats as MicroEndpointStats
 _LAST_ERROR_CHARS = 200
 
 
-class Outcome(NamedTuple):
+class RequestEnd(NamedTuple):
     """How one request's work ended: ``error``, the code it was answered with or why no answer
     went out ("" for neither), with a ``detail`` for ``last_error``; whether it was answered."""
 
@@ -28,8 +28,8 @@ class Outcome(NamedTuple):
     answered: bool = True
 
 
-ANSWERED = Outcome()
-DROPPED = Outcome(answered=False)  # on purpose: not serving (the client asks the leader again)
+ANSWERED = RequestEnd()
+DROPPED = RequestEnd(answered=False)  # on purpose: not serving (the client asks the leader again)
 
 
 class Tally:
@@ -48,16 +48,16 @@ class Tally:
         self.in_flight += 1
         return time.perf_counter_ns()
 
-    def done(self, start: int, outcome: Outcome) -> None:
-        """A request's work that began at ``start`` is over."""
+    def done(self, start: int, end: RequestEnd) -> None:
+        """A request's work that began at ``start`` ended as ``end``."""
         self.in_flight -= 1
         self.completed += 1
         self.processing_ns += time.perf_counter_ns() - start
-        if not outcome.answered:
+        if not end.answered:
             self.unanswered += 1
-        if outcome.error:
-            self.errors[outcome.error] += 1
-            self.last_error = f"{outcome.error}: {outcome.detail}"[:_LAST_ERROR_CHARS]
+        if end.error:
+            self.errors[end.error] += 1
+            self.last_error = f"{end.error}: {end.detail}"[:_LAST_ERROR_CHARS]
 
     def data(self) -> dict[str, Any]:
         """The STATS ``data`` of this endpoint (plain JSON types; times in nanoseconds, as

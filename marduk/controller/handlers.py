@@ -9,20 +9,23 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 import msgspec
+from prometheus_client import CollectorRegistry, Histogram
 
-from marduk.controller.commit import Commit
+from marduk.controller.commit import Commit, NotServing
+from marduk.controller.context import Context, Route
 from marduk.core.decisions import Outcome
 from marduk.core.drmap import WorkerKey
 from marduk.core.paging import ENVELOPE_BYTES, SnapshotCache
-from marduk.core.policy import PolicyError
+from marduk.core.policy import Policy, PolicyError
+from marduk.errors import ProtocolError
 from marduk.shell.metrics import histogram
 from marduk.wire.protocol import (
     Ack,
     AckReply,
     ControllerEvent,
+    ControllerInfo,
     DeregisterReply,
     Deregistration,
     DeviceHealth,
@@ -43,11 +46,7 @@ from marduk.wire.protocol import (
     WorkerRef,
 )
 
-if TYPE_CHECKING:
-    from marduk.controller.shell import Controller
-
 log = logging.getLogger("marduk.controller")
-Handler = Callable[[Any, str], Awaitable[msgspec.Struct | None]]
 
 
 @dataclass(slots=True)
@@ -58,43 +57,74 @@ class HealthDecided:
     reply: HealthReply
     commit: Commit
     started: float | None
+    latency: Histogram
+
+    async def committed(self) -> None:
+        """Back once the decision's commands are out (timed) and its records are durable."""
+        await self.commit.published
+        if self.started is not None:
+            self.latency.observe(time.perf_counter() - self.started)
+        await self.commit.durable
 
 
 class Handlers:
-    """One method per request kind (and health events): ask the policy, commit, reply."""
+    """One method per request kind (and health events): ask the policy, commit, reply.
 
-    def __init__(self, ctl: Controller) -> None:
-        self.ctl = ctl
+    Handed the policy of the term (``policy``: a takeover makes a new one), the pipeline's
+    ``submit`` (a reply waits for its commit's ``durable``), ``announce`` for an event outside
+    any commit, the standbys heard from and the controller's ``info`` (for queries), and the
+    registry of its latency histogram."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        policy: Callable[[], Policy],
+        submit: Callable[[Outcome], Commit],
+        announce: Callable[[ControllerEvent], Awaitable[None]],
+        standbys: Callable[[], list[ControllerInfo]],
+        info: Callable[[], ControllerInfo],
+        registry: CollectorRegistry,
+    ) -> None:
+        self._ctx = ctx
+        self._policy = policy
+        self._submit = submit
+        self._announce = announce
+        self._standbys = standbys
+        self._info = info
         self._snapshots = SnapshotCache()
         self._notice_latency = histogram(
-            ctl.registry,
+            registry,
             "marduk_event_to_command_seconds",
             "From a health event's delivery to its commands being published.",
         )
 
-    def endpoints(self) -> list[tuple[str, str, type[msgspec.Struct], Handler, bool]]:
-        """The micro endpoints: name, subject, request type, handler, and whether its requests
-        are handled concurrently (the agents', which come in storms: ``Edge.endpoint``)."""
-        s, h = self.ctl.subjects, self
+    def routes(self) -> list[Route]:
+        """The micro endpoints; the agents' are concurrent (they come in storms)."""
+        s, h = self._ctx.subjects, self
         return [
-            ("register", s.any_job("register"), Registration, h.register, True),
-            ("deregister", s.any_job("deregister"), Deregistration, h.deregister, True),
-            ("ack", s.any_job("ack"), Ack, h.ack, True),
-            ("report", s.any_job("report"), Report, h.report, True),
-            ("query", s.query, Query, h.query, False),
-            ("forget", s.forget, Forget, h.forget, False),
-            ("drain", s.drain, Drain, h.drain, False),
+            Route("register", s.any_job("register"), Registration, h.register, True),
+            Route("deregister", s.any_job("deregister"), Deregistration, h.deregister, True),
+            Route("ack", s.any_job("ack"), Ack, h.ack, True),
+            Route("report", s.any_job("report"), Report, h.report, True),
+            Route("query", s.query, Query, h.query, False),
+            Route("forget", s.forget, Forget, h.forget, False),
+            Route("drain", s.drain, Drain, h.drain, False),
         ]
 
+    def _check_subject_job(self, job: str, subject: str) -> None:
+        if self._ctx.subjects.job_of(subject) != job:
+            raise ProtocolError("subject_mismatch", f"message for job {job!r} sent on {subject}")
+
     async def register(self, reg: Registration, subject: str) -> RegisterReply:
-        self.ctl.edge.check_subject_job(reg.job, subject)
+        self._check_subject_job(reg.job, subject)
         try:
-            result = self.ctl.policy.register(reg, time.time())
+            result = self._policy().register(reg, time.time())
         except PolicyError as e:
             if e.code in ("duplicate_worker", "membership_too_large"):
                 # Who was refused: the worker's identity, for watchers and alerts (a worker
                 # refused for its job's size exits: only its own log would say why).
-                await self.ctl.outbox.announce(
+                await self._announce(
                     ControllerEvent(
                         kind="duplicate_worker"
                         if e.code == "duplicate_worker"
@@ -107,7 +137,7 @@ class Handlers:
                     )
                 )
             raise
-        await self.ctl.outbox.commit(result.outcome)
+        await self._submit(result.outcome).durable
         return RegisterReply(
             job=reg.job,
             replica=reg.replica,
@@ -121,46 +151,47 @@ class Handlers:
         )
 
     async def deregister(self, req: Deregistration, subject: str) -> DeregisterReply:
-        self.ctl.edge.check_subject_job(req.job, subject)
+        self._check_subject_job(req.job, subject)
         key = WorkerKey(req.job, req.replica, req.worker)
-        outcome, known = self.ctl.policy.deregister(key, req.reason, time.time())
-        await self.ctl.outbox.commit(outcome)
+        outcome, known = self._policy().deregister(key, req.reason, time.time())
+        await self._submit(outcome).durable
         return DeregisterReply(known=known)
 
     async def ack(self, ack: Ack, subject: str) -> AckReply:
-        self.ctl.edge.check_subject_job(ack.job, subject)
+        self._check_subject_job(ack.job, subject)
         key = WorkerKey(ack.job, ack.replica, ack.worker)
-        outcome = self.ctl.policy.ack(
+        outcome = self._policy().ack(
             key, ack.epoch, time.time(), devices=ack.devices, revision=ack.revision
         )
-        await self.ctl.outbox.commit(outcome)
-        return AckReply(epoch=self.ctl.policy.epoch_of_worker(key))
+        await self._submit(outcome).durable
+        return AckReply(epoch=self._policy().epoch_of_worker(key))
 
     async def report(self, report: Report, subject: str) -> ReportReply:
-        self.ctl.edge.check_subject_job(report.job, subject)
-        result = self.ctl.policy.on_report(report, time.time())
-        self.ctl.stats[f"reports.{report.status}"] += 1
+        self._check_subject_job(report.job, subject)
+        result = self._policy().on_report(report, time.time())
+        self._ctx.stats[f"reports.{report.status}"] += 1
         if any(not a.coalesced for a in result.actions):
             what = report.failure_class or "unclassified"
             self.count_bounded("restarts", f"{report.status}/{what}")
-        await self.ctl.outbox.commit(result.outcome)
+        await self._submit(result.outcome).durable
         return ReportReply(actions=result.actions)
 
     async def forget(self, req: Forget, subject: str) -> ForgetReply:
-        outcome = self.ctl.policy.forget(req.job, req.replica, req.worker, time.time())
-        await self.ctl.outbox.commit(outcome)
+        outcome = self._policy().forget(req.job, req.replica, req.worker, time.time())
+        await self._submit(outcome).durable
         return ForgetReply(removed=[str(k) for k in outcome.deleted_workers])
 
     async def drain(self, req: Drain, subject: str) -> DrainReply:
         # The memberships before, to say which member each restart took out and who took its
         # ranks (an operator's request: the scan over the scopes costs nothing that matters).
+        policy = self._policy()
         before = {
             ekey.job: state.membership
-            for ekey, state in self.ctl.policy.fleet.epochs.items()
+            for ekey, state in policy.fleet.epochs.items()
             if ekey.replica is None and state.membership is not None
         }
-        result = self.ctl.policy.drain(req.devices, req.host, req.undrain, req.reason, time.time())
-        await self.ctl.outbox.commit(result.outcome)
+        result = policy.drain(req.devices, req.host, req.undrain, req.reason, time.time())
+        await self._submit(result.outcome).durable
         for conflict in result.conflicts:
             log.warning("drain --host %s: conflicting claim: %s", req.host, conflict)
         return DrainReply(
@@ -177,42 +208,33 @@ class Handlers:
         if not event.timestamp:
             event.timestamp = now
         t0 = time.perf_counter()
-        result = self.ctl.policy.on_health(event, now)
-        reply = result.reply
+        result = self._policy().on_health(event, now)
+        reply, stats = result.reply, self._ctx.stats
         if reply.duplicate:
-            self.ctl.stats["health.duplicates"] += 1
+            stats["health.duplicates"] += 1
         elif not reply.known:
-            self.ctl.stats["health.unknown_device"] += 1
+            stats["health.unknown_device"] += 1
         else:
-            self.ctl.stats[f"events.{event.state}"] += 1
+            stats[f"events.{event.state}"] += 1
             self.count_source(event.source)
             for action in reply.actions:
                 if action.coalesced:
-                    self.ctl.stats["health.coalesced"] += 1
+                    stats["health.coalesced"] += 1
                 else:
-                    self.ctl.stats[f"restarts.device/{action.kind}"] += 1
-        commit = self.ctl.pipeline.submit(result.outcome)
-        return HealthDecided(reply, commit, t0 if result.outcome.commands else None)
-
-    async def health_committed(self, decided: HealthDecided) -> None:
-        """Back once the decision's commands are out (timed) and its records are durable."""
-        await decided.commit.published
-        if decided.started is not None:
-            self._notice_latency.observe(time.perf_counter() - decided.started)
-        await decided.commit.durable
+                    stats[f"restarts.device/{action.kind}"] += 1
+        commit = self._submit(result.outcome)
+        started = t0 if result.outcome.commands else None
+        return HealthDecided(reply, commit, started, self._notice_latency)
 
     def count_source(self, source: str) -> None:
         self.count_bounded("sources", source or "unknown")
 
     def count_bounded(self, family: str, label: str, limit: int = 100) -> None:
         """Count under a label chosen by a peer: at most ``limit`` labels, then "other"."""
-        key = f"{family}.{label[:100]}"
-        if (
-            key not in self.ctl.stats
-            and sum(k.startswith(family + ".") for k in self.ctl.stats) >= limit
-        ):
+        key, stats = f"{family}.{label[:100]}", self._ctx.stats
+        if key not in stats and sum(k.startswith(family + ".") for k in stats) >= limit:
             key = f"{family}.other"
-        self.ctl.stats[key] += 1
+        stats[key] += 1
 
     async def query(self, query: Query, subject: str) -> QueryReply:
         """Answer a query, one page at a time: every reply fits the server's max payload.
@@ -220,8 +242,8 @@ class Handlers:
         The jobs and the counters describe the whole answer: they come with the page at
         offset 0 only, and that page's budget counts them."""
         now, wall = time.monotonic(), time.time()
-        standbys = self.ctl.takeover.live_standbys()
-        job, policy = query.job, self.ctl.policy
+        standbys = self._standbys()
+        job, policy = query.job, self._policy()
         snap = self._snapshots.get(
             query.snapshot,
             now,
@@ -233,12 +255,12 @@ class Handlers:
             ),
         )
         first = min(query.offset, len(snap.sizes)) == 0
-        stats = dict(self.ctl.stats) if first else {}
-        budget = (self.ctl.nc.max_payload if self.ctl.nc is not None else 1 << 20) - ENVELOPE_BYTES
+        stats = dict(self._ctx.stats) if first else {}
+        budget = _max_payload(self._ctx) - ENVELOPE_BYTES
         page, next_offset = snap.page(query.offset, budget - len(msgspec.json.encode(stats)))
-        self.ctl.stats["queries.pages"] += 1
+        self._ctx.stats["queries.pages"] += 1
         return QueryReply(
-            controller=self.ctl.info(),
+            controller=self._info(),
             standbys=standbys,
             stats=stats,
             jobs=page.jobs,
@@ -250,6 +272,14 @@ class Handlers:
             total_workers=len(snap.workers),
             total_devices=len(snap.devices),
         )
+
+
+def _max_payload(ctx: Context) -> int:
+    """The server's max payload (1 MiB, its default, when not connected)."""
+    try:
+        return ctx.connection().max_payload
+    except NotServing:
+        return 1 << 20
 
 
 def members_out(before: dict[str, Membership], outcome: Outcome) -> list[MemberOut]:

@@ -112,13 +112,17 @@ class Leadership:
         self.renew_failures = 0
         self.early_takeovers = 0
         self.term_floor = 0
-        self.holder_gone = False
-        """Whether this term's lease was taken from a holder provably gone (no responders)."""
         """A term the store has seen claimed: ours are above it (the lease bucket may have been
         recreated, restarting its terms at 1, while the state bucket kept its term key)."""
+        self.holder_gone = False
+        """Whether this term's lease was taken from a holder provably gone (no responders)."""
         self._alive_sub: Any = None
         self.observed = Pulse()
         """Beats when the lease is seen to change hands or be renewed, or we win or lose it."""
+
+    def campaign_above(self, term: int) -> None:
+        """The store has seen ``term`` claimed (our claim was fenced): campaign above it."""
+        self.term_floor = max(self.term_floor, term)
 
     async def open(self) -> None:
         self._alive_sub = await self.nc.subscribe(

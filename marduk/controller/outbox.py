@@ -10,23 +10,21 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from marduk.aio import Backoff
 from marduk.controller.commit import NotServing
+from marduk.controller.context import Context
 from marduk.controller.telemetry import log_event
 from marduk.core.policy import Outcome
 from marduk.core.records import EpochRecord
 from marduk.store.kv import Fenced
+from marduk.store.state import StateStore
 from marduk.transport import auth
 from marduk.wire.protocol import (
     Command,
     ControllerEvent,
     encode,
 )
-
-if TYPE_CHECKING:
-    from marduk.controller.shell import Controller
 
 log = logging.getLogger("marduk.controller")
 
@@ -51,55 +49,62 @@ def _has_writes(o: Outcome) -> bool:
 
 
 class Outbox:
-    """The steps of the commit pipeline (``commit``): write ahead, publish, persist, announce,
-    each write retried while we lead and within its budget."""
+    """The steps of the commit pipeline (``commit.Steps``): write ahead, publish, persist,
+    announce, each write retried while we lead and within its budget.
 
-    def __init__(self, ctl: Controller) -> None:
-        self.ctl = ctl
-        self._signer: auth.Signer | None = None  # for ctl.signing_seed, made on first use
+    Handed the store (None until it is open) and the seed commands are signed with (None:
+    unsigned; read at each command, so a new seed signs at once)."""
 
-    async def commit(self, outcome: Outcome) -> None:
-        """Commit a decision (``commit``): back once its records are written; raises
-        ``NotServing`` if it was fenced, and then nothing of it went out."""
-        await self.ctl.pipeline.commit(outcome)
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        store: Callable[[], StateStore | None],
+        signing_seed: Callable[[], bytes | None],
+    ) -> None:
+        self._ctx = ctx
+        self._store = store
+        self._signing_seed = signing_seed
+        self._signer: auth.Signer | None = None  # for the signing seed, made on first use
 
     def publish_failed(self, error: Exception) -> None:
-        self.ctl.stats["errors.publish"] += 1
-        self.ctl.edge.log_limited("publish", f"a command could not be published: {error}")
+        self._ctx.stats["errors.publish"] += 1
+        self._ctx.logs.limited("publish", f"a command could not be published: {error}")
 
     def stop_committing(self, counter: str, why: str) -> None:
-        self.ctl.stats[counter] += 1
-        self.ctl.takeover.spawn_step_down(why)
+        self._ctx.stats[counter] += 1
+        self._ctx.step_down(why)
 
     async def publish_outcome(self, outcome: Outcome) -> None:
+        stats = self._ctx.stats
         for command in outcome.commands:
             await self.publish_command(command)
-            self.ctl.stats[f"commands.{command.kind}"] += 1
+            stats[f"commands.{command.kind}"] += 1
         for command in outcome.resent:
             await self.publish_command(command)
-            self.ctl.stats["commands.resent"] += 1
+            stats["commands.resent"] += 1
         for notice in outcome.notices:
             # After the commands: the failed replicas hear first. Signed like them.
             await self.publish_command(notice)
-            self.ctl.stats["commands.peer_failed"] += 1
+            stats["commands.peer_failed"] += 1
 
     async def announce_all(self, outcome: Outcome) -> None:
         for event in outcome.events:
             await self.announce(event)
 
     async def announce(self, event: ControllerEvent) -> None:
-        log_event(event, self.ctl.edge.log_limited)
+        log_event(event, self._ctx.logs.limited)
         if event.kind == "command_oversized":  # marduk_errors_total{kind="command_oversized"}
-            self.ctl.stats["errors.command_oversized"] += 1
-        if self.ctl.nc is not None:
-            with contextlib.suppress(Exception):
-                await self.ctl.nc.publish(self.ctl.subjects.events(event.job), encode(event))
+            self._ctx.stats["errors.command_oversized"] += 1
+        with contextlib.suppress(Exception):  # NotServing (no connection) included
+            nc = self._ctx.connection()
+            await nc.publish(self._ctx.subjects.events(event.job), encode(event))
 
     async def write_ahead(self, ceilings: list[EpochRecord]) -> bool:
         """Make the epoch ceilings durable; False if they could not be while we lead."""
-        if self.ctl.store is None:
+        store = self._store()
+        if store is None:
             return True
-        store = self.ctl.store
         if await self.retry(lambda: store.write_ahead(ceilings), budget_s=_WRITE_AHEAD_BUDGET_S):
             return True
         log.error("epoch ceilings not persisted; the commands do not go out")
@@ -107,9 +112,9 @@ class Outbox:
 
     async def persist(self, outcomes: list[Outcome]) -> None:
         """Write the outcomes' other records (after their commands went out)."""
-        if self.ctl.store is None or not any(_has_writes(o) for o in outcomes):
+        store = self._store()
+        if store is None or not any(_has_writes(o) for o in outcomes):
             return
-        store = self.ctl.store
         if not await self.retry(lambda: store.apply(outcomes), budget_s=_PERSIST_BUDGET_S):
             # The commands went out already (their ceilings are durable), but our state is
             # ahead of the store, and a lapsed leader must not answer or acknowledge: nothing
@@ -139,30 +144,30 @@ class Outbox:
                 return True
             except Fenced as e:
                 # Refused by the store: another leader's term began. Retrying cannot help.
-                self.ctl.stats["store.fenced"] += 1
-                self.ctl.edge.log_limited("store", f"state write refused: {e}")
+                self._ctx.stats["store.fenced"] += 1
+                self._ctx.logs.limited("store", f"state write refused: {e}")
                 return False
             except Exception as e:  # TimeoutError (not acknowledged in time) included
-                self.ctl.stats["store.errors"] += 1
+                self._ctx.stats["store.errors"] += 1
                 why = str(e) or type(e).__name__
-                self.ctl.edge.log_limited("store", f"state write failed (attempt {attempt}): {why}")
-            if not self.ctl.leading() or deadline - time.monotonic() <= backoff.delay:
+                self._ctx.logs.limited("store", f"state write failed (attempt {attempt}): {why}")
+            if not self._ctx.leading() or deadline - time.monotonic() <= backoff.delay:
                 break
             await asyncio.sleep(backoff.next())
-        self.ctl.stats["store.given_up"] += 1
+        self._ctx.stats["store.given_up"] += 1
         return False
 
     async def publish_command(self, command: Command) -> None:
-        assert self.ctl.nc is not None
+        nc = self._ctx.connection()
         payload = encode(command)
         signature = self.signature(payload)
         headers = {auth.SIG_HEADER: signature} if signature is not None else None
-        await self.ctl.nc.publish(self.command_subject(command), payload, headers=headers)
+        await nc.publish(self.command_subject(command), payload, headers=headers)
 
     def signature(self, payload: bytes) -> str | None:
         """The command's ``Marduk-Sig`` (None: the controller does not sign), by a key pair made
         once per seed, not once per command."""
-        seed = self.ctl.signing_seed
+        seed = self._signing_seed()
         if seed is None:
             return None
         if self._signer is None or self._signer.seed != seed:
@@ -171,5 +176,5 @@ class Outbox:
 
     def command_subject(self, command: Command) -> str:
         if command.replica is None:
-            return self.ctl.subjects.job_commands(command.job)
-        return self.ctl.subjects.replica_commands(command.job, command.replica)
+            return self._ctx.subjects.job_commands(command.job)
+        return self._ctx.subjects.replica_commands(command.job, command.replica)

@@ -50,6 +50,9 @@ class ControllerSettings:
     controller uses its ``controller.nk`` unless other credentials are given."""
     insecure: bool = False
     """Allow an embedded server without auth on a non-loopback address."""
+    stop_grace_s: float = 2.0
+    """How long a stop waits for the work in flight (requests, events' commits) to finish
+    before it cancels what is left and names it in the log."""
     metrics_addr: str | None = None
     """Serve /metrics, /healthz and /readyz on HOST:PORT (off when None)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)

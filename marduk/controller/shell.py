@@ -1,5 +1,6 @@
 """The controller's shell: lifecycle (connect, open the state, campaign, stop), the role, the
-long-running loops, and the parts (edge, handlers, outbox, takeover) wired together."""
+long-running loops, and the parts (edge, handlers, outbox, takeover, standbys) wired together:
+each is handed a ``Context`` and the few callables it uses, never the ``Controller``."""
 
 from __future__ import annotations
 
@@ -13,24 +14,26 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
-import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.errors import ServiceUnavailableError
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
 
 from marduk import __version__
 from marduk.aio import Pulse, TaskSet
 from marduk.controller.commit import CommitPipeline, NotServing, Steps
+from marduk.controller.context import Context, Logs
 from marduk.controller.edge import Edge
 from marduk.controller.handlers import Handlers
 from marduk.controller.leadership import Leadership
 from marduk.controller.outbox import Outbox
 from marduk.controller.settings import ControllerSettings, StartupError
-from marduk.controller.takeover import Takeover
+from marduk.controller.standbys import Standbys
+from marduk.controller.takeover import Opened, Serving, Takeover
 from marduk.controller.telemetry import gauges
 from marduk.core.policy import Policy
 from marduk.core.role import Event, Role, RoleMachine
@@ -42,13 +45,10 @@ from marduk.store.state import StateStore
 from marduk.transport import auth, bus
 from marduk.transport.credentials import redact
 from marduk.transport.embedded import EmbeddedServer, ServerKeeper
-from marduk.wire.protocol import (
-    ControllerInfo,
-)
+from marduk.wire.protocol import ControllerInfo
 from marduk.wire.subjects import Subjects
 
 log = logging.getLogger("marduk.controller")
-T = TypeVar("T", bound=msgspec.Struct)
 
 
 STATE_OPEN_S = 30.0
@@ -94,12 +94,49 @@ class Controller:
         )
         self.health: HealthConsumer | None = None
         self.registry = CollectorRegistry()
-        self.registry.register(StatsCollector(self.stats, lambda: gauges(self)))
-        # The parts, each with one job; the controller holds the state they share.
-        self.edge = Edge(self)
-        self.handlers = Handlers(self)
-        self.outbox = Outbox(self)
-        self.takeover = Takeover(self)
+        self.registry.register(StatsCollector(self.stats, self._gauges))
+        # Long-running loops: one that crashes or returns is fatal (the process's supervisor
+        # restarts it, a standby leads meanwhile).
+        self._tasks = TaskSet(self._task_crashed, on_return=self._task_returned)
+        # The work in flight (per request, per event, a step-down): counted and logged if it
+        # fails; ``stop`` gives it a grace, then cancels it.
+        self._logs = Logs(self.stats)
+        self._background = TaskSet(self._logs.task_failed)
+        # The one role (marduk.core.role); the two events below follow it for waiters.
+        self.roles = RoleMachine(self._role_changed)
+        self.role_pulse = Pulse()
+        self.serving = asyncio.Event()  # SERVING and subscribed (cleared on leaving SERVING)
+        self.fatal = asyncio.Event()  # FAILED
+        self.fatal_reason = ""
+        self.credentials = settings.credentials
+        if settings.auth_dir is not None and not (
+            settings.credentials.nkey or settings.credentials.creds
+        ):
+            self.credentials = replace(
+                settings.credentials, nkey=settings.auth_dir / "controller.nk"
+            )
+        # Commands are signed with the controller's nkey, so agents can tell them from forgeries.
+        self.signing_seed: bytes | None = None
+        self._metrics: MetricsServer | None = None
+        self._wire_parts()
+
+    def _wire_parts(self) -> None:
+        """The parts, each with one job, handed what it uses (a ``Context`` and callables);
+        the controller holds the state they share (connection, store, mirror, lease, policy,
+        counters) and is the only one to assign it."""
+        ctx = Context(
+            settings=self.settings,
+            subjects=self.subjects,
+            controller_id=self.controller_id,
+            stats=self.stats,
+            logs=self._logs,
+            leading=self.leading,
+            spawn=self.spawn_background,
+            step_down=self._step_down,
+            connection=self._connection,
+        )
+        self.standbys = Standbys(ctx, info=self.info)
+        self.outbox = Outbox(ctx, store=lambda: self.store, signing_seed=lambda: self.signing_seed)
         self.pipeline = CommitPipeline(
             Steps(
                 leading=self.leading,
@@ -111,26 +148,40 @@ class Controller:
                 publish_failed=self.outbox.publish_failed,
             )
         )
-        # Long-running loops: one that crashes or returns is fatal (the process's supervisor
-        # restarts it, a standby leads meanwhile).
-        self._tasks = TaskSet(self._task_crashed, on_return=self._task_returned)
-        self.credentials = settings.credentials
-        if settings.auth_dir is not None and not (
-            settings.credentials.nkey or settings.credentials.creds
-        ):
-            self.credentials = replace(
-                settings.credentials, nkey=settings.auth_dir / "controller.nk"
-            )
-        # Commands are signed with the controller's nkey, so agents can tell them from forgeries.
-        self.signing_seed: bytes | None = None
-        self._metrics: MetricsServer | None = None
-        # The one role (marduk.core.role); the two events below follow it for waiters.
-        self.roles = RoleMachine(self._role_changed)
-        self.role_pulse = Pulse()
-        self.serving = asyncio.Event()  # SERVING and subscribed (cleared on leaving SERVING)
-        self.fatal = asyncio.Event()  # FAILED
-        self.fatal_reason = ""
-        self._background = TaskSet(self._background_failed)  # per request, per event, ...
+        self.handlers = Handlers(
+            ctx,
+            policy=lambda: self.policy,
+            submit=self.pipeline.submit,
+            announce=self.outbox.announce,
+            standbys=self.standbys.live,
+            info=self.info,
+            registry=self.registry,
+        )
+        self.edge = Edge(
+            ctx, routes=self.handlers.routes, decide_health=self.handlers.decide_health
+        )
+        self.takeover = Takeover(
+            ctx,
+            roles=self.roles,
+            role_pulse=self.role_pulse,
+            serving=self.serving,
+            pipeline=self.pipeline,
+            opened=Opened(
+                store=lambda: self.store,
+                mirror=lambda: self.mirror,
+                health=lambda: self.health,
+                lease=lambda: self.leadership,
+                url=lambda: self.url,
+            ),
+            serving_with=Serving(
+                add_endpoints=self.edge.add_endpoints,
+                on_health=self.edge.on_health_msg,
+                on_standby=self.standbys.on_announcement,
+            ),
+            adopt=self._adopt,
+            info=self.info,
+            die=self.die,
+        )
 
     @property
     def role(self) -> Role:
@@ -209,7 +260,7 @@ class Controller:
         self._spawn(self.leadership.run(), "leadership")
         self._spawn(self.leadership.watch_holder(), "leadership-watch")
         self._spawn(self._tick_loop(), "tick")
-        self._spawn(self.takeover.standby_loop(), "standby-heartbeat")
+        self._spawn(self.standbys.announce_loop(), "standby-heartbeat")
         self._spawn(self._gc_loop(), "gc")
         self._spawn(self.takeover.prepare_loop(), "prepare-takeover")
         if self.server is not None:
@@ -260,7 +311,14 @@ class Controller:
                 await leadership.close()
 
     async def stop(self) -> None:
-        """Stop serving, hand the lease over, close NATS, stop the embedded server."""
+        """Stop serving, hand the lease over, stop the loops, let the work in flight finish,
+        close NATS, stop the embedded server.
+
+        In kopf's order: nothing new comes in (unsubscribed, the pipeline drained), the root
+        tasks (the loops, the takeover in progress) are cancelled and awaited, then the work
+        in flight (a request's answer, an event's acknowledgement, a step-down) gets
+        ``stop_grace_s`` to finish while NATS is still up; what is still running then is
+        cancelled and named in the log (``TaskSet.drain``)."""
         if self._stopping():
             return
         self.roles.handle(Event.STOP, "fatal" if self.fatal.is_set() else "asked to stop")
@@ -271,6 +329,8 @@ class Controller:
         await self._tasks.stop()
         if term_task is not None:
             await asyncio.gather(term_task, return_exceptions=True)
+        grace = self.settings.stop_grace_s
+        await self._background.drain(grace, cancel_s=grace)
         if self.mirror is not None:
             await self.mirror.stop()
         if self._metrics is not None:
@@ -318,21 +378,26 @@ class Controller:
         if self.nc is not None and self.roles.is_(Role.SERVING):
             await self.takeover.publish_hello()
 
-    # --- leadership ------------------------------------------------------------------------------
+    # --- what the parts are handed --------------------------------------------------------------
 
     def spawn_background(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """A task of the work in flight (a request, an event's commit, a step-down)."""
         return self._background.spawn(coro, name)
 
-    def _background_failed(self, task: asyncio.Task[Any], error: BaseException) -> None:
-        """A spawned task's error would otherwise vanish (nobody awaits it): count and log it."""
-        self.stats["errors.internal"] += 1
-        self.edge.internal.log(
-            f"task.{task.get_name()}",
-            logging.ERROR,
-            "internal error in task %s (repeats this minute are counted)",
-            task.get_name(),
-            exc_info=error,
-        )
+    def _step_down(self, why: str) -> None:
+        self.takeover.spawn_step_down(why)
+
+    def _connection(self) -> NATS:
+        if self.nc is None:
+            raise NotServing("not connected to NATS")
+        return self.nc
+
+    def _adopt(self, policy: Policy) -> None:
+        """Lead with the policy a takeover made (the handlers, the tick and /metrics read it)."""
+        self.policy = policy
+
+    def _gauges(self) -> Iterator[Metric]:
+        return gauges(self.leading(), self.policy, lambda: len(self.standbys.live()))
 
     def _ready(self) -> tuple[bool, str]:
         if self.leading():
@@ -396,17 +461,11 @@ class Controller:
             if not self.leading():
                 continue
             try:
-                await self.outbox.commit(self.policy.tick(time.time()))
+                await self.pipeline.submit(self.policy.tick(time.time())).durable
             except NotServing:
                 continue
             except Exception:
-                self.edge.log_internal("tick")
-
-    # --- the edge: decode, dispatch, reply -------------------------------------------------------
-
-    # --- handlers --------------------------------------------------------------------------------
-
-    # --- commit: persist, then publish -----------------------------------------------------------
+                self._logs.internal("tick")
 
 
 _GC_FULL_INTERVAL_S = 600.0

@@ -10,7 +10,8 @@ import contextlib
 import gc
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import nats.errors
 from nats import micro
@@ -20,23 +21,19 @@ from nats.micro.service import Service as MicroService
 
 from marduk import __version__
 from marduk.aio import Pulse, wait_any
+from marduk.controller.commit import CommitPipeline
+from marduk.controller.context import Context
 from marduk.controller.endpoint_stats import ServiceTallies
+from marduk.controller.leadership import Leadership
 from marduk.core.policy import Policy
-from marduk.core.role import Event, Role
-from marduk.errors import MardukError, ProtocolError
+from marduk.core.role import Event, Role, RoleMachine
+from marduk.errors import MardukError
+from marduk.store.health_stream import HealthConsumer
 from marduk.store.kv import Fenced
-from marduk.store.state import Loaded
+from marduk.store.mirror import StateMirror
+from marduk.store.state import Loaded, StateStore
 from marduk.transport.credentials import redact
-from marduk.wire.protocol import (
-    ControllerInfo,
-    Hello,
-    Standby,
-    decode,
-    encode,
-)
-
-if TYPE_CHECKING:
-    from marduk.controller.shell import Controller
+from marduk.wire.protocol import ControllerInfo, Hello, encode
 
 log = logging.getLogger("marduk.controller")
 
@@ -44,16 +41,73 @@ _PREPARE_QUIET_S = 0.2
 _PREPARE_EVERY_S = 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class Opened:
+    """What the shell opens at start, each None until it is (and after a failed open)."""
+
+    store: Callable[[], StateStore | None]
+    mirror: Callable[[], StateMirror | None]
+    health: Callable[[], HealthConsumer | None]
+    lease: Callable[[], Leadership | None]
+    url: Callable[[], str]
+    """The NATS URL we connected to (for the log)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """What a leader serves, from the edge and the standbys: the micro endpoints (on a service,
+    counted in its tallies), the health consumer's callback and the standbys' announcements."""
+
+    add_endpoints: Callable[[MicroService, ServiceTallies], Awaitable[None]]
+    on_health: Callable[[Msg], Awaitable[None]]
+    on_standby: Callable[[Msg], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A term's state: the policy to lead with, the records it was made of, and from where."""
+
+    policy: Policy
+    loaded: Loaded
+    source: str
+
+
 class Takeover:
     """Standby and leader: prepare a takeover, take the state over and subscribe when elected,
-    stop serving when deposed or stepping down, announce standbys."""
+    stop serving when deposed or stepping down.
 
-    def __init__(self, ctl: Controller) -> None:
-        self.ctl = ctl
+    Handed the role (``roles``, ``role_pulse`` and the ``serving`` event waiters see), the
+    commit pipeline it opens and drains, what the shell opened (``opened``), what a leader
+    serves (``serving_with``), and, as callables: ``adopt`` (lead with the policy a takeover
+    made), ``info`` (the controller's, for ``Hello``) and ``die`` (a bug: end the process)."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        roles: RoleMachine,
+        role_pulse: Pulse,
+        serving: asyncio.Event,
+        pipeline: CommitPipeline,
+        opened: Opened,
+        serving_with: Serving,
+        adopt: Callable[[Policy], None],
+        info: Callable[[], ControllerInfo],
+        die: Callable[[str], None],
+    ) -> None:
+        self._ctx = ctx
+        self._roles = roles
+        self._role_pulse = role_pulse
+        self._serving = serving
+        self._pipeline = pipeline
+        self._opened = opened
+        self._serves = serving_with
+        self._adopt = adopt
+        self._info = info
+        self._die = die
         self._term_task: asyncio.Task[None] | None = None
         self._subs: list[Subscription] = []
         self._service: MicroService | None = None
-        self._standbys: dict[str, tuple[ControllerInfo, float]] = {}
         # A standby's policy built from its mirror ahead of a takeover: (mirror version, policy).
         self._prepared: tuple[int, Policy] | None = None
 
@@ -66,7 +120,7 @@ class Takeover:
 
     async def on_elected(self, term: int) -> None:
         # Not awaited by the lease loop: renewals go on while the state is brought in.
-        if self.ctl.roles.handle(Event.ELECTED, f"term {term}") is not Role.TAKING_OVER:
+        if self._roles.handle(Event.ELECTED, f"term {term}") is not Role.TAKING_OVER:
             return  # failed or stopping: the lease lapses unserved
         if self._term_task is not None:
             self._term_task.cancel()
@@ -80,156 +134,151 @@ class Takeover:
         except Fenced as e:
             # The store has a later term than our lease (a successor claimed it, or the lease
             # bucket was recreated and its terms started again): campaign above it next time.
-            if self.ctl.leadership is not None:
-                self.ctl.leadership.term_floor = max(self.ctl.leadership.term_floor, e.term)
-            self.ctl.stats["store.fenced"] += 1
+            lease = self._opened.lease()
+            if lease is not None:
+                lease.campaign_above(e.term)
+            self._ctx.stats["store.fenced"] += 1
             await self.step_down(f"could not claim term {term} in the store: {e}", term)
         except (MardukError, OSError, TimeoutError, nats.errors.Error) as e:
             # NATS or JetStream not answering right now: let a standby (or us, later) try.
-            self.ctl.stats["errors.takeover"] += 1
+            self._ctx.stats["errors.takeover"] += 1
             await self.step_down(f"could not start serving (term {term}): {e}", term)
         except Exception as e:
             # A bug: campaigning again would fail the same way. End the process (exit 1) so
             # its supervisor restarts it and a standby leads meanwhile.
             log.exception("could not start serving (term %d)", term)
-            self.ctl.die(f"could not start serving: {type(e).__name__}: {e}")
+            self._die(f"could not start serving: {type(e).__name__}: {e}")
 
     async def start_serving(self, term: int) -> None:
         t0 = time.monotonic()
-        loaded, source = await self.load_state(term)
+        taken = await self.load_state(term)
+        self._adopt(taken.policy)
         t_state = time.monotonic()
         # Handlers act from here on: a stored event the consumer delivers the moment it is
         # subscribed must be handled, not left for redelivery after ack_wait.
-        self.ctl.pipeline.reopen()
-        self.ctl.roles.handle(Event.TOOK_OVER, f"term {term}, state from {source}")
+        self._pipeline.reopen()
+        self._roles.handle(Event.TOOK_OVER, f"term {term}, state from {taken.source}")
         await self.subscribe(term)
-        if self.ctl.roles.is_(Role.SERVING):
-            self.ctl.serving.set()
+        if self._roles.is_(Role.SERVING):
+            self._serving.set()
         # Agents re-register when they hear this: a level-triggered resync after a takeover.
         await self.publish_hello()
-        self.ctl.stats["leader.terms"] += 1
+        self._ctx.stats["leader.terms"] += 1
+        loaded = taken.loaded
         log.info(
             "controller %s serving prefix %r at %s (leader, term %d; state from %s: "
             "%d worker(s), %d device(s), %d epoch(s) in %.0f ms: state %.0f ms, subscribing "
             "%.0f ms)",
-            self.ctl.controller_id,
-            self.ctl.subjects.prefix,
-            redact(self.ctl.url),
+            self._ctx.controller_id,
+            self._ctx.subjects.prefix,
+            redact(self._opened.url()),
             term,
-            source,
+            taken.source,
             len(loaded.workers),
-            sum(1 for _ in self.ctl.policy.drmap.devices()),  # not device_to_replicas: 0.15 s
+            sum(1 for _ in taken.policy.drmap.devices()),  # not device_to_replicas: 0.15 s
             len(loaded.epochs),
             (time.monotonic() - t0) * 1000,
             (t_state - t0) * 1000,
             (time.monotonic() - t_state) * 1000,
         )
 
-    async def load_state(self, term: int) -> tuple[Loaded, str]:
-        """Claim the term in the store and make the policy we lead with: from the standby's
+    async def load_state(self, term: int) -> Taken:
+        """Claim the term in the store and make the policy to lead with: from the standby's
         mirror (prepared ahead if nothing changed since) or, if it lags, from the bucket."""
-        assert (
-            self.ctl.nc is not None and self.ctl.store is not None and self.ctl.mirror is not None
-        )
+        nc, store, mirror = self._ctx.connection(), self._opened.store(), self._opened.mirror()
+        assert store is not None and mirror is not None
         # Our first write: from now on no write of an earlier term (a lapsed leader's delayed
         # or reconnect-buffered one) can land, so the state read below is final (the store
         # refuses it; docs/decisions.md #13). Raises Fenced if a later term claimed it.
-        await self.ctl.store.claim_term(term, self.ctl.controller_id)
-        js = self.ctl.nc.jetstream(timeout=5.0)
-        up_to_date = await self.ctl.mirror.caught_up(js)
+        await store.claim_term(term, self._ctx.controller_id)
+        js = nc.jetstream(timeout=5.0)
+        up_to_date = await mirror.caught_up(js)
         if up_to_date:
             # The handled events are read once the mirror has caught up, not while it does: a
             # deposed leader's last dedup records land before the state they go with, and
             # reading them first could miss one (the event would be handled twice). The events
             # bucket is not mirrored: its keys expire without a delete a watch would see.
-            replies = await self.ctl.store.load_handled()
+            replies = await store.load_handled()
             prepared, self._prepared = self._prepared, None
-            loaded, source = self.ctl.mirror.snapshot(), "mirror"
-            if prepared is not None and prepared[0] == self.ctl.mirror.version:
+            loaded, source = mirror.snapshot(), "mirror"
+            if prepared is not None and prepared[0] == mirror.version:
                 # Built while we stood by from exactly what the mirror holds now (no await
                 # since the check).
-                self.ctl.policy, source = prepared[1], "mirror, prepared"
-                self.ctl.stats["state.from_prepared"] += 1
+                policy, source = prepared[1], "mirror, prepared"
+                self._ctx.stats["state.from_prepared"] += 1
             else:
-                self.ctl.policy = self.build_policy(loaded)
+                policy = self.build_policy(loaded)
         else:
             self._prepared = None
-            loaded, source = await self.ctl.store.load(), "bucket"
+            loaded, source = await store.load(), "bucket"
             replies = loaded.handled
-            self.ctl.policy = self.build_policy(loaded)
-        self.ctl.policy.resume(replies, time.time())
-        self.ctl.stats["state.skipped_records"] += loaded.skipped
-        return loaded, source
+            policy = self.build_policy(loaded)
+        policy.resume(replies, time.time())
+        self._ctx.stats["state.skipped_records"] += loaded.skipped
+        return Taken(policy, loaded, source)
 
     async def subscribe(self, term: int) -> None:
         """The micro service's endpoints, the standby announcements, the health consumer."""
-        assert self.ctl.nc is not None and self.ctl.health is not None
-        s = self.ctl.subjects
+        nc, health = self._ctx.connection(), self._opened.health()
+        assert health is not None
+        s, me = self._ctx.subjects, self._ctx.controller_id
         # A NATS micro service: `nats micro ls|info|stats` and $SRV.PING find the leader, its
         # endpoints and version (standbys serve nothing, so they are not listed). Each
         # endpoint's stats ``data`` is what its requests really came to (endpoint_stats).
         tallies = ServiceTallies()
         self._service = await micro.add_service(
-            self.ctl.nc,
+            nc,
             name="marduk",
             version=__version__,
             description="Marduk controller: device<->replica map, targeted restarts",
             metadata={
                 "prefix": s.prefix,
-                "controller_id": self.ctl.controller_id,
+                "controller_id": me,
                 "term": str(term),
             },
             # Its own queue group, not a shared one: a leader whose lease lapsed and has not
             # unsubscribed yet must not take a share of the requests (it drops them); each
             # controller sees every request and only the one that leads answers.
-            queue_group=f"marduk-{self.ctl.controller_id}",
+            queue_group=f"marduk-{me}",
             stats_handler=tallies.stats_handler,
         )
-        for name, subject, type_, handler, concurrent in self.ctl.handlers.endpoints():
-            tally = tallies.endpoint(name)
-            await self._service.add_endpoint(
-                name=name,
-                subject=subject,
-                handler=self.ctl.edge.endpoint(type_, handler, concurrent=concurrent, tally=tally),
-            )
-        self._subs = [await self.ctl.nc.subscribe(s.standby, cb=self.on_standby)]
-        gone = self.ctl.leadership is not None and self.ctl.leadership.holder_gone
-        await self.ctl.health.start(self.ctl.edge.on_health_msg, previous_gone=gone)
-        await self.ctl.nc.flush()
+        await self._serves.add_endpoints(self._service, tallies)
+        self._subs = [await nc.subscribe(s.standby, cb=self._serves.on_standby)]
+        lease = self._opened.lease()
+        gone = lease is not None and lease.holder_gone
+        await health.start(self._serves.on_health, previous_gone=gone)
+        await nc.flush()
 
     async def step_down(self, why: str, term: int) -> None:
         """Stop serving and give the lease up: whoever leads next rebuilds from the store.
 
         Tied to ``term``: a step-down decided in one term never stops or resigns a later one
         (we may have been deposed and re-elected while it waited, or while it drained)."""
-        lead = self.ctl.leadership
-        if (
-            lead is None
-            or lead.term != term
-            or not self.ctl.roles.is_(Role.TAKING_OVER, Role.SERVING)
-        ):
+        lead = self._opened.lease()
+        if lead is None or lead.term != term or not self._roles.is_(Role.TAKING_OVER, Role.SERVING):
             log.info("not stepping down (%s): term %d is over", why, term)
             return
         log.error("stepping down (term %d): %s", term, why)
-        self.ctl.roles.handle(Event.STEP_DOWN, why)
+        self._roles.handle(Event.STEP_DOWN, why)
         await self.stop_serving()
-        if self.ctl.roles.is_(Role.STEPPING_DOWN):  # not deposed (and maybe re-elected) meanwhile
-            self.ctl.roles.handle(Event.STEPPED_DOWN, f"term {term}")
+        if self._roles.is_(Role.STEPPING_DOWN):  # not deposed (and maybe re-elected) meanwhile
+            self._roles.handle(Event.STEPPED_DOWN, f"term {term}")
         await lead.resign(term)
 
     def spawn_step_down(self, why: str) -> None:
         # Not from inside the commit: _stop_serving waits for the commits in flight.
-        term = self.ctl.leadership.term if self.ctl.leadership is not None else 0
-        self.ctl.spawn_background(self.step_down(why, term), "step-down")
+        lease = self._opened.lease()
+        term = lease.term if lease is not None else 0
+        self._ctx.spawn(self.step_down(why, term), "step-down")
 
     async def on_deposed(self, why: str) -> None:
-        before = self.ctl.role
-        if self.ctl.roles.handle(Event.DEPOSED, why) is before:
+        before = self._roles.role
+        if self._roles.handle(Event.DEPOSED, why) is before:
             return  # stepped down already, or failed or stopping: stop() stops serving
         if self._term_task is not None:
             self._term_task.cancel()
             self._term_task = None
-        self.ctl.stats["leader.depositions"] += 1
+        self._ctx.stats["leader.depositions"] += 1
         await self.stop_serving()
         log.warning("standby now (%s)", why)
 
@@ -243,11 +292,12 @@ class Takeover:
         for sub in subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        if self.ctl.health is not None:
-            await self.ctl.health.stop()
+        health = self._opened.health()
+        if health is not None:
+            await health.stop()
         # Nothing queued goes out any more; let what is going out or being written finish.
-        self.ctl.pipeline.close()
-        await self.ctl.pipeline.drain()
+        self._pipeline.close()
+        await self._pipeline.drain()
 
     def build_policy(self, loaded: Loaded) -> Policy:
         # 100k objects made at once would set off full collections over them again and again
@@ -255,7 +305,7 @@ class Takeover:
         gc.disable()
         try:
             return Policy.from_records(
-                self.ctl.settings.policy, loaded.workers, loaded.epochs, loaded.devices
+                self._ctx.settings.policy, loaded.workers, loaded.epochs, loaded.devices
             )
         finally:
             gc.enable()
@@ -269,9 +319,9 @@ class Takeover:
         lease sighting, a mirror change) or at the deadline it computed, never polling."""
         built_at = -_PREPARE_EVERY_S
         while True:
-            lead, mirror = self.ctl.leadership, self.ctl.mirror
+            lead, mirror = self._opened.lease(), self._opened.mirror()
             if lead is None or mirror is None:
-                await wait_any([self.ctl.role_pulse], None)
+                await wait_any([self._role_pulse], None)
                 continue
             wait, pulses = self.prepare_wait(time.monotonic(), built_at)
             if wait is not None and wait <= 0:
@@ -279,18 +329,18 @@ class Takeover:
                 policy = self.build_policy(mirror.snapshot())  # no await: the mirror holds still
                 self._prepared = (version, policy)
                 built_at = time.monotonic()
-                self.ctl.stats["state.prepared"] += 1
+                self._ctx.stats["state.prepared"] += 1
                 continue
             await wait_any(pulses, wait)
 
     def prepare_wait(self, now: float, built_at: float) -> tuple[float | None, list[Pulse]]:
         """How long until a build is due (<= 0: now; None: not until something changes), and
         the changes that may make it due sooner."""
-        lead, mirror = self.ctl.leadership, self.ctl.mirror
+        lead, mirror = self._opened.lease(), self._opened.mirror()
         assert lead is not None and mirror is not None
-        roles, lease, records = self.ctl.role_pulse, lead.observed, mirror.changed
-        if not self.ctl.roles.is_(Role.STANDBY):
-            if self.ctl.roles.is_(Role.SERVING):
+        roles, lease, records = self._role_pulse, lead.observed, mirror.changed
+        if not self._roles.is_(Role.STANDBY):
+            if self._roles.is_(Role.SERVING):
                 self._prepared = None  # leading with the live policy
             return None, [roles]
         silent = lead.silent_for()
@@ -304,35 +354,9 @@ class Takeover:
         due = max(mirror.changed_at + _PREPARE_QUIET_S, built_at + _PREPARE_EVERY_S)
         return due - now, [roles, lease]
 
-    async def standby_loop(self) -> None:
-        """Standbys announce themselves to the leader about once a second (for status)."""
-        while True:
-            await asyncio.sleep(1.0)
-            if self.ctl.nc is None or not self.ctl.nc.is_connected or self.ctl.leading():
-                continue
-            with contextlib.suppress(Exception):
-                await self.ctl.nc.publish(
-                    self.ctl.subjects.standby, encode(Standby(controller=self.ctl.info()))
-                )
-
-    def live_standbys(self) -> list[ControllerInfo]:
-        """Standbys heard from in the last 3 s (they announce themselves every second)."""
-        now = time.monotonic()
-        self._standbys = {k: v for k, v in self._standbys.items() if now - v[1] < 3.0}
-        return [info for info, _ in self._standbys.values()]
-
-    async def on_standby(self, msg: Msg) -> None:
-        try:
-            info = decode(msg.data, Standby).controller
-        except ProtocolError as e:
-            self.ctl.edge.reject("standby", e.reason, str(e), msg.subject)
-            return
-        if info.controller_id != self.ctl.controller_id:
-            self._standbys[info.controller_id] = (info, time.monotonic())
-
     async def publish_hello(self) -> None:
-        assert self.ctl.nc is not None
-        await self.ctl.nc.publish(
-            self.ctl.subjects.hello,
-            encode(Hello(controller_id=self.ctl.controller_id, started_at=self.ctl.started_at)),
+        me = self._info()
+        await self._ctx.connection().publish(
+            self._ctx.subjects.hello,
+            encode(Hello(controller_id=me.controller_id, started_at=me.started_at)),
         )

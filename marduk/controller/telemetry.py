@@ -6,16 +6,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from marduk.core.policy import Policy
 from marduk.core.views import spares_by_job
 from marduk.shell.metrics import gauge
 from marduk.wire.protocol import ControllerEvent, JobInfo
-
-if TYPE_CHECKING:
-    from marduk.controller.shell import Controller
 
 log = logging.getLogger("marduk.controller")
 
@@ -41,12 +38,12 @@ _WARN_EVENTS = frozenset(
 )
 
 
-def gauges(ctl: Controller) -> Iterator[Metric]:
-    leading = ctl.leading()
+def gauges(leading: bool, p: Policy, standbys: Callable[[], int]) -> Iterator[Metric]:
+    """The gauges of a scrape: whether we lead and, if we do, what the policy ``p`` holds and
+    how many ``standbys`` we heard from (asked only then)."""
     yield gauge("marduk_leader", "1 if this controller leads.", {"leader": float(leading)}, "role")
     if not leading:
         return
-    p = ctl.policy
     workers = {"live": float(len(p.workers) - len(p.stale)), "stale": float(len(p.stale))}
     yield gauge("marduk_workers", "Registered workers, by state.", workers, "state")
     devices: Counter[str] = Counter({"healthy": 0, "degraded": 0, "failed": 0})
@@ -69,8 +66,8 @@ def gauges(ctl: Controller) -> Iterator[Metric]:
     infos = p.job_infos(time.time())
     yield from job_gauges([j for j in infos if not j.is_pool])
     yield from pool_gauges([j for j in infos if j.is_pool])
-    standbys = float(len(ctl.takeover.live_standbys()))
-    yield gauge("marduk_standbys", "Hot standbys heard from.", {"all": standbys}, "scope")
+    heard = float(standbys())
+    yield gauge("marduk_standbys", "Hot standbys heard from.", {"all": heard}, "scope")
 
 
 def job_gauges(jobs: list[JobInfo]) -> Iterator[Metric]:

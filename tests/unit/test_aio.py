@@ -210,19 +210,20 @@ async def test_a_task_that_returns_goes_to_on_return_and_a_cancelled_one_nowhere
     assert returned == ["once"] and len(tasks) == 0
 
 
+async def stubborn(release: asyncio.Event) -> None:
+    """Runs until ``release``, swallowing every cancellation meanwhile."""
+    while not release.is_set():
+        try:
+            await release.wait()
+        except asyncio.CancelledError:
+            continue
+
+
 async def test_stop_cancels_and_names_the_tasks_that_would_not_stop() -> None:
     tasks = TaskSet(lambda t, e: None)
     release = asyncio.Event()
-
-    async def stubborn() -> None:
-        while not release.is_set():
-            try:
-                await release.wait()
-            except asyncio.CancelledError:
-                continue  # swallows its cancellation
-
     tasks.spawn(asyncio.Event().wait(), "polite")
-    tasks.spawn(stubborn(), "stubborn")
+    tasks.spawn(stubborn(release), "stubborn")
     await asyncio.sleep(0)
     assert await tasks.stop(grace_s=0.05) == ["stubborn"]
     release.set()
@@ -240,9 +241,22 @@ async def test_drain_lets_tasks_finish_within_the_grace_then_cancels_the_rest() 
 
     slow = tasks.spawn(asyncio.Event().wait(), "slow")
     tasks.spawn(quick(), "quick")
-    assert await tasks.drain(grace_s=0.2) == []
+    assert await tasks.drain(grace_s=0.2) == ["slow"]  # stuck: named
     assert finished == ["quick"]  # not cancelled: it had the time it needed
     assert slow.cancelled() and len(tasks) == 0
+
+
+async def test_drain_waits_only_cancel_s_for_a_task_that_ignores_its_cancellation() -> None:
+    tasks = TaskSet(lambda t, e: None)
+    release = asyncio.Event()
+    task = tasks.spawn(stubborn(release), "stubborn")
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    assert await tasks.drain(grace_s=0.05, cancel_s=0.05) == ["stubborn"]
+    assert loop.time() - began < 1.0 and not task.done()
+    release.set()
+    await asyncio.sleep(0.01)
+    assert len(tasks) == 0
 
 
 async def test_restart_forever_restarts_with_backoff_until_cancelled() -> None:

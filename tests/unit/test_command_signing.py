@@ -4,10 +4,10 @@ does, and a new seed is signed with at once."""
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 from marduk.controller.outbox import Outbox
 from marduk.transport import auth
+from tests.parts import Shell
 
 
 def test_a_signer_signs_as_sign_does_and_agents_verify_it() -> None:
@@ -22,16 +22,16 @@ def test_a_signer_signs_as_sign_does_and_agents_verify_it() -> None:
 
 
 def test_the_outbox_signs_with_the_controllers_seed_of_the_moment() -> None:
-    ctl: Any = SimpleNamespace(signing_seed=None)
-    outbox = Outbox(ctl)
+    seed: bytes | None = None
+    outbox = Outbox(Shell().context(), store=lambda: None, signing_seed=lambda: seed)
     assert outbox.signature(b"cmd") is None  # unsigned
     first, second = auth.new_user_seed(), auth.new_user_seed()
     for seed in (first, second, first):
-        ctl.signing_seed = seed
         signature = outbox.signature(b"cmd")
+        assert signature is not None
         assert auth.verify([auth.public_key_of(seed)], b"cmd", signature)
         assert outbox.signature(b"cmd") == signature
-    ctl.signing_seed = None
+    seed = None
     assert outbox.signature(b"cmd") is None
 
 

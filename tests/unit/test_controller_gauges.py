@@ -1,9 +1,7 @@
 """The controller's gauges (marduk/controller/telemetry.py) read from the policy's state: a
-fake controller around a real policy, no server."""
+real policy, no server."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 from marduk.controller.telemetry import gauges
 from marduk.core.drmap import WorkerKey
@@ -12,14 +10,9 @@ from tests.unit.test_spares import reg
 
 
 def values(policy: Policy) -> dict[str, dict[str, float]]:
-    ctl = SimpleNamespace(
-        leading=lambda: True,
-        policy=policy,
-        takeover=SimpleNamespace(live_standbys=lambda: ["s1"]),
-    )
     return {
         m.name: {s.labels[next(iter(s.labels))]: s.value for s in m.samples if s.labels}
-        for m in gauges(ctl)  # type: ignore[arg-type]
+        for m in gauges(True, policy, lambda: 1)
     }
 
 
@@ -34,3 +27,13 @@ def test_the_gauges_count_live_workers_spares_and_standbys() -> None:
     assert got["marduk_spares"] == {"j": 1.0}
     assert got["marduk_standbys"] == {"all": 1.0}
     assert got["marduk_devices"]["healthy"] == 3.0
+
+
+def test_a_standby_shows_only_that_it_does_not_lead() -> None:
+    def never() -> int:
+        raise AssertionError("a standby's gauges ask nothing of the standbys")
+
+    p = Policy()
+    p.register(reg("a"), now=0)
+    got = {m.name: [s.value for s in m.samples] for m in gauges(False, p, never)}
+    assert got == {"marduk_leader": [0.0]}

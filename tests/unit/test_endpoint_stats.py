@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from marduk.controller.endpoint_stats import ANSWERED, DROPPED, Outcome, ServiceTallies
+from marduk.controller.endpoint_stats import ANSWERED, DROPPED, RequestEnd, ServiceTallies
 
 
 def test_a_tally_counts_answers_errors_by_code_drops_and_time() -> None:
@@ -14,9 +14,9 @@ def test_a_tally_counts_answers_errors_by_code_drops_and_time() -> None:
     started = [tally.started() for _ in range(4)]
     assert tally.data()["in_flight"] == 4
     tally.done(started[0], ANSWERED)
-    tally.done(started[1], Outcome("invalid", "invalid Registration: bad job"))
+    tally.done(started[1], RequestEnd("invalid", "invalid Registration: bad job"))
     tally.done(started[2], DROPPED)
-    tally.done(started[3], Outcome("reply_subject", "not an inbox: $KV.x", answered=False))
+    tally.done(started[3], RequestEnd("reply_subject", "not an inbox: $KV.x", answered=False))
     stats: Any = SimpleNamespace(name="register")
     data = tallies.stats_handler(stats)
     assert data["num_completed"] == 4 and data["in_flight"] == 0
@@ -44,5 +44,5 @@ def test_an_endpoint_that_saw_nothing_says_so() -> None:
 
 def test_last_error_is_cut_short() -> None:
     tally = ServiceTallies().endpoint("query")
-    tally.done(tally.started(), Outcome("internal", "x" * 1000))
+    tally.done(tally.started(), RequestEnd("internal", "x" * 1000))
     assert len(tally.data()["last_error"]) == 200

@@ -222,20 +222,15 @@ def _copy(x: WorkerRecord | EpochRecord):  # as the store gives it back
 
 
 def test_the_metrics_show_each_pools_free_and_claimed_spares() -> None:
-    from types import SimpleNamespace
-
     from marduk.controller.telemetry import gauges
 
     p = two_jobs()
     p.register(spare("s0", pid=30), now=2)
     p.register(spare("s1", pid=31), now=2)
     p.on_health(fail("a1-d0"), now=3)
-    ctl = SimpleNamespace(
-        leading=lambda: True, policy=p, takeover=SimpleNamespace(live_standbys=lambda: [])
-    )
     got = {
         m.name: {tuple(s.labels.values()): s.value for s in m.samples}
-        for m in gauges(ctl)  # type: ignore[arg-type]
+        for m in gauges(True, p, lambda: 0)
     }
     assert got["marduk_pool_spares_free"] == {(POOL,): 1.0}
     assert got["marduk_pool_spares_claimed"] == {(POOL, "ja"): 1.0}
