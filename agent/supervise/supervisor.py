@@ -63,6 +63,7 @@ from agent.supervise.rules import (
     Finish,
     Forward,
     GiveUp,
+    Grace,
     Ignore,
     Limits,
     Restart,
@@ -112,6 +113,7 @@ class Supervisor:
             nproc,
             epoch=o.epoch,
         )
+        self.grace = Grace(full_s=config.grace_s, restart_s=config.restart_grace_s)
         self.facts: asyncio.Queue[Fact] = asyncio.Queue()
         self.stats: Counter[str] = Counter()
         self._tasks = TaskSet(self._task_failed, prefix="marduk-agent-")
@@ -299,11 +301,12 @@ class Supervisor:
             # Why the trainers stop is said once: by the stop's line, or (a give-up) before
             # it, at its level, the stop then only naming the processes.
             said = self.procs.any_running()
+            grace_s = self.grace.of(decision)
             if said and isinstance(decision, GiveUp):
                 self.reporter.say_end(decision, stopping=True)
-                await self.procs.stop_all(None)
+                await self.procs.stop_all(None, grace_s)
             else:
-                await self.procs.stop_all(decision.why)
+                await self.procs.stop_all(decision.why, grace_s)
             self.core.stopped()
             self.telemetry.trainers_ended(time.monotonic())
             code = await self._apply(decision, command, answered, said=said)
