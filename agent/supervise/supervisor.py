@@ -150,7 +150,10 @@ class Supervisor:
         self._telling_warm: asyncio.Task[None] | None = None  # ``_tell_warm``, once
         launch = self.launch
         self.master = MasterFirst(launch is not None and nproc > 1 and launch.nnodes == 1)
-        self.coordinator = CoordinatorFirst(launch is not None and launch.from_controller)
+        self._newest_command = o.epoch  # the highest epoch a command that stops ranks named
+        self.coordinator = CoordinatorFirst(
+            launch is not None, stopping_s=config.grace_s, superseded=self._superseded
+        )
         self.telemetry = Telemetry(self.stats, self._gauges)
         self.link = ControllerLink(
             o,
@@ -251,7 +254,14 @@ class Supervisor:
             # (a torchft group abandons its step). At once, not behind the supervision loop.
             self._spawn(self._forward(command), "notice")
             return
+        if command.kind != "checkpoint":
+            self._newest_command = max(self._newest_command, command.epoch)
         self.facts.put_nowait(CommandArrived(command))
+
+    def _superseded(self) -> bool:
+        """A command newer than the epoch the ranks are starting at arrived: they are stopped
+        as soon as they start, so no wait before starting them is worth it."""
+        return self._newest_command > self.epoch
 
     def _ask_for_peer_notices(self) -> None:
         """A trainer's library wants ``peer_failed`` notices: register asking for them (from
