@@ -13,7 +13,8 @@ output through line by line, and applies the decisions of the supervision core
   the report comes first and its answer is forwarded to their libraries as a restart before
   they get SIGTERM (``_tell_the_others``: ranks of a jax.distributed mesh swallow SIGTERM);
 * a ``restart`` command (a device failure, another worker's crash in scope ``job``): every
-  local rank restarts at the command's epoch, once per epoch;
+  local rank restarts at the command's epoch, once per epoch, after ``restart_grace_s`` at most
+  (a trainer whose SIGTERM JAX's preemption service takes waits for peers that are stopping);
 * past ``max_restarts`` local failures within ``restart_window_s``, or on a ``fail`` command,
   it reports that it gives up and exits non-zero so the scheduler replaces the pod;
 * every local rank exited 0: exit 0;
@@ -21,8 +22,9 @@ output through line by line, and applies the decisions of the supervision core
   checkpoint, ``preempted``, exit.
 
 Stopping an incarnation is SIGTERM to every rank's process group and to every process its trainers
-left behind (agent/supervise/proctree.py: the agent is their subreaper), ``grace_s`` to finish, then
-SIGKILL. With no controller reachable (or ``--standalone``) the same rules run locally and the agent
+left behind (agent/supervise/proctree.py: the agent is their subreaper), the grace the core gives the
+decision to finish (``Grace``: ``restart_grace_s`` for a restart command, whose peers stop at the
+same moment; ``grace_s`` for everything else), then SIGKILL. With no controller reachable (or ``--standalone``) the same rules run locally and the agent
 keeps trying to join the controller in the background (agent/supervise/controller_link.py).
 
 Exit codes: see ``ExitCode``.
