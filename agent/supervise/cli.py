@@ -119,7 +119,8 @@ def run(
         _opt(
             "MARDUK_GRACE",
             "Seconds between SIGTERM and SIGKILL: for a preemption (SIGTERM to the agent), "
-            "fail, stop, and a local rank's failure. The trainer's checkpoint on SIGTERM must fit.",
+            "fail, stop, and a local rank's failure no controller answered. The trainer's "
+            "checkpoint on SIGTERM must fit.",
             min=0.0,
         ),
     ] = Config.grace_s,
@@ -128,9 +129,10 @@ def run(
         _opt(
             "MARDUK_RESTART_GRACE",
             "Seconds between SIGTERM and SIGKILL when the controller restarts the trainer's "
-            "scope (a peer crashed, a device failed): the other processes stop at the same "
-            "moment, so a checkpoint that needs them (JAX's preemption sync point) cannot "
-            "complete; the next incarnation restores the last one. At most --grace.",
+            "scope at a new epoch (a peer or local rank crashed, a device failed): the other "
+            "processes stop at the same moment, so a checkpoint that needs them (JAX's "
+            "preemption sync point) cannot complete; the next incarnation restores the last "
+            "one. At most --grace.",
             min=0.0,
         ),
     ] = Config.restart_grace_s,

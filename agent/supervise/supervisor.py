@@ -22,10 +22,11 @@ output through line by line, and applies the decisions of the supervision core
   checkpoint, ``preempted``, exit.
 
 Stopping an incarnation is SIGTERM to every rank's process group and to every process its trainers
-left behind (agent/supervise/proctree.py: the agent is their subreaper), the grace the core gives the
-decision to finish (``Grace``: ``restart_grace_s`` for a restart command, whose peers stop at the
-same moment; ``grace_s`` for everything else), then SIGKILL. With no controller reachable (or ``--standalone``) the same rules run locally and the agent
-keeps trying to join the controller in the background (agent/supervise/controller_link.py).
+left behind (agent/supervise/proctree.py: the agent is their subreaper), the grace the core gives
+the decision to finish (``Grace``: ``restart_grace_s`` when the scope restarts at a new epoch,
+its other processes stopping at the same moment; ``grace_s`` for everything else), then SIGKILL.
+With no controller reachable (or ``--standalone``) the same rules run locally and the agent keeps
+trying to join the controller in the background (agent/supervise/controller_link.py).
 
 Exit codes: see ``ExitCode``.
 """
@@ -313,7 +314,7 @@ class Supervisor:
             # Why the trainers stop is said once: by the stop's line, or (a give-up) before
             # it, at its level, the stop then only naming the processes.
             said = self.procs.any_running()
-            grace_s = self.grace.of(decision)
+            grace_s = self.grace.of(decision, answered[0] if answered else None, self.epoch)
             if said and isinstance(decision, GiveUp):
                 self.reporter.say_end(decision, stopping=True)
                 await self.procs.stop_all(None, grace_s)

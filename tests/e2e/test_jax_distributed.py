@@ -167,3 +167,36 @@ def test_a_local_crash_ends_a_sibling_that_swallows_sigterm_without_the_grace(
         time.sleep(0.5)
         a.stop()
         ctl.stop()
+
+
+def test_a_local_crash_ends_a_sibling_with_no_library_after_the_restart_grace(
+    env: dict[str, str],
+) -> None:
+    """The same with ranks that never connect to the library: the controller answers the crash
+    with a new epoch (the scope restarts), so the sibling that swallows SIGTERM gets
+    ``--restart-grace``, not the default 30 s."""
+    ctl = controller(env)
+    a = agent_run(
+        env,
+        *("--job", "local", "--replica", "r0", "--scope", "job", "--devices", "local-d0"),
+        *("--nproc-per-node", "2", "--preload", "none"),
+        cmd=[
+            *(sys.executable, "tests/trainers/swallows_sigterm.py"),
+            *("--crash-rank", "1", "--no-library"),
+        ],
+    )
+    try:
+        a.expect("local rank 1 crashed", timeout=60)
+        t0 = time.monotonic()
+        started = ("rank 0 epoch 1 incarnation 1", "rank 1 epoch 1 incarnation 1")
+        eventually_sync(
+            lambda: all(any(s in ln for ln in a.all) for s in started), timeout=BACK_WITHIN_S
+        )
+        print(f"crash -> both ranks started again: {time.monotonic() - t0:.2f}s")
+        assert any("after SIGTERM for a restart; SIGKILL" in ln for ln in a.all)
+        assert not any("ignored SIGTERM" in ln for ln in a.all)
+    finally:
+        a.proc.send_signal(signal.SIGTERM)  # (swallowed for good: a second signal ends it)
+        time.sleep(0.5)
+        a.stop()
+        ctl.stop()

@@ -309,12 +309,22 @@ def test_the_pod_leaving_gets_the_full_grace() -> None:
     assert [grace.of(d) for d in leaving] == [30.0] * len(leaving)
 
 
-def test_a_local_failure_keeps_the_full_grace_for_the_other_local_ranks() -> None:
-    """Only this node's ranks stop: a sibling's save of its own state may complete."""
-    s = started(nproc=2)
+def test_a_local_failure_no_controller_answered_keeps_the_full_grace() -> None:
+    """Standalone only this node's ranks stop: a sibling's save of its own state may complete."""
+    s = started(nproc=2, epoch=3)
     d = s.exited(1, 3, now=1.0)
     assert isinstance(d, Restart) and d.failure == "crashed"
-    assert Grace(full_s=30.0, restart_s=0.5).of(d) == 30.0
+    grace = Grace(full_s=30.0, restart_s=0.5)
+    assert grace.of(d) == grace.of(d, answered=None, epoch=3) == 30.0
+    assert grace.of(d, answered=3, epoch=3) == 30.0  # no new epoch: nobody else restarts
+
+
+def test_a_local_failure_the_controller_restarts_the_scope_for_gets_the_restart_grace() -> None:
+    """It answered the report with a new epoch: every process of the scope is stopping, the
+    other local ranks' mesh with the crashed one included."""
+    s = started(nproc=2, epoch=3)
+    d = s.exited(1, 3, now=1.0)
+    assert Grace(full_s=30.0, restart_s=0.5).of(d, answered=4, epoch=3) == 0.5
 
 
 # --- preemption, standalone, joining -----------------------------------------------------------------
