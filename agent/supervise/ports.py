@@ -178,7 +178,7 @@ class CoordinatorFirst:
         self.learned = False  # it accepted there after a local rank stepped
 
     def placed(self, nnodes: int, node_rank: int, addr: str, port: int) -> None:
-        moved = self.port and (addr, port) != (self.addr, self.port)
+        moved = self.port != 0 and (addr, port) != (self.addr, self.port)
         self.previous = (self.addr, self.port) if moved else None
         self.nnodes, self.node_rank, self.addr, self.port = nnodes, node_rank, addr, port
 
