@@ -15,11 +15,12 @@ way a restarted rank never reaches the previous incarnation's coordinator
 
 ``exit_on_restart``: once ``jax.distributed`` is initialized, JAX's preemption service catches
 SIGTERM (it only marks a preemption sync point, see ``reached_preemption_sync_point``), so a
-trainer stopped for a restart would keep running until the grace period ends and the agent
-sends SIGKILL. The agent tells the library why it stops the trainer just before the signal; this
-callback ends the process at once for a restart, fail or stop (the mesh is broken: the state of
-this incarnation is dropped and the next one restores the last checkpoint). A preemption is
-still a SIGTERM without a command: the trainer saves at JAX's sync point.
+trainer stopped for a restart keeps running until the agent sends SIGKILL (after
+``--restart-grace``, 0.5 s: its peers are stopping too, so the sync point never comes). The
+agent tells the library why it stops the trainer just before the signal; this callback ends
+the process at once for a restart, fail or stop (the mesh is broken: the state of this
+incarnation is dropped and the next one restores the last checkpoint). A preemption is still a
+SIGTERM without a command: the trainer saves at JAX's sync point.
 
 Imported only by trainers that ask for it (``import agent`` does not import jax).
 """

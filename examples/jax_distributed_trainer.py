@@ -43,6 +43,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -51,9 +52,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import agent
-import agent.jax
-from agent.channel.handoff import Handoff
+if TYPE_CHECKING:
+    from agent.channel.handoff import Handoff
 
 PREEMPTED_EXIT = 143  # saved at JAX's preemption sync point (SIGTERM) and exited
 PEER_LOSS_WAIT_S = 3.0  # after a failed collective: how long to wait for the agent's restart
@@ -179,6 +179,12 @@ def main() -> int:
     )
     args = p.parse_args()
     t_begin = time.time()
+    # (Marduk's library is imported here, not at the top: tests/trainers/jax_sync_point.py
+    # reuses this module's model and checkpoints as a trainer with no Marduk code at all.)
+    import agent
+    import agent.jax
+    from agent.channel.handoff import Handoff
+
     given = Handoff.from_env()
     ckpt_dir = Path(
         args.ckpt_dir
@@ -214,6 +220,8 @@ def main() -> int:
 def train(  # type: ignore[no-untyped-def]
     args, given: Handoff, ckpt_dir: Path, client, t_begin: float, t_connect: float
 ) -> int:
+    import agent.jax
+
     where = agent.jax.initialize()
     me = where.process_id
     t_init = time.time()

@@ -1,7 +1,8 @@
 """A ``jax.distributed`` job under Marduk, for the e2e test and bench/bench_jax_distributed.py.
 
 A controller and N agents (``marduk agent run --scope job --nnodes N --node-rank I``), each
-running one process of examples/jax_distributed_trainer.py; one global mesh over all of them.
+running one process of examples/jax_distributed_trainer.py (or another trainer taking its
+arguments); one global mesh over all of them.
 Every output line is kept with the wall time it arrived, so a fault's cost can be read off:
 from the fault to every rank's first step of the incarnation that replaced it.
 """
@@ -97,8 +98,10 @@ class MeshJob:
         ranks_from_controller: bool = False,
         spares: int = 0,
         min_nodes: int | None = None,
+        trainer: tuple[str, ...] = (EXAMPLE,),
     ) -> None:
         self.env, self.job, self.n = env, job, n
+        self.trainer = trainer  # the script, then the arguments only it takes
         self.ranks_from_controller = ranks_from_controller
         # The agents whose processes form the mesh now (a swap replaces one by a spare).
         self.running = list(range(n))
@@ -146,9 +149,10 @@ class MeshJob:
                 *self.agent_args,
                 "--",
                 sys.executable,
-                EXAMPLE,
+                self.trainer[0],
                 *("--steps", "1000000", "--ckpt-every", "5"),
                 *("--step-seconds", str(self.step_seconds)),
+                *self.trainer[1:],
             ],
             self.env,
         )
@@ -272,11 +276,14 @@ def left_behind(pids: list[int]) -> list[int]:
     return alive
 
 
-def resumed(job: MeshJob, name: str, t_fault: float, epoch_before: int) -> list[Incarnation]:
-    """Wait for the mesh to step again after a fault; check it resumed right; print timings."""
+def resumed(
+    job: MeshJob, name: str, t_fault: float, epoch_before: int, timeout: float = 60
+) -> list[Incarnation]:
+    """Wait for the mesh to step again after a fault (``timeout`` s at most); check it resumed
+    right; print timings."""
     # (may be the ones the fault replaced; a spare taking a rank had none)
     old = [job.trainer_pid(r) for r in job.running if job.has_trainer(r)]
-    now = job.wait_stepping(t_fault, epoch_before)
+    now = job.wait_stepping(t_fault, epoch_before, timeout=timeout)
     # Every incarnation since the fault's: with two faults apart, the one between them may
     # have trained on and saved the checkpoint the mesh resumes from.
     first = job.running[0]  # an agent that ran before the fault too

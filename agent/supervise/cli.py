@@ -115,8 +115,27 @@ def run(
         ),
     ] = Config.step_regex,
     grace: Annotated[
-        float, _opt("MARDUK_GRACE", "Seconds between SIGTERM and SIGKILL.", min=0.0)
+        float,
+        _opt(
+            "MARDUK_GRACE",
+            "Seconds between SIGTERM and SIGKILL: for a preemption (SIGTERM to the agent), "
+            "fail, stop, and a local rank's failure no controller answered. The trainer's "
+            "checkpoint on SIGTERM must fit.",
+            min=0.0,
+        ),
     ] = Config.grace_s,
+    restart_grace: Annotated[
+        float,
+        _opt(
+            "MARDUK_RESTART_GRACE",
+            "Seconds between SIGTERM and SIGKILL when the controller restarts the trainer's "
+            "scope at a new epoch (a peer or local rank crashed, a device failed): the other "
+            "processes stop at the same moment, so a checkpoint that needs them (JAX's "
+            "preemption sync point) cannot complete; the next incarnation restores the last "
+            "one. At most --grace.",
+            min=0.0,
+        ),
+    ] = Config.restart_grace_s,
     cleanup_cmd: Annotated[
         str, _opt("MARDUK_CLEANUP_CMD", "Shell command run between incarnations.")
     ] = Config.cleanup_cmd,

@@ -9,6 +9,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections.abc import Callable
 
 from agent.supervise.launch import LaunchError, LaunchSpec
 
@@ -105,16 +106,29 @@ PROBE_TIMEOUT_S = 0.25  # one connect probe (a refused one returns at once)
 
 def coordinator_first(applies: bool, node_rank: int, nnodes: int, learned: bool) -> bool:
     """Whether this node's trainers start only once the coordinator's address:port accepts:
-    for a job with a membership (``applies``), on a node that does not host the coordinator,
-    and once this agent saw the coordinator accept there in an earlier incarnation
-    (``learned``): a job whose trainers never listen there never waits."""
+    for a job across nodes (``applies``: its ranks static or the controller's), on a node that
+    does not host the coordinator, and once this agent saw the coordinator accept there in an
+    earlier incarnation (``learned``): a job whose trainers never listen there never waits."""
     return applies and nnodes > 1 and node_rank != 0 and learned
 
 
-def keep_waiting(accepted: bool, waited_s: float, limit_s: float = COORDINATOR_WAIT_S) -> bool:
+def keep_waiting(
+    accepted: bool,
+    waited_s: float,
+    limit_s: float = COORDINATOR_WAIT_S,
+    *,
+    previous_seen_s: float = 0.0,
+    stopping_s: float = 0.0,
+) -> bool:
     """While waiting for the coordinator: True to probe again, False to start (it accepted,
-    or ``limit_s`` passed: start anyway)."""
-    return not accepted and waited_s <= limit_s
+    or ``limit_s`` passed: start anyway).
+
+    ``limit_s`` counts from the last time the previous incarnation's coordinator was seen still
+    accepting (``previous_seen_s`` into the wait): its agent is still stopping it, so the new
+    one cannot listen yet (rank 0's agent starts it once the old one is gone, and a client that
+    tried meanwhile would sit in gRPC's reconnect backoff, which grows past 10 s). That wait is
+    at most ``stopping_s``, the longest a stop may take (this agent's ``--grace``)."""
+    return not accepted and waited_s <= min(previous_seen_s, stopping_s) + limit_s
 
 
 async def accepts(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -139,19 +153,33 @@ async def accepts(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> b
 class CoordinatorFirst:
     """Across nodes, rank 0's trainer hosts the rendezvous store at the coordinator's
     address:port (torch's TCPStore, JAX's coordination service): a rank of another node that
-    tries it before it listens backs off for up to a second (torch: about 0.6 s). Once this
-    agent saw it accept after stepping, the next incarnations start this node's trainers once
-    it accepts, ``COORDINATOR_WAIT_S`` at most (then start anyway, and unlearn it)."""
+    tries it before it listens backs off (torch: about 0.6 s; gRPC, JAX's: 1 s, then 1.6 times
+    longer each try). Once this agent saw it accept after stepping, the next incarnations start
+    this node's trainers once it accepts: while the previous incarnation's coordinator still
+    accepts (its agent is stopping it: up to ``stopping_s``), and then ``COORDINATOR_WAIT_S``
+    at most (then start anyway, and unlearn it)."""
 
-    def __init__(self, applies: bool) -> None:
-        self.applies = applies  # a job with a membership (--nnodes MIN:MAX)
+    def __init__(
+        self,
+        applies: bool,
+        stopping_s: float = 0.0,
+        superseded: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self.applies = applies  # a job across nodes, with static ranks or the controller's
+        self.stopping_s = stopping_s  # the longest the coordinator's agent may take to stop it
+        # A newer command arrived: the incarnation about to start is stopped at once, and its
+        # coordinator (rank 0 moved on to the newer epoch) may never listen.
+        self.superseded = superseded
         self.node_rank = 0
         self.nnodes = 1
         self.addr = ""
         self.port = 0  # the coordinator's, at the current incarnation
+        self.previous: tuple[str, int] | None = None  # the incarnation's before, if elsewhere
         self.learned = False  # it accepted there after a local rank stepped
 
     def placed(self, nnodes: int, node_rank: int, addr: str, port: int) -> None:
+        moved = self.port != 0 and (addr, port) != (self.addr, self.port)
+        self.previous = (self.addr, self.port) if moved else None
         self.nnodes, self.node_rank, self.addr, self.port = nnodes, node_rank, addr, port
 
     @property
@@ -167,12 +195,21 @@ class CoordinatorFirst:
         self.learned = await accepts(self.addr, self.port)
 
     async def wait(self) -> bool:
-        """Until the coordinator accepts (True), or ``COORDINATOR_WAIT_S`` passed (False; no
-        more waiting for it until it is seen accepting again)."""
+        """Until the coordinator accepts (True), or ``keep_waiting`` says to start anyway
+        (False; no more waiting for it until it is seen accepting again), or a newer command
+        supersedes the incarnation (False: still learned)."""
         start = time.monotonic()
+        previous_seen = 0.0
         while True:
+            if self.superseded():
+                return False
             accepted = await accepts(self.addr, self.port)
-            if not keep_waiting(accepted, time.monotonic() - start):
+            waited = time.monotonic() - start
+            if not accepted and self.previous is not None and await accepts(*self.previous):
+                previous_seen = waited
+            if not keep_waiting(
+                accepted, waited, previous_seen_s=previous_seen, stopping_s=self.stopping_s
+            ):
                 break
             await asyncio.sleep(PROBE_EVERY_S)
         if not accepted:

@@ -122,18 +122,20 @@ class RankProcesses:
             task.cancel()
         self._facts.put_nowait(RankExited(incarnation, rank.index, code))
 
-    async def stop_all(self, why: str | None) -> None:
+    async def stop_all(self, why: str | None, grace_s: float | None = None) -> None:
         """SIGTERM every rank's group and every process the trainers left behind; the grace
         period; SIGKILL what is left; wait until all of it is gone. ``why``: for the log
-        line (None: the caller said it)."""
+        line (None: the caller said it); ``grace_s``: the grace period (None: ``--grace``; a
+        restart's is shorter, ``Grace`` in agent/supervise/rules.py)."""
+        grace = self._grace_s if grace_s is None else grace_s
         running = [r for r in self.ranks if r.running]
         # A trainer being forked ahead of time is ours before its pid is known: not a leftover.
         await self._starter.settle()
         spare = self._starter.infrastructure_pids()
-        deadline = time.monotonic() + self._grace_s
+        deadline = time.monotonic() + grace
         termed: set[int] = set()  # processes sent SIGTERM already: one each, not a second
         if running:
-            await self._terminate(running, spare, termed, why)
+            await self._terminate(running, spare, termed, why, grace)
         # What stays of the ranks' groups (children forked in them) is ours to wait for: the
         # agent is their subreaper. Never by bare pgid: a finished rank's pid may be reused.
         if self._hurry.is_set():
@@ -149,9 +151,9 @@ class RankProcesses:
             r.close_logs()
 
     async def _terminate(
-        self, running: list[Rank], spare: set[int], termed: set[int], why: str | None
+        self, running: list[Rank], spare: set[int], termed: set[int], why: str | None, grace: float
     ) -> None:
-        """SIGTERM the running ranks and their trees; SIGKILL them after the grace period."""
+        """SIGTERM the running ranks and their trees; SIGKILL them after ``grace``."""
         pids = ", ".join(str(r.proc.pid) for r in running if r.proc is not None)
         who = "the trainer" if len(self.ranks) == 1 else f"{len(running)} local rank(s)"
         if why is None:
@@ -174,13 +176,14 @@ class RankProcesses:
                 termed.add(p.pid)
         ended = asyncio.gather(*(r.proc.wait() for r in running if r.proc is not None))
         hurry: asyncio.Future[Any] = asyncio.ensure_future(self._hurry.wait())
-        await asyncio.wait(
-            [ended, hurry], timeout=self._grace_s, return_when=asyncio.FIRST_COMPLETED
-        )
+        await asyncio.wait([ended, hurry], timeout=grace, return_when=asyncio.FIRST_COMPLETED)
         hurry.cancel()
         if not ended.done():
-            if not self._hurry.is_set():
-                log.warning("trainer ignored SIGTERM for %gs; SIGKILL", self._grace_s)
+            hurried = self._hurry.is_set()  # a second signal: said so already
+            if grace < self._grace_s and not hurried:  # a restart's: JAX takes the SIGTERM
+                log.info("trainer still running %gs after SIGTERM for a restart; SIGKILL", grace)
+            elif not hurried:
+                log.warning("trainer ignored SIGTERM for %gs; SIGKILL", grace)
             for r in running:
                 if r.proc is not None and r.proc.returncode is None:
                     with contextlib.suppress(ProcessLookupError):

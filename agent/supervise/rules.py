@@ -15,6 +15,9 @@ every decision about them is made here, from facts the shell observes, with ``no
 * joining a controller late (standalone until then) -> ``GiveUp`` 71 when it says our devices
   are out of service, else nothing: its epochs apply from the next restart on.
 
+How long the ranks get between SIGTERM and SIGKILL follows from the decision (``Grace``): a
+restart the controller ordered is not waited out the way a preemption is.
+
 Budget (decisions.md #6): at most ``max_restarts`` local failures within
 ``restart_window_s``; the next one gives up (exit 70) so the scheduler replaces the pod. Standalone
 (no controller) the rules are the same: a local failure restarts at the current epoch, since only
@@ -112,6 +115,35 @@ class Ignore:
 
 
 Decision = Restart | GiveUp | Finish | Forward | Ignore
+
+
+@dataclass(frozen=True, slots=True)
+class Grace:
+    """Seconds between SIGTERM and SIGKILL, by why the ranks stop (``--grace``,
+    ``--restart-grace``).
+
+    A restart of the scope at a new epoch (a restart command: a peer crashed, a device failed;
+    or the controller's answer to a local rank's failure, forwarded to the others first) stops
+    every process of the scope at once: whatever a trainer does on SIGTERM with its peers (a
+    collective checkpoint, JAX's preemption sync point, which needs every process to reach the
+    next step) cannot complete, and a trainer that swallows SIGTERM (JAX's preemption service)
+    only waits for that. Its ranks get ``restart_s``; the next incarnation restores the last
+    periodic checkpoint. Every other stop gets ``full_s``: the pod is leaving (preemption,
+    eviction, ``fail``, ``stop``, the budget spent), its trainers' save on SIGTERM is the one
+    that matters; and a local failure that no controller answered (standalone) stops only this
+    node's ranks, whose own save (local state) may still complete, as before."""
+
+    full_s: float
+    restart_s: float
+
+    def of(self, decision: Decision, answered: int | None = None, epoch: int = 0) -> float:
+        """The grace for ``decision``; ``answered``: the epoch the controller answered a local
+        failure's report with before the stop, ``epoch`` the ranks' own."""
+        if isinstance(decision, Restart) and (
+            decision.failure is None or (answered is not None and answered > epoch)
+        ):
+            return min(self.restart_s, self.full_s)
+        return self.full_s
 
 
 # --- state ---------------------------------------------------------------------------------------

@@ -63,6 +63,7 @@ class RunArgs:
     startup_timeout: float = Config.startup_timeout_s
     step_regex: str = Config.step_regex
     grace: float = Config.grace_s
+    restart_grace: float = Config.restart_grace_s
     cleanup_cmd: str = Config.cleanup_cmd
     prespawn: bool = Config.prespawn
     fork_server: bool = Config.fork_server
@@ -205,6 +206,7 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
         startup_timeout_s=args.startup_timeout,
         step_regex=args.step_regex,
         grace_s=args.grace,
+        restart_grace_s=args.restart_grace,
         cleanup_cmd=args.cleanup_cmd,
         prespawn=args.prespawn,
         fork_server=args.fork_server,

@@ -13,7 +13,8 @@ output through line by line, and applies the decisions of the supervision core
   the report comes first and its answer is forwarded to their libraries as a restart before
   they get SIGTERM (``_tell_the_others``: ranks of a jax.distributed mesh swallow SIGTERM);
 * a ``restart`` command (a device failure, another worker's crash in scope ``job``): every
-  local rank restarts at the command's epoch, once per epoch;
+  local rank restarts at the command's epoch, once per epoch, after ``restart_grace_s`` at most
+  (a trainer whose SIGTERM JAX's preemption service takes waits for peers that are stopping);
 * past ``max_restarts`` local failures within ``restart_window_s``, or on a ``fail`` command,
   it reports that it gives up and exits non-zero so the scheduler replaces the pod;
 * every local rank exited 0: exit 0;
@@ -21,9 +22,11 @@ output through line by line, and applies the decisions of the supervision core
   checkpoint, ``preempted``, exit.
 
 Stopping an incarnation is SIGTERM to every rank's process group and to every process its trainers
-left behind (agent/supervise/proctree.py: the agent is their subreaper), ``grace_s`` to finish, then
-SIGKILL. With no controller reachable (or ``--standalone``) the same rules run locally and the agent
-keeps trying to join the controller in the background (agent/supervise/controller_link.py).
+left behind (agent/supervise/proctree.py: the agent is their subreaper), the grace the core gives
+the decision to finish (``Grace``: ``restart_grace_s`` when the scope restarts at a new epoch,
+its other processes stopping at the same moment; ``grace_s`` for everything else), then SIGKILL.
+With no controller reachable (or ``--standalone``) the same rules run locally and the agent keeps
+trying to join the controller in the background (agent/supervise/controller_link.py).
 
 Exit codes: see ``ExitCode``.
 """
@@ -63,6 +66,7 @@ from agent.supervise.rules import (
     Finish,
     Forward,
     GiveUp,
+    Grace,
     Ignore,
     Limits,
     Restart,
@@ -112,6 +116,7 @@ class Supervisor:
             nproc,
             epoch=o.epoch,
         )
+        self.grace = Grace(full_s=config.grace_s, restart_s=config.restart_grace_s)
         self.facts: asyncio.Queue[Fact] = asyncio.Queue()
         self.stats: Counter[str] = Counter()
         self._tasks = TaskSet(self._task_failed, prefix="marduk-agent-")
@@ -148,7 +153,10 @@ class Supervisor:
         self._telling_warm: asyncio.Task[None] | None = None  # ``_tell_warm``, once
         launch = self.launch
         self.master = MasterFirst(launch is not None and nproc > 1 and launch.nnodes == 1)
-        self.coordinator = CoordinatorFirst(launch is not None and launch.from_controller)
+        self._newest_command = o.epoch  # the highest epoch a command that stops ranks named
+        self.coordinator = CoordinatorFirst(
+            launch is not None, stopping_s=config.grace_s, superseded=self._superseded
+        )
         self.telemetry = Telemetry(self.stats, self._gauges)
         self.link = ControllerLink(
             o,
@@ -249,7 +257,14 @@ class Supervisor:
             # (a torchft group abandons its step). At once, not behind the supervision loop.
             self._spawn(self._forward(command), "notice")
             return
+        if command.kind != "checkpoint":
+            self._newest_command = max(self._newest_command, command.epoch)
         self.facts.put_nowait(CommandArrived(command))
+
+    def _superseded(self) -> bool:
+        """A command newer than the epoch the ranks are starting at arrived: they are stopped
+        as soon as they start, so no wait before starting them is worth it."""
+        return self._newest_command > self.epoch
 
     def _ask_for_peer_notices(self) -> None:
         """A trainer's library wants ``peer_failed`` notices: register asking for them (from
@@ -299,11 +314,12 @@ class Supervisor:
             # Why the trainers stop is said once: by the stop's line, or (a give-up) before
             # it, at its level, the stop then only naming the processes.
             said = self.procs.any_running()
+            grace_s = self.grace.of(decision, answered[0] if answered else None, self.epoch)
             if said and isinstance(decision, GiveUp):
                 self.reporter.say_end(decision, stopping=True)
-                await self.procs.stop_all(None)
+                await self.procs.stop_all(None, grace_s)
             else:
-                await self.procs.stop_all(decision.why)
+                await self.procs.stop_all(decision.why, grace_s)
             self.core.stopped()
             self.telemetry.trainers_ended(time.monotonic())
             code = await self._apply(decision, command, answered, said=said)

@@ -35,6 +35,9 @@ class SupervisorConfig:
     startup_timeout_s: float = Limits.startup_timeout_s
     step_regex: str = DEFAULT_STEP_REGEX
     grace_s: float = 30.0
+    # SIGTERM to SIGKILL when the scope restarts at a new epoch (rules.Grace): its other
+    # processes stop at the same moment, so nothing that needs them can complete.
+    restart_grace_s: float = 0.5
     tail_lines: int = 200
     cleanup_cmd: str = ""
     stale_files: list[str] = field(default_factory=lambda: ["/tmp/libtpu_lockfile"])

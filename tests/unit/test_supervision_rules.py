@@ -13,6 +13,7 @@ from agent.supervise.rules import (
     Finish,
     Forward,
     GiveUp,
+    Grace,
     Ignore,
     Limits,
     Restart,
@@ -280,6 +281,50 @@ def test_epochs_never_go_backwards() -> None:
     assert s.restart_epoch(7) == 7
     s.restarting_at(6)
     assert s.epoch == 7
+
+
+# --- how long the ranks get to stop -----------------------------------------------------------------
+
+
+def test_a_restart_command_gets_the_restart_grace() -> None:
+    """A peer crashed or a device failed: every process of the scope stops at once, so the
+    trainer's save on SIGTERM (JAX's sync point) cannot complete; no waiting it out."""
+    grace = Grace(full_s=30.0, restart_s=0.5)
+    s = started(epoch=2)
+    assert grace.of(s.command("restart", 3, "worker job/r0/1 crashed")) == 0.5
+    assert Grace(full_s=0.2, restart_s=0.5).of(Restart("restart command", 3)) == 0.2  # at most
+
+
+def test_the_pod_leaving_gets_the_full_grace() -> None:
+    """A preemption, eviction, fail, stop or spent budget: the last save on SIGTERM matters."""
+    grace = Grace(full_s=30.0, restart_s=0.5)
+    s = started(epoch=2)
+    leaving = [
+        s.preempted(),
+        s.command("fail", 3, "device quarantined"),
+        s.command("stop", 4, "operator"),
+        GiveUp(ExitCode.GAVE_UP, "budget", "crashed", 0, 1),
+        Finish(),
+    ]
+    assert [grace.of(d) for d in leaving] == [30.0] * len(leaving)
+
+
+def test_a_local_failure_no_controller_answered_keeps_the_full_grace() -> None:
+    """Standalone only this node's ranks stop: a sibling's save of its own state may complete."""
+    s = started(nproc=2, epoch=3)
+    d = s.exited(1, 3, now=1.0)
+    assert isinstance(d, Restart) and d.failure == "crashed"
+    grace = Grace(full_s=30.0, restart_s=0.5)
+    assert grace.of(d) == grace.of(d, answered=None, epoch=3) == 30.0
+    assert grace.of(d, answered=3, epoch=3) == 30.0  # no new epoch: nobody else restarts
+
+
+def test_a_local_failure_the_controller_restarts_the_scope_for_gets_the_restart_grace() -> None:
+    """It answered the report with a new epoch: every process of the scope is stopping, the
+    other local ranks' mesh with the crashed one included."""
+    s = started(nproc=2, epoch=3)
+    d = s.exited(1, 3, now=1.0)
+    assert Grace(full_s=30.0, restart_s=0.5).of(d, answered=4, epoch=3) == 0.5
 
 
 # --- preemption, standalone, joining -----------------------------------------------------------------
