@@ -16,8 +16,14 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/marduk controller
 
-## Lint, type-check and run the whole suite, end-to-end tests included.
-test: lint typecheck pytest
+## Lint, type-check and run the whole suite, end-to-end tests included. The suite mostly waits
+## (servers, processes), so lint and mypy run beside it; their output comes whole, when done.
+test: $(STAMP)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target lint typecheck & checks=$$!; \
+	$(MAKE) --no-print-directory pytest; tests=$$?; \
+	wait $$checks; checked=$$?; \
+	if [ $$checked -ne 0 ]; then echo "make test: lint or typecheck failed (above)"; fi; \
+	exit $$(( tests != 0 || checked != 0 ))
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -28,22 +34,30 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+## The suite on PYTEST_WORKERS pytest-xdist workers (tests/conftest.py says which files keep to
+## one worker), then the tests marked serial, alone. SUITE names a tier (make pytest-fast and the
+## test-* targets below); pytest's exit 5 (no serial test in it) is not a failure.
+PYTEST_WORKERS ?= 4
+SUITE ?= tests
+PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider
+ALSO := $(if $(MARKS), and ($(MARKS)))
 pytest: $(STAMP)
-	$(VENV)/bin/pytest -q -p no:cacheprovider
+	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadgroup -m "not serial$(ALSO)" $(SUITE)
+	$(PYTEST) -m "serial$(ALSO)" $(SUITE); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 ## Everything but the slow end-to-end tests.
-pytest-fast: $(STAMP)
-	$(VENV)/bin/pytest -q -m "not e2e"
+pytest-fast:
+	@$(MAKE) --no-print-directory pytest MARKS="not e2e"
 
 ## The tiers, one folder each (tests/conftest.py): unit is the inner loop (no process, no socket).
 test-unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit
 
-test-integration: $(STAMP)
-	$(VENV)/bin/pytest -q tests/integration
+test-integration:
+	@$(MAKE) --no-print-directory pytest SUITE=tests/integration
 
-test-e2e: $(STAMP)
-	$(VENV)/bin/pytest -q tests/e2e
+test-e2e:
+	@$(MAKE) --no-print-directory pytest SUITE=tests/e2e
 
 bench: $(STAMP)
 	$(PY) bench/bench_notify.py

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,22 +22,50 @@ import pytest
 
 from marduk.controller import Controller, ControllerSettings
 from marduk.transport.embedded import find_binary, listening
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 E2E = Path(__file__).resolve().parent / "e2e"
 
 
+# ``make pytest`` runs the suite on several pytest-xdist workers (``--dist loadgroup``), most of
+# its tests waiting on servers and processes rather than computing. The files below start
+# multi-process trainers that keep a core busy: the tests of one group run one after another on
+# one worker, so two meshes (or two sets of torch ranks) never fight for the two cores while the
+# other workers run the light tests. A test that needs the machine to itself (an upper bound on
+# time, the machine-wide pid counter) is marked ``serial`` and runs after the others, alone.
+HEAVY_GROUPS = {
+    "jax": (
+        "e2e/test_jax_distributed.py",
+        "e2e/test_jax_replicas.py",
+        "e2e/test_membership.py",
+        "e2e/test_grow.py",
+        "e2e/test_spares.py",
+        "e2e/test_torch_faults.py",
+    ),
+    "torch": (
+        "e2e/test_launcher.py",
+        "e2e/test_torch_elastic.py",
+        "e2e/test_torchft.py",
+        "integration/test_torchft_guard.py",
+        "e2e/test_membership_failover.py",
+        "e2e/test_spare_pools.py",
+        "integration/test_agent_defaults.py",
+    ),
+}
+_GROUP_OF = {name: group for group, names in HEAVY_GROUPS.items() for name in names}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Everything under tests/e2e is an end-to-end test (``-m "not e2e"`` leaves it out)."""
+    """Everything under tests/e2e is an end-to-end test (``-m "not e2e"`` leaves it out); the
+    heavy files are grouped for pytest-xdist (above)."""
     for item in items:
         if E2E in item.path.parents:
             item.add_marker(pytest.mark.e2e)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        group = _GROUP_OF.get(f"{item.path.parent.name}/{item.path.name}")
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 class NatsServer:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 import psutil
 
 from agent.supervise.launch import PORT_SPAN
+from tests.ports import free_port_base
 from tests.processes import Proc, controller
 
 EXAMPLE = "examples/jax_distributed_trainer.py"
@@ -57,24 +57,6 @@ class Incarnation:
         return min((t for t, _ in self.steps.values()), default=None)
 
 
-def free_port_base(span: int = PORT_SPAN) -> int:
-    """A base port with ``span`` free ports above it on 127.0.0.1 (checked by binding)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + span >= 65536:
-            continue
-        try:
-            for port in range(base, base + span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no range of free ports")
-
-
 def mesh_env(env: dict[str, str], ckpt: Path) -> dict[str, str]:
     return {
         **env,
@@ -107,7 +89,7 @@ class MeshJob:
         self.running = list(range(n))
         self.devices = [f"{job}-d{i}" for i in range(n)] + [f"{job}-s{i}" for i in range(spares)]
         self.ctl = controller(env)
-        base = free_port_base()
+        base = free_port_base(PORT_SPAN)
         nnodes = f"{min_nodes or n}:{n}"
         if ranks_from_controller:
             # No --node-rank: the controller assigns the ranks and the coordinator per epoch.

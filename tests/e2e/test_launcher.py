@@ -161,6 +161,7 @@ def process_at_pid(pid: int, tries: int = 200) -> subprocess.Popen[bytes] | None
     return None
 
 
+@pytest.mark.serial  # steers the machine-wide pid counter: no other test may fork meanwhile
 def test_a_finished_ranks_reused_pid_is_never_signalled(
     env: dict[str, str], tmp_path: Path
 ) -> None:

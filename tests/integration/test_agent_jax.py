@@ -13,6 +13,7 @@ import pytest
 
 from agent.jax import RESTART_EXIT_CODE, Distributed, distributed_args, wait_for_coordinator
 from tests.conftest import ROOT
+from tests.ports import free_port
 
 
 def test_arguments_come_from_torchruns_variables() -> None:
@@ -24,9 +25,7 @@ def test_arguments_come_from_torchruns_variables() -> None:
 
 
 def test_waits_until_the_coordinator_listens() -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     assert not wait_for_coordinator(f"127.0.0.1:{port}", timeout=0.1)
     server = socket.socket()
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

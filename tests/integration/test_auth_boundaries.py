@@ -47,6 +47,7 @@ def creds(auth_dir: Path, name: str) -> Credentials:
     return Credentials(nkey=auth_dir / f"{name}.nk")
 
 
+@pytest.mark.serial  # an upper bound on time: the machine to itself
 async def test_revoked_identity_is_refused_and_its_open_connection_closed_within_a_second(
     tmp_path: Path, auth_dir: Path
 ) -> None:

@@ -195,6 +195,7 @@ def _manager(lighthouse: Any, store: Any, rank: int = 0, world_size: int = 1) ->
     return manager, pg
 
 
+@pytest.mark.serial  # an upper bound on time: the machine to itself
 def test_torchfts_manager_skips_a_refused_quorum_at_once_and_configures_the_next() -> None:
     """torchft 0.2.0's own ``Manager`` (its quorum client answering from a list): the notice
     about g3 comes while the quorum call is in flight, and the answer still holds g3's
@@ -252,6 +253,7 @@ def test_torchfts_manager_skips_a_refused_quorum_at_once_and_configures_the_next
         lighthouse.shutdown()
 
 
+@pytest.mark.serial  # an upper bound on time: the machine to itself
 def test_the_ranks_of_a_group_may_refuse_differently_and_still_agree() -> None:
     """One replica group of two ranks, torchft's own Managers and Manager server, a real
     lighthouse. A notice reaches the ranks at different times, so rank 0 refuses a quorum
@@ -309,6 +311,7 @@ def test_the_ranks_of_a_group_may_refuse_differently_and_still_agree() -> None:
 HELD_WORK = Path(__file__).resolve().parents[1] / "trainers" / "torchft_held_work.py"
 
 
+@pytest.mark.serial  # an upper bound on time: the machine to itself
 @pytest.mark.parametrize("mode", ["released", "held"])
 def test_a_peers_abort_ends_a_recv_only_once_the_peer_holds_no_work(mode: str) -> None:
     """What the Guard's abort frees: torchft 0.2.0's ``ProcessGroupWrapper.abort`` closes gloo's
