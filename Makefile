@@ -9,7 +9,9 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	# --no-compile: Python compiles what it imports, when first imported; pip would compile
+	# all of torch and jax up front (half a minute of CPU on a fresh machine).
+	$(PY) -m pip install --quiet --no-compile -e '.[dev]'
 	touch $(STAMP)
 
 ## Start the controller on the embedded NATS server (nats://localhost:4222 unless MARDUK_ADDR says otherwise).
