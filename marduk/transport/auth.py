@@ -4,12 +4,14 @@
 grants each role only what it needs under the prefix (decisions.md #10):
 
 * ``controller``: everything Marduk uses (its subjects, JetStream, replies);
-* ``agent``: request ``<job>.register|deregister|ack|report``, subscribe to command subjects and
-  ``ctl.hello``, and its own reply inboxes: it cannot publish commands, health, hello or queries;
+* ``agent``: request ``<job>.register|deregister|ack|report``, publish ``<job>.perf``,
+  subscribe to command subjects and ``ctl.hello``, and its own reply inboxes: it cannot
+  publish commands, health, hello or queries;
   ``add-agent --job NAME`` makes one valid for one job only;
 * ``monitor``: publish health events (and see the stream's ``health.stored`` notices and
   receive the controller's decision);
-* ``admin``: what ``marduk monitor`` does: health, query, forget, and watching events.
+* ``admin``: what ``marduk monitor`` does: health, query, forget, drain, perf, and watching
+  events.
 
 Files in DIR: ``<name>.nk`` (the seed, mode 0600, what nats-py's ``nkeys_seed=`` and the ``nats``
 CLI's ``--nkey`` read), ``controller.pub`` (the controller's public key: agents verify command
@@ -333,7 +335,9 @@ def permissions(
     if role == "agent":
         j = job or "*"
         return {
-            "publish": [f"{p}.{j}.{leaf}" for leaf in ("register", "deregister", "ack", "report")],
+            "publish": [
+                f"{p}.{j}.{leaf}" for leaf in ("register", "deregister", "ack", "report", "perf")
+            ],
             "subscribe": [f"{p}.{j}.cmd.>", f"{p}.ctl.hello", inbox],
         }
     if role == "monitor":
@@ -343,7 +347,13 @@ def permissions(
         return {
             # Not $SRV.>: the micro library answers on whatever reply subject it is given,
             # with the controller's rights. Discover it with the controller or system account.
-            "publish": [f"{p}.health", f"{p}.ctl.query", f"{p}.ctl.forget", f"{p}.ctl.drain"],
+            "publish": [
+                f"{p}.health",
+                f"{p}.ctl.query",
+                f"{p}.ctl.forget",
+                f"{p}.ctl.drain",
+                f"{p}.ctl.perf",
+            ],
             "subscribe": [f"{p}.*.events", f"{p}.ctl.hello", f"{p}.health.stored", inbox],
         }
     raise AuthError(f"unknown role {role!r} (roles: {', '.join(ROLES)})")

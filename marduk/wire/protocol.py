@@ -51,6 +51,14 @@ from marduk.wire.membership import Member as Member
 from marduk.wire.membership import Membership as Membership
 from marduk.wire.membership import Rendezvous as Rendezvous
 from marduk.wire.membership import WorkerRef as WorkerRef
+from marduk.wire.perf import JobPerf as JobPerf
+from marduk.wire.perf import PerfQuery as PerfQuery
+from marduk.wire.perf import PerfReply as PerfReply
+from marduk.wire.perf import PerfSummary as PerfSummary
+from marduk.wire.perf import SectionStats as SectionStats
+from marduk.wire.perf import SlowDevice as SlowDevice
+from marduk.wire.perf import SlowRank as SlowRank
+from marduk.wire.perf import StragglerInfo as StragglerInfo
 
 
 class Message(msgspec.Struct, kw_only=True, tag_field="type", omit_defaults=False):
@@ -325,6 +333,9 @@ EventKind = Literal[
     "worker_hung",
     "worker_gave_up",
     "worker_preempted",
+    # performance (marduk/core/stragglers.py)
+    "straggler_detected",
+    "straggler_cleared",
 ]
 EVENT_KINDS: Final = frozenset(get_args(EventKind))
 
@@ -341,6 +352,7 @@ class ControllerEvent(Message, tag="event", kw_only=True):
     epoch: int | None = None
     detail: Text = ""
     event_id: ShortText = ""  # the health event that caused it, if one did
+    straggler: StragglerInfo | None = None  # straggler_detected / straggler_cleared
 
     def __post_init__(self) -> None:
         self.detail = clip_text(self.detail)  # a detail listing workers grows with the job

@@ -12,10 +12,12 @@ Layout (prefix ``marduk`` by default)::
     marduk.ctl.hello                       a controller starts serving; agents re-register
     marduk.ctl.standby                     hot standby controllers announce themselves
     marduk.ctl.events                      controller events that belong to no job
+    marduk.ctl.perf                        request/reply: jobs' step rates, stragglers, slow devices
     marduk.<job>.register                  request/reply: agent registration
     marduk.<job>.deregister                request/reply: agent deregistration
     marduk.<job>.ack                       an agent applied a command's epoch
     marduk.<job>.report                    request/reply: a supervisor's status or failure report
+    marduk.<job>.perf                      a rank's performance summary per window (published)
     marduk.<job>.cmd.replica.<replica>     commands for one replica
     marduk.<job>.cmd.job                   commands for every replica of the job
     marduk.<job>.events                    controller events about the job
@@ -124,6 +126,13 @@ class Subjects:
 
     def report(self, job: str) -> str:
         return f"{self.prefix}.{job}.report"
+
+    def perf(self, job: str) -> str:
+        return f"{self.prefix}.{job}.perf"
+
+    @property
+    def perf_query(self) -> str:
+        return f"{self.prefix}.ctl.perf"
 
     def replica_commands(self, job: str, replica: str) -> str:
         return f"{self.prefix}.{job}.cmd.replica.{replica}"
