@@ -14,6 +14,7 @@ JSON lines, one message per line, a msgspec tagged union on ``op``:
                        {"op": "section", "name": "checkpoint", "open": true, "timeout": 120}
                        {"op": "section", "name": "checkpoint", "open": false}
                        {"op": "checkpointed", "step": 42}   (the checkpoint asked for is saved)
+                       {"op": "perf", "summary": {...a wire PerfSummary...}}   (once a window)
     agent -> trainer   {"op": "welcome", "epoch": 3}
                        {"op": "command", "command": {...a wire Command...}}
 
@@ -79,6 +80,13 @@ class Checkpointed(Message, tag="checkpointed"):
     step: int
 
 
+class Perf(Message, tag="perf"):
+    """One window's step and section times (agent/library/telemetry.py): the supervisor
+    publishes it to the controller under its own registration's names."""
+
+    summary: wire.PerfSummary
+
+
 class Welcome(Message, tag="welcome"):
     """The supervisor's answer to ``hello``: the epoch the trainer was started at."""
 
@@ -91,7 +99,7 @@ class ForwardedCommand(Message, tag="command"):
     command: wire.Command
 
 
-ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed
+ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed | Perf
 ToTrainer = Welcome | ForwardedCommand
 M = TypeVar("M", ToAgent, ToTrainer)
 

@@ -14,6 +14,7 @@ import msgspec
 from agent.channel.fencing import Fence, Verdict
 from agent.library.command import Command, OnCommand
 from agent.library.options import Options
+from agent.library.telemetry import PerfRecorder
 from marduk.aio import TaskSet
 from marduk.wire import protocol as wire
 
@@ -52,6 +53,9 @@ class CommandInbox:
         self._tasks = TaskSet(self._task_failed, prefix="marduk-agent-")
         self.last_step: int | None = None
         self.last_progress = 0.0
+        # Step and section times, taken by the sync facade on the training thread and sent as
+        # a summary per window (agent/library/telemetry.py).
+        self.perf = PerfRecorder()
         # ``peer_failed`` notices: the epoch of the last command each failed replica was sent.
         self._noticed: dict[str, int] = {}
 

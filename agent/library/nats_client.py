@@ -36,6 +36,7 @@ from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import CommandInbox
 from agent.library.options import Options
+from agent.library.telemetry import PerfSender, rank_from_env, window_from_env
 from marduk.errors import MardukError, RequestRejected
 from marduk.transport import bus
 from marduk.transport.auth import SIG_HEADER, verify
@@ -129,6 +130,19 @@ class AsyncClient(CommandInbox):
             await self.close(deregister=False)
             raise AgentError(str(e)) from None
         self._spawn(self._resync_loop(), "renew")
+        window = window_from_env()
+        if window > 0:
+            sender = PerfSender(
+                self.perf,
+                self.publish_perf,
+                job=o.job,
+                replica=o.replica,
+                worker=o.worker,
+                rank=rank_from_env(o.worker),
+                incarnation=o.incarnation,
+                window_s=window,
+            )
+            self._spawn(sender.run(), "perf")
 
     async def close(self, *, deregister: bool = True, reason: str = "closed") -> None:
         """Deregister (best effort) and disconnect. Safe to call twice."""
@@ -368,6 +382,15 @@ class AsyncClient(CommandInbox):
             timeout=timeout,
             addr=self.opts.addr,
         )
+
+    async def publish_perf(self, summary: wire.PerfSummary) -> bool:
+        """One window's summary, published (not requested: a lost one costs one window of
+        evidence); False while disconnected (not buffered to arrive late)."""
+        if not self.connected:
+            return False
+        assert self._nc is not None
+        await self._nc.publish(self.subjects.perf(self.opts.job), wire.encode(summary))
+        return True
 
     # Progress. Under ``marduk agent run`` these feed its hang detection
     # (agent/channel/messages.py); a standalone client only records them (``last_step``): nothing

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import State
+from agent.library.nats_client import AsyncClient
 from agent.library.options import Options
 from agent.library.transport import AgentClient, open_client
 
@@ -46,6 +48,11 @@ class Client:
         except BaseException:
             self._stop_loop()
             raise
+        self._perf = self._async.perf
+        # Progress of a client registered over NATS is two attributes (nothing watches them
+        # but ``last_step``): set here, not through the loop, which costs a cross-thread wake-up
+        # per step. Under a supervisor each step is still sent (its hang detection).
+        self._progress_here = isinstance(self._async, AsyncClient)
         # A script that ends without close() still deregisters (a crash does not, by design).
         atexit.register(self.close, "exited")
 
@@ -106,8 +113,13 @@ class Client:
             return None
 
     def step(self, step: int) -> None:
-        """Report training progress (feeds ``marduk agent run``'s hang detection). Never blocks."""
-        self._fire(self._async.step(step))
+        """Report training progress (feeds ``marduk agent run``'s hang detection, and the time
+        between two steps goes in the window's summary). Never blocks."""
+        self._perf.step()
+        if self._progress_here:
+            self._async.last_step, self._async.last_progress = step, time.time()
+        else:
+            self._fire(self._async.step(step))
 
     def heartbeat(self) -> None:
         """Report liveness without a step number. Never blocks."""
@@ -120,11 +132,20 @@ class Client:
         with client.section("checkpoint", timeout=120):
             save()
         """
-        self._fire(self._async.section(name, True, timeout))
+        here = self._progress_here
+        if here:
+            self._async.last_progress = time.time()
+        else:
+            self._fire(self._async.section(name, True, timeout))
+        started = self._perf.enter()
         try:
             yield
         finally:
-            self._fire(self._async.section(name, False))
+            self._perf.leave(name, started)
+            if here:
+                self._async.last_progress = time.time()
+            else:
+                self._fire(self._async.section(name, False))
 
     def _fire(self, coro: Any) -> None:
         if self._closed:

@@ -18,6 +18,7 @@ from agent.library.inbox import State
 from agent.library.local_client import LocalAsyncClient
 from agent.library.nats_client import AsyncClient
 from agent.library.options import Options
+from agent.library.telemetry import PerfRecorder
 
 
 class AgentClient(Protocol):
@@ -27,6 +28,9 @@ class AgentClient(Protocol):
     state: State
     stats: Counter[str]
     errors: deque[str]
+    perf: PerfRecorder  # the window's step and section times (agent/library/telemetry.py)
+    last_step: int | None
+    last_progress: float
 
     @property
     def failed(self) -> bool: ...

@@ -561,6 +561,16 @@ class Supervisor:
             case messages.Section(name=name, open=open_, timeout=timeout):
                 if self.core.section(rank, name, open_, timeout, now):
                     self._stepped(rank)
+            case messages.Perf(summary=summary):
+                # Relayed under our own registration's names: the trainer cannot speak for
+                # another worker (docs/protocol.md, *Performance summaries*).
+                client = self.link.client
+                if client is not None:
+                    o = client.opts
+                    summary = msgspec.structs.replace(
+                        summary, job=o.job, replica=o.replica, worker=o.worker
+                    )
+                    self._spawn(_ignore(client.publish_perf(summary)), "perf")
 
     async def _forward(self, cmd: Command) -> None:
         """Tell the trainers' libraries (those connected) why they are about to be stopped."""
@@ -568,3 +578,7 @@ class Supervisor:
 
     async def _preflight(self, after: str) -> bool:
         return await self.between.preflight(self._trainer_env(), after)
+
+
+async def _ignore(coro: Coroutine[Any, Any, object]) -> None:
+    await coro
