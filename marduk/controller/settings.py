@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from marduk.core.policy import PolicyConfig
+from marduk.core.stragglers import StragglerConfig
 from marduk.errors import MardukError
 from marduk.transport import bus
 from marduk.transport.credentials import Credentials
@@ -56,6 +57,8 @@ class ControllerSettings:
     metrics_addr: str | None = None
     """Serve /metrics, /healthz and /readyz on HOST:PORT (off when None)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    """When a rank is a straggler (marduk/core/stragglers.py; operations.md, *Stragglers*)."""
 
 
 class StartupError(MardukError):

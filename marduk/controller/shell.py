@@ -31,6 +31,7 @@ from marduk.controller.edge import Edge
 from marduk.controller.handlers import Handlers
 from marduk.controller.leadership import Leadership
 from marduk.controller.outbox import Outbox
+from marduk.controller.perf import PerfMonitor
 from marduk.controller.settings import ControllerSettings, StartupError
 from marduk.controller.standbys import Standbys
 from marduk.controller.takeover import Opened, Serving, Takeover
@@ -157,6 +158,12 @@ class Controller:
             info=self.info,
             registry=self.registry,
         )
+        self.perf = PerfMonitor(
+            ctx,
+            policy=lambda: self.policy,
+            announce=self.outbox.announce,
+            config=self.settings.stragglers,
+        )
         self.edge = Edge(
             ctx, routes=self.handlers.routes, decide_health=self.handlers.decide_health
         )
@@ -255,6 +262,7 @@ class Controller:
         if st.metrics_addr:
             self._metrics = MetricsServer(st.metrics_addr, Probes(self.registry, self._ready))
             await self._metrics.start()
+        await self.perf.start(self.nc, replicas=st.kv_replicas)
         assert self.leadership is not None  # _open_state made it
         self.roles.handle(Event.STARTED, "campaigning")
         self._spawn(self.leadership.run(), "leadership")
@@ -262,6 +270,7 @@ class Controller:
         self._spawn(self._tick_loop(), "tick")
         self._spawn(self.standbys.announce_loop(), "standby-heartbeat")
         self._spawn(self._gc_loop(), "gc")
+        self._spawn(self.perf.sweep_loop(), "perf-sweep")
         self._spawn(self.takeover.prepare_loop(), "prepare-takeover")
         if self.server is not None:
             self._spawn(self.keeper.watch(self._stopping), "embedded-server-watch")
@@ -323,6 +332,7 @@ class Controller:
             return
         self.roles.handle(Event.STOP, "fatal" if self.fatal.is_set() else "asked to stop")
         await self.takeover.stop_serving()
+        await self.perf.stop()
         if self.leadership is not None:
             await self.leadership.resign()
         term_task = self.takeover.cancel_term()
@@ -397,7 +407,8 @@ class Controller:
         self.policy = policy
 
     def _gauges(self) -> Iterator[Metric]:
-        return gauges(self.leading(), self.policy, lambda: len(self.standbys.live()))
+        yield from gauges(self.leading(), self.policy, lambda: len(self.standbys.live()))
+        yield from self.perf.metrics()
 
     def _ready(self) -> tuple[bool, str]:
         if self.leading():

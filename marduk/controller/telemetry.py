@@ -34,6 +34,7 @@ _WARN_EVENTS = frozenset(
         "spare_claimed",
         "spare_skipped",
         "command_oversized",
+        "straggler_detected",
     }
 )
 

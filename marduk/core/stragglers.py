@@ -341,6 +341,9 @@ class StragglerDetector:
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
 
+    def rank_keys(self, job: str) -> list[RankKey]:
+        return sorted(self._jobs.get(job, ()))
+
     def job_perf(
         self, job: str, now: float, devices: dict[RankKey, list[str]] | None = None, top: int = 3
     ) -> JobPerfInfo | None:

@@ -1,0 +1,268 @@
+"""The controller's performance view (decisions.md 19): each rank's window summary in
+(``<prefix>.*.perf``), the pure detector (marduk/core/stragglers.py) asked, stragglers announced
+by their devices, devices' slowness records kept (marduk/store/slowness.py), ``ctl.perf``
+answered, job-level series for /metrics.
+
+Every controller subscribes; only the leader looks at a summary (a standby counts and drops it,
+so a takeover starts with an empty view and rebuilds it within the warm-up). A summary is
+decoded strictly and checked against the map before the detector sees it: its job must be its
+subject's, its worker registered (the devices named are the map's, never the sender's), its
+numbers plausible; each refusal is counted by reason (``marduk_errors_total``-style counters
+``perf.rejected.<reason>``) and logged a few times a minute. Nothing here raises into NATS's
+callbacks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from marduk.controller.context import Context
+from marduk.core.drmap import WorkerKey
+from marduk.core.policy import Policy
+from marduk.core.stragglers import (
+    Finding,
+    RankKey,
+    StragglerConfig,
+    StragglerDetector,
+    note_slow,
+    repeat_offenders,
+)
+from marduk.errors import ProtocolError
+from marduk.store.slowness import SlownessStore
+from marduk.wire.perf import MAX_PERF_BYTES, PerfQuery, PerfReply, PerfSummary, StragglerInfo
+from marduk.wire.protocol import ControllerEvent, decode, encode
+
+log = logging.getLogger("marduk.controller")
+
+SWEEP_S = 2.0
+"""How often silent ranks are forgotten (a straggler that went silent is cleared)."""
+
+
+class PerfMonitor:
+    """Summaries in, straggler events out; the job's view for status and /metrics."""
+
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        policy: Callable[[], Policy],
+        announce: Callable[[ControllerEvent], Coroutine[Any, Any, None]],
+        config: StragglerConfig | None = None,
+    ) -> None:
+        self._ctx = ctx
+        self._policy = policy
+        self._announce = announce
+        self.detector = StragglerDetector(config)
+        self.store: SlownessStore | None = None
+        self._subs: list[Subscription] = []
+        self._was_leading = False
+
+    async def start(self, nc: NATS, *, replicas: int = 1) -> None:
+        s = self._ctx.subjects
+        self.store = await SlownessStore.open(nc, self._ctx.settings.prefix, replicas=replicas)
+        self._subs = [
+            await nc.subscribe(s.any_job("perf"), cb=self._on_summary),
+            await nc.subscribe(s.perf_query, cb=self._on_query),
+        ]
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception as e:  # closed already: nothing more will come
+                log.debug("perf: unsubscribe: %s", e)
+        self._subs = []
+
+    # --- summaries -------------------------------------------------------------------------------
+
+    async def _on_summary(self, msg: Msg) -> None:
+        stats = self._ctx.stats
+        if not self._leading():
+            stats["perf.not_leading"] += 1
+            return
+        try:
+            self.take(msg.subject, msg.data, time.time())
+        except Exception:  # never into NATS's callback
+            self._ctx.logs.internal("perf summary")
+
+    def take(self, subject: str, data: bytes, now: float) -> None:
+        """One summary: decoded, checked, observed; what changed is announced."""
+        stats, logs = self._ctx.stats, self._ctx.logs
+        try:
+            s = decode(data, PerfSummary, max_bytes=MAX_PERF_BYTES)
+        except ProtocolError as e:
+            self._reject(e.reason, str(e), subject)
+            return
+        if s.job != self._ctx.subjects.job_of(subject):
+            self._reject("misdirected", f"job {s.job!r} on another job's subject", subject)
+            return
+        policy = self._policy()
+        if WorkerKey(s.job, s.replica, s.worker) not in policy.workers:
+            self._reject(
+                "unknown_worker", f"{s.job}/{s.replica}/{s.worker} not registered", subject
+            )
+            return
+        observed = self.detector.observe(s, now)
+        if observed.dropped is not None:
+            stats[f"perf.dropped.{observed.dropped}"] += 1
+            logs.limited(
+                f"perf.{observed.dropped}",
+                f"dropped a perf summary of {s.job}/{s.replica}/{s.worker} rank {s.rank}: "
+                f"{observed.dropped}",
+            )
+            return
+        stats["perf.summaries"] += 1
+        self._emit(observed.findings, now)
+
+    def _reject(self, reason: str, message: str, subject: str) -> None:
+        self._ctx.stats[f"perf.rejected.{reason}"] += 1
+        self._ctx.logs.limited(f"perf.{reason}", f"rejected perf summary on {subject}: {message}")
+
+    def sweep(self, now: float) -> None:
+        if not self._leading():
+            return
+        self._emit(self.detector.sweep(now), now)
+
+    async def sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            self.sweep(time.time())
+
+    def _leading(self) -> bool:
+        leading = self._ctx.leading()
+        if leading != self._was_leading:
+            # A new term starts from nothing: what a lapsed term saw may be old, and the
+            # warm-up rebuilds the view within a few windows.
+            self.detector = StragglerDetector(self.detector.config)
+            self._was_leading = leading
+        return leading
+
+    # --- events and records ----------------------------------------------------------------------
+
+    def devices_of(self, key: RankKey) -> list[str]:
+        drmap = self._policy().drmap
+        return sorted(drmap.devices_for_worker(WorkerKey(key.job, key.replica, key.worker)))
+
+    def _emit(self, findings: list[Finding], now: float) -> None:
+        for f in findings:
+            devices = self.devices_of(f.key)
+            info = StragglerInfo(
+                rank=f.key.rank,
+                section=f.section,
+                relative=round(f.relative, 4),
+                individual=round(f.individual, 4),
+                ratio=round(f.ratio, 4),
+                p50=f.p50,
+                reference=f.reference,
+                windows=f.windows,
+                devices=devices,
+                incarnation=f.incarnation,
+            )
+            kind = "straggler_detected" if f.kind == "detected" else "straggler_cleared"
+            self._ctx.stats[f"perf.{kind}"] += 1
+            where = ", ".join(devices) or "no devices"
+            detail = (
+                f"rank {f.key.rank} ({where}) section {f.section}: relative {f.relative:.2f}, "
+                f"individual {f.individual:.2f}; {f.why}"
+            )
+            event = ControllerEvent(
+                kind=kind,
+                ts=now,
+                job=f.key.job,
+                replica=f.key.replica,
+                worker=f.key.worker,
+                device=devices[0] if len(devices) == 1 else None,
+                detail=detail,
+                straggler=info,
+            )
+            self._ctx.spawn(self._announce(event), "perf-event")
+            if f.kind == "detected":
+                for device in devices:
+                    self._ctx.spawn(self._note_slow(device, f, now), "perf-record")
+
+    async def _note_slow(self, device: str, f: Finding, now: float) -> None:
+        store = self.store
+        if store is None:
+            return
+        try:
+            await store.put(note_slow(await store.get(device), device, f, now))
+            self._ctx.stats["perf.records_written"] += 1
+        except Exception as e:  # JetStream busy or gone: the event went out; counted
+            self._ctx.stats["errors.perf_record"] += 1
+            self._ctx.logs.limited("perf.record", f"slowness record of {device} not saved: {e}")
+
+    # --- views -----------------------------------------------------------------------------------
+
+    async def _on_query(self, msg: Msg) -> None:
+        if not self._leading() or not msg.reply:
+            return  # the leader answers
+        try:
+            q = decode(msg.data, PerfQuery)
+        except ProtocolError as e:
+            self._reject(e.reason, str(e), msg.subject)
+            return
+        try:
+            reply = await self.reply(q.job)
+            await msg.respond(encode(reply))
+        except Exception:
+            self._ctx.logs.internal("perf query")
+
+    async def reply(self, job: str | None) -> PerfReply:
+        now = time.time()
+        jobs = [job] if job is not None else self.detector.jobs()
+        views = []
+        for j in jobs:
+            devices = {k: self.devices_of(k) for k in self.detector.rank_keys(j)}
+            view = self.detector.job_perf(j, now, devices)
+            if view is not None:
+                views.append(view)
+        slow = []
+        if self.store is not None:
+            try:
+                slow = repeat_offenders(await self.store.load())[:50]
+            except Exception as e:
+                self._ctx.logs.limited("perf.load", f"slowness records not read: {e}")
+        counts = {k: v for k, v in self._ctx.stats.items() if k.startswith("perf.")}
+        return PerfReply(jobs=views, devices=slow, stats=counts)
+
+    def metrics(self) -> Iterator[Metric]:
+        """Job-level series, and a per-rank score only for current stragglers: at 100k devices
+        the series are the jobs' count plus the stragglers', never the ranks'."""
+        if not self._ctx.leading():
+            return
+        now = time.time()
+        rate = GaugeMetricFamily(
+            "marduk_job_steps_per_second", "The job's step rate (its median rank's)", labels=["job"]
+        )
+        p50 = GaugeMetricFamily(
+            "marduk_job_step_seconds_p50", "The job's median rank's p50 step time", labels=["job"]
+        )
+        count = GaugeMetricFamily(
+            "marduk_job_stragglers", "Ranks of the job that are stragglers now", labels=["job"]
+        )
+        score = GaugeMetricFamily(
+            "marduk_straggler_relative_score",
+            "A current straggler's relative score (best rank's p50 / its own; 0..1)",
+            labels=["job", "replica", "worker", "rank", "section"],
+        )
+        for j in self.detector.jobs():
+            view = self.detector.job_perf(j, now)
+            if view is None:
+                continue
+            rate.add_metric([j], view.steps_per_s)
+            p50.add_metric([j], view.step_p50)
+            count.add_metric([j], len(view.stragglers))
+        for key, section, g in self.detector.stragglers():
+            score.add_metric(
+                [key.job, key.replica, str(key.worker), str(key.rank), section], g.relative
+            )
+        yield from (rate, p50, count, score)
