@@ -168,6 +168,34 @@ def controller(
             help="Seconds of the flap-damping window.",
         ),
     ] = 3600.0,
+    straggler_factor: Annotated[
+        float,
+        typer.Option(
+            "--straggler-factor",
+            envvar="MARDUK_STRAGGLER_FACTOR",
+            min=1.01,
+            help="A rank this many times slower than the median of its job's other ranks "
+            "(p50 of a section, per window) is slow; back to normal halfway to 1.",
+        ),
+    ] = 1.3,
+    straggler_windows: Annotated[
+        int,
+        typer.Option(
+            "--straggler-windows",
+            envvar="MARDUK_STRAGGLER_WINDOWS",
+            min=1,
+            help="Windows in a row a rank must be slow to be a straggler (and normal to clear).",
+        ),
+    ] = 3,
+    straggler_warmup: Annotated[
+        int,
+        typer.Option(
+            "--straggler-warmup",
+            envvar="MARDUK_STRAGGLER_WARMUP",
+            min=0,
+            help="Windows ignored after each trainer incarnation starts (compile, restore).",
+        ),
+    ] = 2,
     lease_ttl: Annotated[
         float,
         typer.Option(
@@ -247,6 +275,7 @@ def controller(
     """
     from marduk.controller import ControllerSettings, run_controller
     from marduk.core.policy import PolicyConfig
+    from marduk.core.stragglers import StragglerConfig
     from marduk.shell.logs import setup_logging
     from marduk.shell.runtime import run
     from marduk.transport import bus
@@ -283,6 +312,12 @@ def controller(
     )
     if state_dir is not None:
         settings.state_dir = state_dir
+    settings.stragglers = StragglerConfig(
+        factor=straggler_factor,
+        windows=straggler_windows,
+        clear_windows=straggler_windows,
+        warmup_windows=straggler_warmup,
+    )
 
     async def main() -> int:
         stop = asyncio.Event()
