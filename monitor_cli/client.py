@@ -31,6 +31,8 @@ from marduk.wire.protocol import (
     Forget,
     ForgetReply,
     Hello,
+    PerfQuery,
+    PerfReply,
     Query,
     QueryReply,
     QueryWhat,
@@ -115,6 +117,22 @@ async def query(
     nc = await connect(addr, timeout=timeout)
     try:
         return await query_on(nc, prefix, what, job, timeout, addr=addr)
+    finally:
+        await bus.close(nc, drain=False)
+
+
+async def perf(
+    addr: str, prefix: str, job: str | None = None, timeout: float = 5.0
+) -> PerfReply | None:
+    """The jobs' performance and the slow devices (``ctl.perf``); None when no controller
+    answers it (an older one): status shows the rest without it."""
+    nc = await connect(addr, timeout=timeout)
+    try:
+        return await bus.request(
+            nc, Subjects(prefix).perf_query, PerfQuery(job=job), PerfReply, timeout=timeout
+        )
+    except MardukError:
+        return None
     finally:
         await bus.close(nc, drain=False)
 

@@ -24,7 +24,7 @@ from marduk.shell import options
 from marduk.transport import bus
 from marduk.wire.protocol import ControllerEvent, QueryReply, decode
 from marduk.wire.subjects import Subjects
-from monitor_cli import client, status_view
+from monitor_cli import client, perf_view, status_view
 from monitor_cli.console import err, job_source, out, print_json, run_command, show, ts
 
 
@@ -96,7 +96,12 @@ def status(
     if job is not None and not reply.workers and not reply.devices:  # a typo, or a stale variable?
         whole = run_command(lambda: client.query(addr, prefix, "map", None, timeout))
         elsewhere = (len(whole.workers), len({w.job for w in whole.workers}))
-    show(status_view.status_blocks(reply, f, time.time(), elsewhere=elsewhere))
+    blocks = status_view.status_blocks(reply, f, time.time(), elsewhere=elsewhere)
+    if reply.workers:
+        wait = min(timeout, 2.0)
+        perf = run_command(lambda: client.perf(addr, prefix, job, wait))
+        blocks += perf_view.perf_blocks(perf, job)
+    show(blocks)
 
 
 @options.connection_options
@@ -234,4 +239,6 @@ _EVENT_STYLE: dict[str, str] = {
     "fail_issued": "bold red",
     "unknown_device": "magenta",
     "device_failed": "red",
+    "straggler_detected": "bold magenta",
+    "straggler_cleared": "green",
 }

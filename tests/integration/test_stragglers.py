@@ -17,6 +17,9 @@ from marduk.controller import Controller
 from marduk.core.stragglers import StragglerConfig
 from marduk.wire import protocol as wire
 from marduk.wire.subjects import Subjects
+from monitor_cli import client as monitor
+from monitor_cli import perf_view
+from monitor_cli.status_view import plain_lines
 from tests.conftest import NatsServer, controller_settings, eventually, start_serving
 
 WINDOW = 0.5
@@ -96,6 +99,10 @@ async def test_slow_rank_named_by_device_then_cleared(
         assert {(s.replica, tuple(s.devices)) for s in job.stragglers} == {("r2", ("gpu-2",))}
         metrics = "".join(str(m) for m in c.perf.metrics())
         assert "marduk_straggler_relative_score" in metrics
+        # What `marduk monitor status` asks and prints.
+        answer = await monitor.perf(nats_server.url, "marduk", None, 5.0)
+        lines = "\n".join(plain_lines(perf_view.perf_blocks(answer)))
+        assert "train" in lines and "gpu-2" in lines and "straggler" in lines, lines
 
         trainers[2].slow = 1.0
         await eventually(lambda: any(e.kind == "straggler_cleared" for e in seen), timeout=20)
