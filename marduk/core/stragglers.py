@@ -126,6 +126,19 @@ class _Rank:
     steps: deque[tuple[float, int, float]] = field(default_factory=deque)  # (at, count, p50)
 
 
+EXACT_RANKS = 32
+"""Up to this many ranks in a job, each is compared with the median of exactly the others."""
+REFERENCE_REFRESH_S = 1.0
+"""In a larger job, how often the job's reference on a section is computed again."""
+
+
+class _Reference(NamedTuple):
+    at: float
+    median: float
+    best: float
+    ranks: int
+
+
 def implausible(s: PerfSummary) -> str | None:
     """Why a summary that decoded cannot be true (a worker that lies), or None."""
     names: set[str] = set()
@@ -156,6 +169,7 @@ class StragglerDetector:
         self.config = config or StragglerConfig()
         self._ranks: dict[RankKey, _Rank] = {}
         self._jobs: dict[str, set[RankKey]] = {}
+        self._refs: dict[tuple[str, str], _Reference] = {}  # large jobs' (job, section)
 
     def __len__(self) -> int:
         return len(self._ranks)
@@ -226,11 +240,11 @@ class StragglerDetector:
         self, key: RankKey, st: _Rank, name: str, sec: SectionStats, now: float
     ) -> Finding | None:
         c = self.config
-        peers = self._peer_p50s(key, name, now)
-        if len(peers) + 1 < c.min_ranks:
+        ref = self._reference(key, name, now)
+        if ref is None or ref.ranks + 1 < c.min_ranks:
             return None  # nothing to compare with: no evidence either way
-        reference = statistics.median(peers)
-        best_now = min(min(peers), sec.p50)
+        reference = ref.median
+        best_now = min(ref.best, sec.p50)
         best_own = min(st.best.get(name, sec.p50), sec.p50)
         st.best[name] = best_own
         p50 = sec.p50
@@ -276,16 +290,37 @@ class StragglerDetector:
             )
         return None
 
-    def _peer_p50s(self, key: RankKey, name: str, now: float) -> list[float]:
-        out: list[float] = []
-        for other in self._jobs.get(key.job, ()):
-            if other == key:
+    def _reference(self, key: RankKey, name: str, now: float) -> _Reference | None:
+        """The job's reference on a section for ``key``: exact (the other ranks) in a small
+        job; in a large one the whole job's, computed at most once per ``REFERENCE_REFRESH_S``
+        (one rank moves the median of more than ``EXACT_RANKS`` by at most one place), so a
+        window of N ranks costs N log N, not N squared."""
+        keys = self._jobs.get(key.job, set())
+        if len(keys) <= EXACT_RANKS:
+            return self._compute_reference(keys, name, now, exclude=key)
+        cached = self._refs.get((key.job, name))
+        if cached is None or now - cached.at >= REFERENCE_REFRESH_S or now < cached.at:
+            cached = self._compute_reference(keys, name, now, exclude=None)
+            if cached is None:
+                self._refs.pop((key.job, name), None)
+                return None
+            self._refs[(key.job, name)] = cached
+        return cached
+
+    def _compute_reference(
+        self, keys: Iterable[RankKey], name: str, now: float, exclude: RankKey | None
+    ) -> _Reference | None:
+        p50s: list[float] = []
+        for other in keys:
+            if other == exclude:
                 continue
             st = self._ranks[other]
             sec = st.latest.get(name)
             if sec is not None and now - st.last_at <= self._stale_after(st):
-                out.append(sec.p50)
-        return out
+                p50s.append(sec.p50)
+        if not p50s:
+            return None
+        return _Reference(now, statistics.median(p50s), min(p50s), len(p50s))
 
     def _stale_after(self, st: _Rank) -> float:
         return self.config.stale_after_s or max(10.0, 3.0 * st.window_s)
@@ -325,6 +360,8 @@ class StragglerDetector:
             keys.discard(key)
             if not keys:
                 del self._jobs[key.job]
+                for ref in [r for r in self._refs if r[0] == key.job]:
+                    del self._refs[ref]
 
     # --- views -----------------------------------------------------------------------------------
 
@@ -371,10 +408,10 @@ class StragglerDetector:
         for k in keys:
             st = self._ranks[k]
             for name, sec in st.latest.items():
-                peers = self._peer_p50s(k, name, now)
-                if not peers or sec.p50 <= 0:
+                ref = self._reference(k, name, now)
+                if ref is None or sec.p50 <= 0 or ref.median <= 0:
                     continue
-                best = min(min(peers), sec.p50)
+                best = min(ref.best, sec.p50)
                 g = st.straggling.get(name)
                 slow.append(
                     SlowRankInfo(
@@ -384,7 +421,7 @@ class StragglerDetector:
                         section=name,
                         relative=round(min(1.0, best / sec.p50), 3),
                         individual=round(min(1.0, st.best.get(name, sec.p50) / sec.p50), 3),
-                        ratio=round(sec.p50 / statistics.median(peers), 3),
+                        ratio=round(sec.p50 / ref.median, 3),
                         devices=devices.get(k, []),
                         since=g.since if g is not None else 0.0,
                     )

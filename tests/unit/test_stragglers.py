@@ -193,3 +193,14 @@ def test_a_steady_slowdown_is_always_detected_in_exactly_n_windows(
     _, t = run(det, before, NORMAL)
     found, _ = run(det, 3, {**NORMAL, 1: 0.1 * slowdown}, t)
     assert [(f.kind, f.key.rank) for f in found] == [("detected", 1)]
+
+
+def test_a_large_job_uses_the_whole_jobs_reference_and_still_finds_its_straggler() -> None:
+    det = StragglerDetector()
+    ranks = {r: 0.10 for r in range(64)}  # above EXACT_RANKS: the cached reference
+    found, t = run(det, 3, ranks)
+    assert found == []
+    found, t = run(det, 4, {**ranks, 17: 0.16}, t)
+    assert [(f.kind, f.key.rank) for f in found] == [("detected", 17)]
+    view = det.job_perf("j", t)
+    assert view is not None and view.ranks == 64 and view.slowest[0].rank == 17
