@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 from agent.errors import AgentError
@@ -125,27 +123,15 @@ class Client:
         """Report liveness without a step number. Never blocks."""
         self._fire(self._async.heartbeat())
 
-    @contextlib.contextmanager
-    def section(self, name: str, timeout: float | None = None) -> Iterator[None]:
+    def section(self, name: str, timeout: float | None = None) -> _Section:
         """A named part of the loop; open longer than ``timeout`` s, the trainer counts as hung.
+        Its time goes in the window's summary: mark the part of a step outside collectives
+        (``compute``), where a slow device shows (docs/operations.md, *Stragglers*).
 
         with client.section("checkpoint", timeout=120):
             save()
         """
-        here = self._progress_here
-        if here:
-            self._async.last_progress = time.time()
-        else:
-            self._fire(self._async.section(name, True, timeout))
-        started = self._perf.enter()
-        try:
-            yield
-        finally:
-            self._perf.leave(name, started)
-            if here:
-                self._async.last_progress = time.time()
-            else:
-                self._fire(self._async.section(name, False))
+        return _Section(self, name, timeout)
 
     def _fire(self, coro: Any) -> None:
         if self._closed:
@@ -197,3 +183,29 @@ class Client:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Section:
+    """``Client.section``'s context: a class, not a generator (half the cost per use)."""
+
+    __slots__ = ("_client", "_name", "_started", "_timeout")
+
+    def __init__(self, client: Client, name: str, timeout: float | None) -> None:
+        self._client, self._name, self._timeout = client, name, timeout
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        c = self._client
+        if c._progress_here:
+            c._async.last_progress = time.time()
+        else:
+            c._fire(c._async.section(self._name, True, self._timeout))
+        self._started = c._perf.enter()
+
+    def __exit__(self, *exc: object) -> None:
+        c = self._client
+        c._perf.leave(self._name, self._started)
+        if c._progress_here:
+            c._async.last_progress = time.time()
+        else:
+            c._fire(c._async.section(self._name, False))
