@@ -13,7 +13,7 @@ process; ``--workers`` workers registered by plain requests (jobs of ``--ranks-p
 one summary per worker per ``--window`` seconds for ``--seconds`` seconds from this process,
 spread evenly over each window; one rank per job 1.5x slower. Measured: the controller's CPU
 time over the run (/proc, user + system) as a share of one core, the message rate sent, the
-summaries it used and dropped (its counters, by ``ctl.perf``), stragglers it named.
+summaries it used and dropped (its counters, by ``ctl.perf_query``), stragglers it named.
 
     .venv/bin/python bench/bench_telemetry.py loop
     .venv/bin/python bench/bench_telemetry.py controller --workers 2000 --window 1
@@ -104,7 +104,7 @@ async def controller_run(args: argparse.Namespace) -> dict[str, object]:
     ctl = subprocess.Popen(
         [sys.executable, "-m", "marduk", "controller", "--no-embedded", "--addr", url,
          "--state-dir", str(tmp / "state"), "--worker-ttl", "600", "--straggler-warmup", "1"],
-        env=env, stderr=subprocess.DEVNULL,
+        env=env, stderr=(tmp / "controller.log").open("wb"),
     )  # fmt: skip
     s = Subjects()
     nc = await nats.connect(url)
@@ -141,9 +141,9 @@ async def controller_run(args: argparse.Namespace) -> dict[str, object]:
         def payload(job: str, replica: str, rank: int, seq: int) -> bytes:
             p50 = 0.1 * (1.5 if rank == 3 else 1.0)
             sec = [
-                wire.SectionStats(name="step", count=40, p50=p50 + 0.02, p90=p50 + 0.03,
+                wire.SectionStats(name="step", count=8, p50=p50 + 0.02, p90=p50 + 0.03,
                                   max=p50 + 0.05, min=p50),
-                wire.SectionStats(name="compute", count=40, p50=p50, p90=p50 * 1.05,
+                wire.SectionStats(name="compute", count=8, p50=p50, p90=p50 * 1.05,
                                   max=p50 * 1.2, min=p50 * 0.95),
             ]  # fmt: skip
             return wire.encode(

@@ -124,7 +124,7 @@ async def query(
 async def perf(
     addr: str, prefix: str, job: str | None = None, timeout: float = 5.0
 ) -> PerfReply | None:
-    """The jobs' performance and the slow devices (``ctl.perf``); None when no controller
+    """The jobs' performance and the slow devices (``ctl.perf_query``); None when no controller
     answers it (an older one): status shows the rest without it."""
     nc = await connect(addr, timeout=timeout)
     try:

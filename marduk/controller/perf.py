@@ -1,6 +1,6 @@
 """The controller's performance view (decisions.md 19): each rank's window summary in
 (``<prefix>.*.perf``), the pure detector (marduk/core/stragglers.py) asked, stragglers announced
-by their devices, devices' slowness records kept (marduk/store/slowness.py), ``ctl.perf``
+by their devices, devices' slowness records kept (marduk/store/slowness.py), ``ctl.perf_query``
 answered, job-level series for /metrics.
 
 Every controller subscribes; only the leader looks at a summary (a standby counts and drops it,

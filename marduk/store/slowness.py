@@ -8,7 +8,7 @@ The bucket is ``<prefix>_perf`` (dots replaced by ``_``), one key per device::
 Apart from the state bucket on purpose: a record is evidence, not a decision (no command, no
 epoch hangs on it), so it is written after the event without the term's fence, read-modify-write
 (a lost race between two leaders loses one count, never a device). Writes are rare (one per
-straggler detected per device), reads are one key, or the whole bucket for ``ctl.perf``.
+straggler detected per device), reads are one key, or the whole bucket for ``ctl.perf_query``.
 """
 
 from __future__ import annotations

@@ -352,7 +352,7 @@ def permissions(
                 f"{p}.ctl.query",
                 f"{p}.ctl.forget",
                 f"{p}.ctl.drain",
-                f"{p}.ctl.perf",
+                f"{p}.ctl.perf_query",
             ],
             "subscribe": [f"{p}.*.events", f"{p}.ctl.hello", f"{p}.health.stored", inbox],
         }

@@ -12,7 +12,7 @@ Layout (prefix ``marduk`` by default)::
     marduk.ctl.hello                       a controller starts serving; agents re-register
     marduk.ctl.standby                     hot standby controllers announce themselves
     marduk.ctl.events                      controller events that belong to no job
-    marduk.ctl.perf                        request/reply: jobs' step rates, stragglers, slow devices
+    marduk.ctl.perf_query                  request/reply: jobs' step rates, stragglers, slow devices
     marduk.<job>.register                  request/reply: agent registration
     marduk.<job>.deregister                request/reply: agent deregistration
     marduk.<job>.ack                       an agent applied a command's epoch
@@ -132,7 +132,8 @@ class Subjects:
 
     @property
     def perf_query(self) -> str:
-        return f"{self.prefix}.ctl.perf"
+        # Not ``ctl.perf``: ``<prefix>.*.perf``, the summaries' subscription, would match it.
+        return f"{self.prefix}.ctl.perf_query"
 
     def replica_commands(self, job: str, replica: str) -> str:
         return f"{self.prefix}.{job}.cmd.replica.{replica}"

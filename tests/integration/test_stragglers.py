@@ -178,6 +178,7 @@ async def test_bad_telemetry_is_counted_and_survived(
         # Still serving: a query answers.
         reply = await nc.request(s.perf_query, msgspec.json.encode({"type": "perf_query"}), 5)
         assert msgspec.json.decode(reply.data)["type"] == "perf_reply"
+        assert c.stats["perf.rejected.invalid"] == 2  # the query is no summary
     finally:
         await nc.close()
         await asyncio.to_thread(client.close)
