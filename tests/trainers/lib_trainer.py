@@ -11,7 +11,14 @@ import time
 import agent
 
 p = argparse.ArgumentParser()
-MODES = ["steps-then-stall", "steps-then-freeze", "long-section", "wait-command", "checkpoint"]
+MODES = [
+    "steps-then-stall",
+    "steps-then-freeze",
+    "long-section",
+    "wait-command",
+    "checkpoint",
+    "compute",
+]
 p.add_argument("--mode", choices=MODES)
 args = p.parse_args()
 
@@ -68,6 +75,14 @@ elif args.mode == "checkpoint":  # save when asked, keep training
             print(f"CHECKPOINT SAVED step={step}", flush=True)
             client.checkpoint_saved(step)
         time.sleep(0.05)
+elif args.mode == "compute":  # 20 ms of "compute" a step, 1.5x while the file SLOW_FLAG exists
+    flag = os.environ.get("SLOW_FLAG", "")
+    step = 0
+    while True:
+        with client.section("compute"):
+            time.sleep(0.02 * (1.5 if flag and os.path.exists(flag) else 1.0))
+        step += 1
+        client.step(step)
 else:
     while True:
         client.heartbeat()
