@@ -82,6 +82,7 @@ class LocalAsyncClient(CommandInbox):
                 worker=o.worker,
                 rank=rank_from_env(o.worker),
                 incarnation=o.incarnation,
+                devices=o.devices,
                 window_s=window,
             )
             self._tasks.spawn(sender.run(), "perf")

@@ -140,6 +140,7 @@ class AsyncClient(CommandInbox):
                 worker=o.worker,
                 rank=rank_from_env(o.worker),
                 incarnation=o.incarnation,
+                devices=o.devices,
                 window_s=window,
             )
             self._spawn(sender.run(), "perf")

@@ -129,6 +129,16 @@ def rank_from_env(default: int, env: dict[str, str] | None = None) -> int:
     return int(raw) if raw.isdigit() else default
 
 
+def local_from_env(env: dict[str, str] | None = None) -> tuple[int | None, int | None]:
+    """(LOCAL_RANK, LOCAL_WORLD_SIZE), torchrun's, each None when unset."""
+    e = os.environ if env is None else env
+    rank, size = e.get("LOCAL_RANK", ""), e.get("LOCAL_WORLD_SIZE", "")
+    return (
+        int(rank) if rank.isdigit() and int(rank) <= 4096 else None,
+        int(size) if size.isdigit() and 1 <= int(size) <= 4096 else None,
+    )
+
+
 class PerfSender:
     """Once per window: the recorder's samples, summarized, handed to ``send`` (a publish).
     A task of the client's loop; a failed send is counted, never raised."""
@@ -143,12 +153,15 @@ class PerfSender:
         worker: int,
         rank: int,
         incarnation: int,
+        devices: list[str] | None = None,
         window_s: float = WINDOW_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.recorder = recorder
         self._send = send
         self._ids = (job, replica, worker, rank, incarnation)
+        self._devices = [d for d in devices or [] if 0 < len(d) <= 256][:64]
+        self._local = local_from_env()
         self.window_s = window_s
         self._clock = clock
         self.seq = 0
@@ -170,6 +183,9 @@ class PerfSender:
             seq=self.seq,
             sections=summarize(samples),
             dropped=min(dropped, 10_000_000),
+            devices=self._devices,
+            local_rank=self._local[0],
+            local_world_size=self._local[1],
         )
         self.seq += 1
         return s

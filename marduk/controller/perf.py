@@ -34,6 +34,7 @@ from marduk.core.stragglers import (
     StragglerConfig,
     StragglerDetector,
     note_slow,
+    rank_devices,
     repeat_offenders,
 )
 from marduk.errors import ProtocolError
@@ -65,6 +66,9 @@ class PerfMonitor:
         self.store: SlownessStore | None = None
         self._subs: list[Subscription] = []
         self._was_leading = False
+        # What each rank's latest summary said of its devices (``devices_of``); the detector's
+        # ranks only (pruned with them).
+        self._where: dict[RankKey, tuple[list[str], int | None, int | None]] = {}
 
     async def start(self, nc: NATS, *, replicas: int = 1) -> None:
         s = self._ctx.subjects
@@ -121,6 +125,8 @@ class PerfMonitor:
             )
             return
         stats["perf.summaries"] += 1
+        key = RankKey(s.job, s.replica, s.worker, s.rank)
+        self._where[key] = (s.devices, s.local_rank, s.local_world_size)
         self._emit(observed.findings, now)
 
     def _reject(self, reason: str, message: str, subject: str) -> None:
@@ -131,6 +137,8 @@ class PerfMonitor:
         if not self._leading():
             return
         self._emit(self.detector.sweep(now), now)
+        for key in [k for k in self._where if not self.detector.tracked(k)]:
+            del self._where[key]
 
     async def sweep_loop(self) -> None:
         while True:
@@ -143,14 +151,20 @@ class PerfMonitor:
             # A new term starts from nothing: what a lapsed term saw may be old, and the
             # warm-up rebuilds the view within a few windows.
             self.detector = StragglerDetector(self.detector.config)
+            self._where.clear()
             self._was_leading = leading
         return leading
 
     # --- events and records ----------------------------------------------------------------------
 
     def devices_of(self, key: RankKey) -> list[str]:
-        drmap = self._policy().drmap
-        return sorted(drmap.devices_for_worker(WorkerKey(key.job, key.replica, key.worker)))
+        """The rank's devices: its worker's, as registered (the map's), narrowed to the rank's
+        own by what its summaries said (``rank_devices``)."""
+        record = self._policy().workers.get(WorkerKey(key.job, key.replica, key.worker))
+        if record is None:
+            return []
+        said, local_rank, local_size = self._where.get(key, ([], None, None))
+        return rank_devices(list(record.registration.devices), said, local_rank, local_size)
 
     def _emit(self, findings: list[Finding], now: float) -> None:
         for f in findings:

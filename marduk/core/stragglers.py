@@ -378,6 +378,9 @@ class StragglerDetector:
     def jobs(self) -> list[str]:
         return sorted(self._jobs)
 
+    def tracked(self, key: RankKey) -> bool:
+        return key in self._ranks
+
     def rank_keys(self, job: str) -> list[RankKey]:
         return sorted(self._jobs.get(job, ()))
 
@@ -443,6 +446,29 @@ class StragglerDetector:
             slowest=slowest,
             stragglers=stragglers,
         )
+
+
+def rank_devices(
+    registered: list[str],
+    said: list[str],
+    local_rank: int | None,
+    local_world_size: int | None,
+) -> list[str]:
+    """The devices of a rank, from its worker's registered devices (in their order): those the
+    rank says it has, if they are a proper part of the worker's (``--rank-devices split``);
+    else, with one device per local rank (torchrun's ``cuda:LOCAL_RANK``), its LOCAL_RANK's;
+    else all of the worker's. Never a device the worker did not register."""
+    mine = [d for d in registered if d in set(said)]
+    if mine and len(mine) < len(registered):
+        return mine
+    if (
+        local_rank is not None
+        and local_world_size is not None
+        and local_world_size == len(registered) > 1
+        and local_rank < local_world_size
+    ):
+        return [registered[local_rank]]
+    return list(registered)
 
 
 # --- devices' records --------------------------------------------------------------------------

@@ -14,7 +14,15 @@ from typing import Annotated, Final
 
 import msgspec
 
-from marduk.wire.fields import MAX_EPOCH, PROTOCOL_VERSION, JobName, ShortText, Token, Version
+from marduk.wire.fields import (
+    MAX_EPOCH,
+    PROTOCOL_VERSION,
+    DeviceId,
+    JobName,
+    ShortText,
+    Token,
+    Version,
+)
 
 MAX_SECTIONS: Final = 16
 """Sections per summary; a trainer that names more sends the 16 with the most samples."""
@@ -59,6 +67,12 @@ class PerfSummary(msgspec.Struct, kw_only=True, tag="perf", tag_field="type"):
     sections: Annotated[list[SectionStats], msgspec.Meta(max_length=MAX_SECTIONS)]
     # Samples the recorder dropped this window (its buffer was full): said, not hidden.
     dropped: Samples = 0
+    # Which of its worker's devices this rank runs on, as far as it knows (its MARDUK_DEVICES
+    # share, torchrun's LOCAL_RANK of LOCAL_WORLD_SIZE): the controller names only devices its
+    # map gives the worker (docs/protocol.md, *Performance summaries*).
+    devices: Annotated[list[DeviceId], msgspec.Meta(max_length=64)] = []
+    local_rank: Annotated[int, msgspec.Meta(ge=0, le=4096)] | None = None
+    local_world_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] | None = None
 
 
 class StragglerInfo(msgspec.Struct, kw_only=True):

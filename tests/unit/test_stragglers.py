@@ -204,3 +204,14 @@ def test_a_large_job_uses_the_whole_jobs_reference_and_still_finds_its_straggler
     assert [(f.kind, f.key.rank) for f in found] == [("detected", 17)]
     view = det.job_perf("j", t)
     assert view is not None and view.ranks == 64 and view.slowest[0].rank == 17
+
+
+def test_a_ranks_devices_are_its_workers_narrowed_by_what_it_says() -> None:
+    from marduk.core.stragglers import rank_devices
+
+    worker = ["g0", "g1", "g2", "g3"]
+    assert rank_devices(worker, ["g2"], None, None) == ["g2"]  # --rank-devices split
+    assert rank_devices(worker, ["g9"], None, None) == worker  # not its worker's: ignored
+    assert rank_devices(worker, worker, 1, 4) == ["g1"]  # torchrun's cuda:LOCAL_RANK
+    assert rank_devices(worker, worker, 1, 2) == worker  # two devices a rank: can't tell
+    assert rank_devices(["g0"], ["g0"], 0, 1) == ["g0"]
