@@ -30,7 +30,7 @@ from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import CommandInbox
 from agent.library.options import Options
-from agent.library.telemetry import PerfSender, rank_from_env, window_from_env
+from agent.library.telemetry import sender_for
 from marduk.wire import protocol as wire
 
 log = logging.getLogger("agent.local_client")
@@ -71,20 +71,8 @@ class LocalAsyncClient(CommandInbox):
         self.fence = self.fence.adopt(welcome.epoch)
         self.state = "registered"
         self._reader_task = self._tasks.spawn(self._read(reader), "local")
-        window = window_from_env()
-        if window > 0:
-            o = self.opts
-            sender = PerfSender(
-                self.perf,
-                self._send_perf,
-                job=o.job,
-                replica=o.replica,
-                worker=o.worker,
-                rank=rank_from_env(o.worker),
-                incarnation=o.incarnation,
-                devices=o.devices,
-                window_s=window,
-            )
+        sender = sender_for(self.opts, self.perf, self._send_perf)
+        if sender is not None:
             self._tasks.spawn(sender.run(), "perf")
 
     async def _send_perf(self, summary: wire.PerfSummary) -> bool:

@@ -36,7 +36,7 @@ from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import CommandInbox
 from agent.library.options import Options
-from agent.library.telemetry import PerfSender, rank_from_env, window_from_env
+from agent.library.telemetry import sender_for
 from marduk.errors import MardukError, RequestRejected
 from marduk.transport import bus
 from marduk.transport.auth import SIG_HEADER, verify
@@ -130,19 +130,8 @@ class AsyncClient(CommandInbox):
             await self.close(deregister=False)
             raise AgentError(str(e)) from None
         self._spawn(self._resync_loop(), "renew")
-        window = window_from_env()
-        if window > 0:
-            sender = PerfSender(
-                self.perf,
-                self.publish_perf,
-                job=o.job,
-                replica=o.replica,
-                worker=o.worker,
-                rank=rank_from_env(o.worker),
-                incarnation=o.incarnation,
-                devices=o.devices,
-                window_s=window,
-            )
+        sender = sender_for(o, self.perf, self.publish_perf)
+        if sender is not None:
             self._spawn(sender.run(), "perf")
 
     async def close(self, *, deregister: bool = True, reason: str = "closed") -> None:

@@ -20,6 +20,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable
 
+from agent.library.options import Options
 from marduk.wire.perf import MAX_SECONDS, MAX_SECTIONS, PerfSummary, SectionStats
 
 log = logging.getLogger("agent")
@@ -208,3 +209,23 @@ class PerfSender:
                 self.sent += 1
             else:
                 self.failed += 1
+
+
+def sender_for(
+    opts: Options, recorder: PerfRecorder, send: Callable[[PerfSummary], Awaitable[bool]]
+) -> PerfSender | None:
+    """The client's sender, named as its options say; None with MARDUK_PERF_WINDOW=0."""
+    window = window_from_env()
+    if window <= 0:
+        return None
+    return PerfSender(
+        recorder,
+        send,
+        job=opts.job,
+        replica=opts.replica,
+        worker=opts.worker,
+        rank=rank_from_env(opts.worker),
+        incarnation=opts.incarnation,
+        devices=opts.devices,
+        window_s=window,
+    )
