@@ -17,7 +17,8 @@ from agent.supervise.controller_link import (
     ControllerLink,
 )
 from agent.supervise.ranks import Rank
-from agent.supervise.rules import (
+from agent.supervise.signatures import Diagnosis, diagnose
+from agent.supervise.supervision import (
     ExitCode,
     Finish,
     GiveUp,
@@ -25,7 +26,6 @@ from agent.supervise.rules import (
     Supervision,
     describe_returncode,
 )
-from agent.supervise.signatures import Diagnosis, diagnose
 from marduk.wire import protocol as wire
 
 log = logging.getLogger("agent.supervisor")

@@ -4,7 +4,7 @@ The pod survives when a trainer dies. This process registers the node's devices 
 controller once (so the registration outlives trainer restarts), runs ``--nproc-per-node`` local
 ranks (torchrun's contract: agent/supervise/launch.py), each in its own process group, passes their
 output through line by line, and applies the decisions of the supervision core
-(agent/supervise/rules.py) to what it observes:
+(agent/supervise/supervision.py) to what it observes:
 
 * a local rank crashes (exit code or signal) or hangs (no step for ``hang_timeout_s``; before
   the first step, ``startup_timeout_s``; a section open past its timeout): every local rank is
@@ -60,7 +60,11 @@ from agent.supervise.proctree import end_leftovers
 from agent.supervise.rank_procs import RankProcesses
 from agent.supervise.ranks import CommandArrived, Fact, Joined, Preempted, Rank, Tick, decide
 from agent.supervise.reports import Reporter, restart_for_others
-from agent.supervise.rules import (
+from agent.supervise.signals import CANCEL_WAIT_S, Signals
+from agent.supervise.start_mode import StartMode
+from agent.supervise.starter import Starter, standby_command
+from agent.supervise.startup import join_controller, warn_about_setup
+from agent.supervise.supervision import (
     Decision,
     ExitCode,
     Finish,
@@ -72,10 +76,6 @@ from agent.supervise.rules import (
     Restart,
     Supervision,
 )
-from agent.supervise.signals import CANCEL_WAIT_S, Signals
-from agent.supervise.start_mode import StartMode
-from agent.supervise.starter import Starter, standby_command
-from agent.supervise.startup import join_controller, warn_about_setup
 from agent.supervise.supervisor_config import SupervisorConfig, default_preload
 from agent.supervise.telemetry import Telemetry, gauges, readiness
 from agent.supervise.trainer_channel import TrainerChannels
