@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agent.channel import handoff
-from agent.supervise.start_mode import StartFacts, StartMode, choose, needs_import_check
+from agent.supervise.start_choice import StartFacts, StartMode, choose, needs_import_check
 from agent.supervise.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
 from marduk.transport.children import die_with_parent
 
@@ -104,7 +104,7 @@ class Starter:
         self.stats = stats
         self._spawn = spawn  # named, guarded background tasks (the supervisor's)
         self.standby_cmd = standby_command(cmd, preload)
-        # The facts the start mode is chosen from (agent/supervise/start_mode.py); failures change
+        # The facts the start mode is chosen from (agent/supervise/start_choice.py); failures change
         # them.
         self.facts = StartFacts(
             prespawn=prespawn,

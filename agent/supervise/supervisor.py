@@ -61,7 +61,7 @@ from agent.supervise.rank_procs import RankProcesses
 from agent.supervise.ranks import CommandArrived, Fact, Joined, Preempted, Rank, Tick, decide
 from agent.supervise.reports import Reporter, restart_for_others
 from agent.supervise.signals import CANCEL_WAIT_S, Signals
-from agent.supervise.start_mode import StartMode
+from agent.supervise.start_choice import StartMode
 from agent.supervise.starter import Starter, standby_command
 from agent.supervise.startup import join_controller, warn_about_setup
 from agent.supervise.supervision import (

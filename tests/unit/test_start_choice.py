@@ -1,4 +1,5 @@
-"""The start mode (agent/supervise/start_mode.py): every branch of the choice, from the facts alone."""
+"""How a trainer starts (agent/supervise/start_choice.py): every branch of the choice, from the
+facts alone."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from agent.supervise.start_mode import (
+from agent.supervise.start_choice import (
     ZYGOTE_RETRIES,
     StartFacts,
     StartMode,
