@@ -16,7 +16,7 @@ from agent.supervise.controller_link import (
     STOPPING_REPORT_TIMEOUT_S,
     ControllerLink,
 )
-from agent.supervise.ranks import Rank
+from agent.supervise.rank_facts import Rank
 from agent.supervise.signatures import Diagnosis, diagnose
 from agent.supervise.supervision import (
     ExitCode,

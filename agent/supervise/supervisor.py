@@ -57,8 +57,8 @@ from agent.supervise.launch import LaunchSpec
 from agent.supervise.output import RankOutput
 from agent.supervise.ports import CoordinatorFirst, MasterFirst, port_for_incarnation
 from agent.supervise.proctree import end_leftovers
-from agent.supervise.rank_procs import RankProcesses
-from agent.supervise.ranks import CommandArrived, Fact, Joined, Preempted, Rank, Tick, decide
+from agent.supervise.rank_facts import CommandArrived, Fact, Joined, Preempted, Rank, Tick, decide
+from agent.supervise.rank_processes import RankProcesses
 from agent.supervise.reports import Reporter, restart_for_others
 from agent.supervise.signals import CANCEL_WAIT_S, Signals
 from agent.supervise.start_choice import StartMode

@@ -18,7 +18,7 @@ from agent.supervise.launch import LaunchSpec, Std
 from agent.supervise.output import RankOutput
 from agent.supervise.ports import CoordinatorFirst, MasterFirst
 from agent.supervise.proctree import end_leftovers, find_leftovers, wait_groups_gone
-from agent.supervise.ranks import Fact, Rank, RankExited
+from agent.supervise.rank_facts import Fact, Rank, RankExited
 from agent.supervise.signals import Signals
 from agent.supervise.starter import Starter
 from agent.supervise.zygote import TrainerProcess
