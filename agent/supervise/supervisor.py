@@ -51,7 +51,8 @@ from prometheus_client.core import Metric
 from agent.channel import messages
 from agent.library.client import AsyncClient, Command
 from agent.supervise import placement
-from agent.supervise.between import BetweenIncarnations
+from agent.supervise.before_first_start import join_controller, warn_about_setup
+from agent.supervise.between_incarnations import BetweenIncarnations
 from agent.supervise.controller_link import ControllerLink
 from agent.supervise.launch import LaunchSpec
 from agent.supervise.output import RankOutput
@@ -63,7 +64,6 @@ from agent.supervise.reports import Reporter, restart_for_others
 from agent.supervise.signals import CANCEL_WAIT_S, Signals
 from agent.supervise.start_choice import StartMode
 from agent.supervise.starter import Starter, standby_command
-from agent.supervise.startup import join_controller, warn_about_setup
 from agent.supervise.supervision import (
     Decision,
     ExitCode,
