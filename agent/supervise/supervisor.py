@@ -63,7 +63,7 @@ from agent.supervise.rank_processes import RankProcesses
 from agent.supervise.reports import Reporter, restart_for_others
 from agent.supervise.signals import CANCEL_WAIT_S, Signals
 from agent.supervise.start_choice import StartMode
-from agent.supervise.starter import Starter, standby_command
+from agent.supervise.starter import Starter, prestarted_command
 from agent.supervise.supervision import (
     Decision,
     ExitCode,
@@ -90,10 +90,12 @@ __all__ = [
     "Supervisor",
     "SupervisorConfig",
     "default_preload",
-    "standby_command",
+    "prestarted_command",
 ]
 
 log = logging.getLogger("agent.supervisor")
+# A warm trainer's MARDUK_WARM_START, as the log says where it came from.
+STARTED_FROM = {"zygote": "the zygote", "standby": "a prestarted trainer"}
 
 
 class Supervisor:
@@ -517,7 +519,7 @@ class Supervisor:
             pids,
             self.epoch,
             incarnation,
-            f" (pre-spawned), from the {by}" if by else "",
+            f" (pre-spawned), from {STARTED_FROM.get(by, by)}" if by else "",
         )
         # In the background: the loop must see crashes and signals while the controller
         # answers (5 s at most when it is gone but NATS is not).

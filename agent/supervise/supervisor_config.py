@@ -42,7 +42,8 @@ class SupervisorConfig:
     cleanup_cmd: str = ""
     stale_files: list[str] = field(default_factory=lambda: ["/tmp/libtpu_lockfile"])
     # Start trainers warm, with these modules imported ahead of time: forked from a fork
-    # server (agent/supervise/zygote.py) or, with fork_server off, from one standby process each.
+    # server (agent/supervise/zygote.py) or, with fork_server off, from one prestarted trainer
+    # each (agent/supervise/prestarted.py).
     prespawn: bool = True
     preload: list[str] = field(default_factory=list)
     fork_server: bool = True
