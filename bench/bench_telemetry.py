@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_notify import machine, source_version, start_nats_server
 
+from agent.library.perf import PerfRecorder
 from agent.library.sync_client import Client
-from agent.library.telemetry import PerfRecorder
 from marduk.wire import protocol as wire
 
 

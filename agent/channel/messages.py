@@ -81,7 +81,7 @@ class Checkpointed(Message, tag="checkpointed"):
 
 
 class Perf(Message, tag="perf"):
-    """One window's step and section times (agent/library/telemetry.py): the supervisor
+    """One window's step and section times (agent/library/perf.py): the supervisor
     publishes it to the controller under its own registration's names."""
 
     summary: wire.PerfSummary

@@ -15,7 +15,7 @@ flight) and is delivered again (``stats["updates"]``): act on each epoch once, r
 
 The modules, by role: ``options`` (settings and their defaults), ``command``, ``inbox``
 (fencing and delivery, shared), ``nats_client``, ``local``, ``transport`` (the interface and
-the choice), ``sync_client`` (the facade), ``telemetry`` (step and section times, a summary per
+the choice), ``sync_client`` (the facade), ``perf`` (step and section times, a summary per
 window), and this one, the entry points. The names below are
 re-exported so that ``from agent.library.client import ...`` keeps working.
 """

@@ -14,7 +14,7 @@ import msgspec
 from agent.channel.fencing import Fence, Verdict
 from agent.library.command import Command, OnCommand
 from agent.library.options import Options
-from agent.library.telemetry import PerfRecorder
+from agent.library.perf import PerfRecorder
 from marduk.aio import TaskSet
 from marduk.wire import protocol as wire
 
@@ -54,7 +54,7 @@ class CommandInbox:
         self.last_step: int | None = None
         self.last_progress = 0.0
         # Step and section times, taken by the sync facade on the training thread and sent as
-        # a summary per window (agent/library/telemetry.py).
+        # a summary per window (agent/library/perf.py).
         self.perf = PerfRecorder()
         # ``peer_failed`` notices: the epoch of the last command each failed replica was sent.
         self._noticed: dict[str, int] = {}

@@ -30,7 +30,7 @@ from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import CommandInbox
 from agent.library.options import Options
-from agent.library.telemetry import sender_for
+from agent.library.perf import sender_for
 from marduk.wire import protocol as wire
 
 log = logging.getLogger("agent.local_client")

@@ -36,7 +36,7 @@ from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import CommandInbox
 from agent.library.options import Options
-from agent.library.telemetry import sender_for
+from agent.library.perf import sender_for
 from marduk.errors import MardukError, RequestRejected
 from marduk.transport import bus
 from marduk.transport.auth import SIG_HEADER, verify

@@ -18,7 +18,7 @@ from agent.library.inbox import State
 from agent.library.local_client import LocalAsyncClient
 from agent.library.nats_client import AsyncClient
 from agent.library.options import Options
-from agent.library.telemetry import PerfRecorder
+from agent.library.perf import PerfRecorder
 
 
 class AgentClient(Protocol):
@@ -28,7 +28,7 @@ class AgentClient(Protocol):
     state: State
     stats: Counter[str]
     errors: deque[str]
-    perf: PerfRecorder  # the window's step and section times (agent/library/telemetry.py)
+    perf: PerfRecorder  # the window's step and section times (agent/library/perf.py)
     last_step: int | None
     last_progress: float
 
