@@ -18,7 +18,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from agent.library.options import Options
 from marduk.wire.perf import MAX_SECONDS, MAX_SECTIONS, PerfSummary, SectionStats
@@ -110,13 +110,15 @@ def summarize(samples: list[tuple[str, float]]) -> list[SectionStats]:
             )
         )
     # Two names may map to one on the wire ("a b", "a_b"): keep the first (the most sampled).
-    seen: set[str] = set()
-    return [s for s in out if not (s.name in seen or seen.add(s.name))]  # type: ignore[func-returns-value]
+    first: dict[str, SectionStats] = {}
+    for stats in out:
+        first.setdefault(stats.name, stats)
+    return list(first.values())
 
 
-def window_from_env(env: dict[str, str] | None = None) -> float:
-    env = os.environ if env is None else env  # type: ignore[assignment]
-    raw = (env or {}).get("MARDUK_PERF_WINDOW", "")
+def window_from_env(env: Mapping[str, str] | None = None) -> float:
+    """MARDUK_PERF_WINDOW in seconds (0 to 3600; 0: off), else ``WINDOW_S``."""
+    raw = (os.environ if env is None else env).get("MARDUK_PERF_WINDOW", "")
     try:
         return max(0.0, min(float(raw), 3600.0)) if raw else WINDOW_S
     except ValueError:
@@ -124,13 +126,13 @@ def window_from_env(env: dict[str, str] | None = None) -> float:
         return WINDOW_S
 
 
-def rank_from_env(default: int, env: dict[str, str] | None = None) -> int:
+def rank_from_env(default: int, env: Mapping[str, str] | None = None) -> int:
     """This process's rank in the job: RANK (torchrun's), else the worker's index."""
     raw = (os.environ if env is None else env).get("RANK", "")
     return int(raw) if raw.isdigit() else default
 
 
-def local_from_env(env: dict[str, str] | None = None) -> tuple[int | None, int | None]:
+def local_from_env(env: Mapping[str, str] | None = None) -> tuple[int | None, int | None]:
     """(LOCAL_RANK, LOCAL_WORLD_SIZE), torchrun's, each None when unset."""
     e = os.environ if env is None else env
     rank, size = e.get("LOCAL_RANK", ""), e.get("LOCAL_WORLD_SIZE", "")
