@@ -69,6 +69,9 @@ class PerfMonitor:
         # What each rank's latest summary said of its devices (``devices_of``); the detector's
         # ranks only (pruned with them).
         self._where: dict[RankKey, tuple[list[str], int | None, int | None]] = {}
+        # Records are read, changed and written: one at a time, or two detections of one
+        # device in the same window (two sections of a rank) would count once.
+        self._record_lock = asyncio.Lock()
 
     async def start(self, nc: NATS, *, replicas: int = 1) -> None:
         s = self._ctx.subjects
@@ -208,7 +211,8 @@ class PerfMonitor:
         if store is None:
             return
         try:
-            await store.put(note_slow(await store.get(device), device, f, now))
+            async with self._record_lock:
+                await store.put(note_slow(await store.get(device), device, f, now))
             self._ctx.stats["perf.records_written"] += 1
         except Exception as e:  # JetStream busy or gone: the event went out; counted
             self._ctx.stats["errors.perf_record"] += 1
