@@ -34,6 +34,7 @@ from marduk.wire.protocol import (
     Forget,
     ForgetReply,
     HealthReply,
+    JobParams,
     Member,
     MemberOut,
     Membership,
@@ -85,6 +86,8 @@ class Handlers:
         standbys: Callable[[], list[ControllerInfo]],
         info: Callable[[], ControllerInfo],
         registry: CollectorRegistry,
+        params_for: Callable[[str], Awaitable[JobParams | None]] | None = None,
+        more_routes: Callable[[], list[Route]] = list,
     ) -> None:
         self._ctx = ctx
         self._policy = policy
@@ -92,6 +95,8 @@ class Handlers:
         self._announce = announce
         self._standbys = standbys
         self._info = info
+        self._params_for = params_for  # the job's live parameters, for a registration's reply
+        self._more_routes = more_routes  # the parameters desk's endpoints
         self._snapshots = SnapshotCache()
         self._notice_latency = histogram(
             registry,
@@ -110,6 +115,7 @@ class Handlers:
             Route("query", s.query, Query, h.query, False),
             Route("forget", s.forget, Forget, h.forget, False),
             Route("drain", s.drain, Drain, h.drain, False),
+            *self._more_routes(),
         ]
 
     def _check_subject_job(self, job: str, subject: str) -> None:
@@ -138,6 +144,7 @@ class Handlers:
                 )
             raise
         await self._submit(result.outcome).durable
+        params = await self._params_for(reg.job) if self._params_for is not None else None
         return RegisterReply(
             job=reg.job,
             replica=reg.replica,
@@ -148,6 +155,7 @@ class Handlers:
             renew_interval=result.renew_interval,
             unusable_devices=result.unusable,
             claimed_by=result.claimed_by,
+            params=params if result.claimed_by is None else None,
         )
 
     async def deregister(self, req: Deregistration, subject: str) -> DeregisterReply:
