@@ -36,11 +36,13 @@ from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import CommandInbox
 from agent.library.options import Options
+from agent.library.params import Offer
 from marduk.errors import MardukError, RequestRejected
 from marduk.transport import bus
 from marduk.transport.auth import SIG_HEADER, verify
 from marduk.transport.credentials import redact
 from marduk.wire import protocol as wire
+from marduk.wire.params import Params, ParamsApplied, ParamsAppliedReply
 from marduk.wire.subjects import Subjects
 
 log = logging.getLogger("agent")
@@ -123,6 +125,7 @@ class AsyncClient(CommandInbox):
             nc = self._nc
             await nc.subscribe(self.subjects.replica_commands(o.job, o.replica), cb=self._on_msg)
             await nc.subscribe(self.subjects.job_commands(o.job), cb=self._on_msg)
+            await nc.subscribe(self.subjects.params_commands(o.job), cb=self._on_params_msg)
             await nc.subscribe(self.subjects.hello, cb=self._on_hello)
             await self._register(timeout=max(0.5, deadline - time.monotonic()), retry=True)
         except MardukError as e:
@@ -233,6 +236,8 @@ class AsyncClient(CommandInbox):
             self.claimed_by = reply.claimed_by
             self.membership_changed.set()
             return
+        if reply.params is not None and reply.params.job == o.job:
+            self._take_params(reply.params, said_again=False)
         if reply.unusable_devices != self.unusable_devices:
             self.unusable_devices = list(reply.unusable_devices)
             if self.unusable_devices:
@@ -351,6 +356,75 @@ class AsyncClient(CommandInbox):
             return
         self.membership = (command.epoch, m)
         self.membership_changed.set()
+
+    # --- live parameters (agent/library/params.py) ---------------------------------------------
+
+    async def _on_params_msg(self, msg: Msg) -> None:
+        keys = self.opts.controller_keys
+        if keys is not None and not verify(keys, msg.data, (msg.headers or {}).get(SIG_HEADER)):
+            self.stats["dropped_forged"] += 1
+            self._record(f"dropped parameters on {msg.subject} not signed by the controller")
+            return
+        try:
+            doc = wire.decode(msg.data, Params).params
+        except ValueError as e:
+            self.stats["bad_params"] += 1
+            self._record(f"dropped undecodable parameters on {msg.subject}: {e}")
+            return
+        if doc.job != self.opts.job:
+            self.stats["bad_params"] += 1
+            self._record(f"dropped parameters of job {doc.job!r} sent on {msg.subject}")
+            return
+        self._take_params(doc, said_again=True)
+
+    def _take_params(self, doc: wire.JobParams, *, said_again: bool) -> None:
+        """A document from the controller: news, nothing new here, or one we run already
+        (``said_again``: the controller asks who runs what; the acknowledgement is repeated)."""
+        live = self.live
+        offer = live.offer(doc)
+        if offer is Offer.STALE:
+            if said_again and live.acked is not None and live.acked[0] == doc.version:
+                version, rejected = live.acked
+                self._spawn(self.params_applied(version, rejected), "params-applied")
+            return
+        self.stats["params_received"] += 1
+        callback = live.on_params
+        if offer is Offer.SAME or callback is None:
+            self._spawn(self.params_applied(doc.version), "params-applied")
+            return
+        try:
+            callback(live.view)
+        except Exception as e:  # the trainer's bug, never the library's loop's
+            self.stats["errors.on_params"] += 1
+            self._record(f"on_params raised {type(e).__name__}: {e}")
+
+    async def params_applied(self, version: int, rejected: dict[str, str] | None = None) -> bool:
+        """Tell the controller this worker runs ``version`` of the job's parameters, except the
+        keys in ``rejected`` (key -> why). True once the controller confirmed (5 s at most);
+        False is recorded in ``errors``, never raised; the controller asks again."""
+        o = self.opts
+        refused = {str(k): str(v)[:256] for k, v in (rejected or {}).items()}
+        self.live.acked = (version, refused)
+        if not self.connected:
+            self._record("parameters not acknowledged: no connection to NATS")
+            return False
+        applied = ParamsApplied(
+            job=o.job, replica=o.replica, worker=o.worker, version=version, rejected=refused
+        )
+        try:
+            assert self._nc is not None
+            await bus.request(
+                self._nc,
+                self.subjects.params_applied(o.job),
+                applied,
+                ParamsAppliedReply,
+                timeout=5.0,
+                addr=o.addr,
+            )
+        except MardukError as e:
+            self._record(f"parameters version {version} not acknowledged: {e}")
+            return False
+        return True
 
     @property
     def connected(self) -> bool:

@@ -8,98 +8,28 @@ checks its input with ``parse_assignment`` before anything is sent.
 from __future__ import annotations
 
 import json
-import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 
 from marduk.core.decisions import PolicyError
 from marduk.wire.params import (
-    KEY_PATTERN,
-    KEY_WORDS,
-    MAX_LIST,
+    MAX_DOC_BYTES,
     MAX_OVERRIDES,
     MAX_PARAMS,
-    MAX_STRING,
     JobParams,
     ParamValue,
     WorkerParams,
+    check_key,
+    check_value,
 )
-
-MAX_DOC_BYTES: Final = 64 * 1024
-"""A job's whole document (values and overrides), encoded, at most: it travels in every
-registration reply and every fan-out, well under the server's max payload."""
-
-_KEY_RE = re.compile(KEY_PATTERN)
 
 
 class ParamsError(PolicyError, ValueError):
     """A set the rules refuse (``code``: ``invalid``, ``too_large``, ``conflict``, ...); the
     message is one line."""
-
-
-def check_key(key: str) -> str:
-    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
-        raise ParamsError("invalid", f"invalid parameter name {key!r}: use {KEY_WORDS}")
-    return key
-
-
-def _check_scalar(key: str, value: Any) -> None:
-    if isinstance(value, int):  # bool is an int
-        if not isinstance(value, bool) and abs(value) > 2**53:
-            raise ParamsError("invalid", f"{key}: integer {value} is beyond +-2^53")
-        return
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ParamsError("invalid", f"{key}: {value} is not a finite number")
-        return
-    if isinstance(value, str):
-        if len(value) > MAX_STRING:
-            raise ParamsError(
-                "too_large", f"{key}: a string of {len(value)} characters (at most {MAX_STRING})"
-            )
-        return
-    raise ParamsError(
-        "invalid", f"{key}: {type(value).__name__} is not a number, a boolean or a string"
-    )
-
-
-def check_value(key: str, value: Any) -> ParamValue:
-    """``value`` if it is a JSON scalar or a short list of them, else ParamsError (one line)."""
-    check_key(key)
-    if isinstance(value, list):
-        if len(value) > MAX_LIST:
-            raise ParamsError(
-                "too_large", f"{key}: a list of {len(value)} items (at most {MAX_LIST})"
-            )
-        for item in value:
-            if isinstance(item, list):
-                raise ParamsError("invalid", f"{key}: lists of lists are not parameters")
-            _check_scalar(key, item)
-        return value
-    _check_scalar(key, value)
-    return value  # type: ignore[no-any-return]
-
-
-def parse_assignment(text: str) -> tuple[str, ParamValue | None]:
-    """``key=value`` as typed on a command line: the value is JSON if it reads as JSON (``3e-4``,
-    ``true``, ``[1, 2]``, ``"x"``), else the text itself; ``null`` removes the key."""
-    key, sep, raw = text.partition("=")
-    if not sep:
-        raise ParamsError("invalid", f"{text!r} is not KEY=VALUE")
-    check_key(key)
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        value = raw  # a bare word: a string
-    if isinstance(value, dict):
-        raise ParamsError("invalid", f"{key}: objects are not parameters")
-    if value is None:
-        return key, None
-    return key, check_value(key, value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,10 +13,14 @@ The messages have the shape of every other message (``type`` and ``v``: ``Params
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal
+import json
+import math
+import re
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
+from marduk.errors import ProtocolError
 from marduk.wire.fields import (
     PROTOCOL_VERSION,
     JobName,
@@ -39,12 +43,84 @@ MAX_REJECTED: Final = MAX_PARAMS
 KEY_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"
 KEY_WORDS: Final = "1-64 letters, digits, '_', '.' or '-', starting with a letter or '_'"
 
+MAX_DOC_BYTES: Final = 64 * 1024
+"""A job's whole document (values and overrides), encoded, at most: it travels in every
+registration reply and every fan-out, well under the server's max payload."""
+
+_KEY_RE = re.compile(KEY_PATTERN)
+
 ParamKey = Annotated[str, msgspec.Meta(pattern=KEY_PATTERN, description="parameter name")]
 Scalar = bool | int | float | Annotated[str, msgspec.Meta(max_length=MAX_STRING)]
 ParamValue = Scalar | Annotated[list[Scalar], msgspec.Meta(max_length=MAX_LIST)]
 Values = Annotated[dict[ParamKey, ParamValue], msgspec.Meta(max_length=MAX_PARAMS)]
 # In a set: null removes the key (the trainer falls back to its own default).
 Changes = Annotated[dict[ParamKey, ParamValue | None], msgspec.Meta(max_length=MAX_PARAMS)]
+
+
+class ParamValueError(ProtocolError):
+    """A parameter name or value the contract does not take (``reason``: ``invalid`` or
+    ``too_large``); the message is one line naming the key."""
+
+
+def check_key(key: str) -> str:
+    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
+        raise ParamValueError("invalid", f"invalid parameter name {key!r}: use {KEY_WORDS}")
+    return key
+
+
+def _check_scalar(key: str, value: Any) -> None:
+    if isinstance(value, int):  # bool is an int
+        if not isinstance(value, bool) and abs(value) > 2**53:
+            raise ParamValueError("invalid", f"{key}: integer {value} is beyond +-2^53")
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ParamValueError("invalid", f"{key}: {value} is not a finite number")
+        return
+    if isinstance(value, str):
+        if len(value) > MAX_STRING:
+            raise ParamValueError(
+                "too_large", f"{key}: a string of {len(value)} characters (at most {MAX_STRING})"
+            )
+        return
+    raise ParamValueError(
+        "invalid", f"{key}: {type(value).__name__} is not a number, a boolean or a string"
+    )
+
+
+def check_value(key: str, value: Any) -> ParamValue:
+    """``value`` if it is a JSON scalar or a short list of them, else ParamsError (one line)."""
+    check_key(key)
+    if isinstance(value, list):
+        if len(value) > MAX_LIST:
+            raise ParamValueError(
+                "too_large", f"{key}: a list of {len(value)} items (at most {MAX_LIST})"
+            )
+        for item in value:
+            if isinstance(item, list):
+                raise ParamValueError("invalid", f"{key}: lists of lists are not parameters")
+            _check_scalar(key, item)
+        return value
+    _check_scalar(key, value)
+    return value  # type: ignore[no-any-return]
+
+
+def parse_assignment(text: str) -> tuple[str, ParamValue | None]:
+    """``key=value`` as typed on a command line: the value is JSON if it reads as JSON (``3e-4``,
+    ``true``, ``[1, 2]``, ``"x"``), else the text itself; ``null`` removes the key."""
+    key, sep, raw = text.partition("=")
+    if not sep:
+        raise ParamValueError("invalid", f"{text!r} is not KEY=VALUE")
+    check_key(key)
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        value = raw  # a bare word: a string
+    if isinstance(value, dict):
+        raise ParamValueError("invalid", f"{key}: objects are not parameters")
+    if value is None:
+        return key, None
+    return key, check_value(key, value)
 
 
 class JobParams(msgspec.Struct, kw_only=True):
@@ -132,6 +208,7 @@ class ParamsQueryReply(ParamsMessage, tag="params_query_reply", kw_only=True):
 
 
 __all__ = [
+    "MAX_DOC_BYTES",
     "MAX_LIST",
     "MAX_OVERRIDES",
     "MAX_PARAMS",
@@ -140,6 +217,7 @@ __all__ = [
     "JobParams",
     "ParamKey",
     "ParamValue",
+    "ParamValueError",
     "Params",
     "ParamsApplied",
     "ParamsAppliedReply",
@@ -151,4 +229,7 @@ __all__ = [
     "ParamsState",
     "Values",
     "WorkerParams",
+    "check_key",
+    "check_value",
+    "parse_assignment",
 ]
