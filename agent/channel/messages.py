@@ -91,8 +91,23 @@ class ForwardedCommand(Message, tag="command"):
     command: wire.Command
 
 
-ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed
-ToTrainer = Welcome | ForwardedCommand
+class ForwardedParams(Message, tag="params"):
+    """The job's live parameters (decisions.md #20), as the controller sent them: at the
+    trainer's welcome if any were set, and each time a newer version comes."""
+
+    params: wire.JobParams
+
+
+class ParamsApplied(Message, tag="params_applied"):
+    """The trainer runs ``version`` of the parameters, except the keys in ``rejected``; the
+    supervisor says so to the controller."""
+
+    version: int
+    rejected: dict[str, str] = {}
+
+
+ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed | ParamsApplied
+ToTrainer = Welcome | ForwardedCommand | ForwardedParams
 M = TypeVar("M", ToAgent, ToTrainer)
 
 _encoder = msgspec.json.Encoder()

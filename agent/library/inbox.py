@@ -197,9 +197,3 @@ class CommandInbox:
     def params(self) -> ParamsView:
         """The live parameters this replica runs (read-only, with ``version``)."""
         return self.live.view
-
-    async def params_applied(self, version: int, rejected: dict[str, str] | None = None) -> bool:
-        """Tell the controller this worker runs ``version`` (``rejected``: keys refused, and
-        why). Under ``marduk agent run`` parameters do not reach the trainer yet: recorded."""
-        self._record("live parameters need the library's own connection to the controller")
-        return False

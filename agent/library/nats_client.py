@@ -36,7 +36,6 @@ from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import CommandInbox
 from agent.library.options import Options
-from agent.library.params import Offer
 from marduk.errors import MardukError, RequestRejected
 from marduk.transport import bus
 from marduk.transport.auth import SIG_HEADER, verify
@@ -378,25 +377,17 @@ class AsyncClient(CommandInbox):
         self._take_params(doc, said_again=True)
 
     def _take_params(self, doc: wire.JobParams, *, said_again: bool) -> None:
-        """A document from the controller: news, nothing new here, or one we run already
-        (``said_again``: the controller asks who runs what; the acknowledgement is repeated)."""
-        live = self.live
-        offer = live.offer(doc)
-        if offer is Offer.STALE:
-            if said_again and live.acked is not None and live.acked[0] == doc.version:
-                version, rejected = live.acked
-                self._spawn(self.params_applied(version, rejected), "params-applied")
-            return
-        self.stats["params_received"] += 1
-        callback = live.on_params
-        if offer is Offer.SAME or callback is None:
-            self._spawn(self.params_applied(doc.version), "params-applied")
-            return
-        try:
-            callback(live.view)
-        except Exception as e:  # the trainer's bug, never the library's loop's
-            self.stats["errors.on_params"] += 1
-            self._record(f"on_params raised {type(e).__name__}: {e}")
+        """A document from the controller (``said_again``: on the bus, not in a reply)."""
+        before = self.live.view.version
+        ack = self.live.take(doc, said_again=said_again, on_error=self._on_params_failed)
+        if self.live.view.version != before:
+            self.stats["params_received"] += 1
+        if ack is not None:
+            self._spawn(self.params_applied(*ack), "params-applied")
+
+    def _on_params_failed(self, e: Exception) -> None:
+        self.stats["errors.on_params"] += 1
+        self._record(f"on_params raised {type(e).__name__}: {e}")
 
     async def params_applied(self, version: int, rejected: dict[str, str] | None = None) -> bool:
         """Tell the controller this worker runs ``version`` of the job's parameters, except the

@@ -64,6 +64,7 @@ class LiveParams:
         self.on_params: OnParams | None = None
         # The last acknowledgement: (version, rejected), said again when the controller asks.
         self.acked: tuple[int, dict[str, str]] | None = None
+        self.doc: JobParams | None = None  # the job's latest document (a supervisor forwards it)
 
     def offer(self, doc: JobParams) -> Offer:
         if doc.version <= self.view.version:
@@ -71,4 +72,25 @@ class LiveParams:
         values = doc.effective(self.replica)
         same = values == dict(self.view)
         self.view = ParamsView(doc.version, values)
+        self.doc = doc
         return Offer.SAME if same else Offer.NEWS
+
+    def take(
+        self, doc: JobParams, *, said_again: bool, on_error: Callable[[Exception], None]
+    ) -> tuple[int, dict[str, str]] | None:
+        """A document from the controller (or the supervisor): what to acknowledge now, if
+        anything. News goes to ``on_params`` (the trainer acknowledges it); without one, or
+        when nothing changes here, it is acknowledged at once. One at the version we run,
+        ``said_again`` (the controller asking who runs what): the last acknowledgement again."""
+        offer = self.offer(doc)
+        if offer is Offer.STALE:
+            if said_again and self.acked is not None and self.acked[0] == doc.version:
+                return self.acked
+            return None
+        if offer is Offer.SAME or self.on_params is None:
+            return doc.version, {}
+        try:
+            self.on_params(self.view)
+        except Exception as e:  # the trainer's bug, never the library's loop's
+            on_error(e)
+        return None

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from agent.channel.messages import (
     MAX_LINE,
     ForwardedCommand,
+    ForwardedParams,
     ToAgent,
     TrainerHello,
     Welcome,
@@ -47,6 +48,8 @@ class TrainerChannel:
         self.stats = stats
         self._server: asyncio.Server | None = None
         self._trainers: set[asyncio.StreamWriter] = set()
+        # The job's live parameters to hand a trainer at its welcome (None: none set).
+        self.params: Callable[[], wire.JobParams | None] = lambda: None
         self._bad_lines = RateLimitedLog(
             log, more="(more bad messages from the trainer this minute are counted, not logged)"
         )
@@ -69,12 +72,23 @@ class TrainerChannel:
                 writer.write(line)
                 await asyncio.wait_for(writer.drain(), 1.0)
 
+    async def forward_params(self, params: wire.JobParams) -> None:
+        """A newer version of the job's live parameters, to every trainer connected."""
+        line = encode(ForwardedParams(params=params))
+        for writer in list(self._trainers):
+            with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+                writer.write(line)
+                await asyncio.wait_for(writer.drain(), 1.0)
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._trainers.add(writer)
         try:
             async for msg in messages(reader, decode_to_agent, self._bad):
                 if isinstance(msg, TrainerHello):
                     writer.write(encode(Welcome(epoch=self._epoch())))
+                    params = self.params()
+                    if params is not None:  # a new incarnation starts with the current values
+                        writer.write(encode(ForwardedParams(params=params)))
                     await writer.drain()
                     if not msg.peer_notices:
                         continue
@@ -119,6 +133,15 @@ class TrainerChannels:
         """To every trainer connected, rank by rank."""
         for channel in self.channels:
             await channel.forward(command)
+
+    def hand_params(self, params: Callable[[], wire.JobParams | None]) -> None:
+        """Where each channel reads the parameters it hands a trainer at its welcome."""
+        for channel in self.channels:
+            channel.params = params
+
+    async def forward_params(self, params: wire.JobParams) -> None:
+        for channel in self.channels:
+            await channel.forward_params(params)
 
     def close(self) -> None:
         for channel in self.channels:

@@ -272,3 +272,31 @@ async def test_only_the_admin_credential_may_set(tmp_path: Path, auth_dir: Path)
         await a.close()
         await c.stop()
         server.stop()
+
+
+def test_under_agent_run_the_supervisor_forwards_and_acknowledges(
+    controller_env: dict[str, str],
+) -> None:
+    """The trainer talks to its supervisor (`marduk agent run`), not the controller: the
+    supervisor hands it the values at its welcome, forwards a set, and says what it applied."""
+    from tests.processes import agent_run
+
+    env = controller_env
+    out = marduk_cli("monitor", "set", "params", "lr=0.2", env=env)
+    assert out.returncode == 1 and "no job 'params' is registered" in out.stderr
+    cmd = [sys.executable, "tests/trainers/params_trainer.py", "--replica", "s0"]
+    sup = agent_run(env, "--job", "params", "--replica", "s0", "--devices", "s0-gpu0", cmd=cmd)
+    sup.expect("START version=0 lr=0.1", timeout=30)
+    out = marduk_cli("monitor", "set", "params", "lr=0.2", env=env)
+    assert out.returncode == 0, out.stderr
+    sup.expect("PARAMS version=1 lr=0.2")
+    text = ""
+    for _ in range(50):
+        text = marduk_cli("monitor", "params", "params", env=env).stdout
+        if "s0/0: version 1 applied" in text:
+            break
+    assert "s0/0: version 1 applied" in text, text
+    # A restart of the trainer (its supervisor stays): the new incarnation starts with it.
+    r = marduk_cli("monitor", "inject-failure", "s0-gpu0", env=env)
+    assert r.returncode == 0, r.stderr
+    sup.expect("START version=1 lr=0.2", timeout=30)
