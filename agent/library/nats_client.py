@@ -312,11 +312,18 @@ class AsyncClient(CommandInbox):
 
     # --- commands --------------------------------------------------------------------------------
 
-    async def _on_msg(self, msg: Msg) -> None:
+    def _forged(self, msg: Msg, what: str) -> bool:
+        """True (counted, recorded) if ``msg`` is not signed by the controller (when its keys
+        are known)."""
         keys = self.opts.controller_keys
-        if keys is not None and not verify(keys, msg.data, (msg.headers or {}).get(SIG_HEADER)):
-            self.stats["dropped_forged"] += 1
-            self._record(f"dropped a command on {msg.subject} not signed by the controller")
+        if keys is None or verify(keys, msg.data, (msg.headers or {}).get(SIG_HEADER)):
+            return False
+        self.stats["dropped_forged"] += 1
+        self._record(f"dropped {what} on {msg.subject} not signed by the controller")
+        return True
+
+    async def _on_msg(self, msg: Msg) -> None:
+        if self._forged(msg, "a command"):
             return
         try:
             command = wire.decode(msg.data, wire.Command)
@@ -359,10 +366,7 @@ class AsyncClient(CommandInbox):
     # --- live parameters (agent/library/params.py) ---------------------------------------------
 
     async def _on_params_msg(self, msg: Msg) -> None:
-        keys = self.opts.controller_keys
-        if keys is not None and not verify(keys, msg.data, (msg.headers or {}).get(SIG_HEADER)):
-            self.stats["dropped_forged"] += 1
-            self._record(f"dropped parameters on {msg.subject} not signed by the controller")
+        if self._forged(msg, "parameters"):
             return
         try:
             doc = wire.decode(msg.data, Params).params

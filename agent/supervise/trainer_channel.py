@@ -66,15 +66,13 @@ class TrainerChannel:
 
     async def forward(self, command: wire.Command) -> None:
         """Tell the trainer's library (if it connected) why it is about to be stopped."""
-        line = encode(ForwardedCommand(command=command))
-        for writer in list(self._trainers):
-            with contextlib.suppress(OSError, RuntimeError, TimeoutError):
-                writer.write(line)
-                await asyncio.wait_for(writer.drain(), 1.0)
+        await self._to_all(encode(ForwardedCommand(command=command)))
 
     async def forward_params(self, params: wire.JobParams) -> None:
         """A newer version of the job's live parameters, to every trainer connected."""
-        line = encode(ForwardedParams(params=params))
+        await self._to_all(encode(ForwardedParams(params=params)))
+
+    async def _to_all(self, line: bytes) -> None:
         for writer in list(self._trainers):
             with contextlib.suppress(OSError, RuntimeError, TimeoutError):
                 writer.write(line)

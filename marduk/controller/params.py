@@ -208,10 +208,8 @@ class ParamsDesk:
                 continue
             try:
                 await self.tick(time.monotonic())
-            except (NotServing, asyncio.CancelledError):
-                if not self._ctx.leading():
-                    continue
-                raise
+            except NotServing:
+                continue  # the lease lapsed meanwhile: whoever leads next converges
             except Exception:
                 self._ctx.logs.internal("params tick")
 
@@ -223,7 +221,13 @@ class ParamsDesk:
         for job, (params, _) in list(self._docs.items()):
             if params.version == 0:
                 continue
-            late = behind(params, self._workers_of(job), self._applied.get(job, {}))
+            workers = list(self._workers_of(job))
+            table = self._applied.get(job)
+            if table is not None and len(table) > len(workers):
+                # Workers gone (deregistered, forgotten, expired) are no longer anyone's.
+                keep = set(workers)
+                self._applied[job] = {k: v for k, v in table.items() if k in keep}
+            late = behind(params, workers, self._applied.get(job, {}))
             if not late:
                 self._resend.pop(job, None)
                 continue

@@ -300,3 +300,54 @@ def test_under_agent_run_the_supervisor_forwards_and_acknowledges(
     r = marduk_cli("monitor", "inject-failure", "s0-gpu0", env=env)
     assert r.returncode == 0, r.stderr
     sup.expect("START version=1 lr=0.2", timeout=30)
+
+
+async def test_every_change_is_an_event_and_a_worker_behind_is_told_again(
+    nats_server: NatsServer, tmp_path: Path
+) -> None:
+    from marduk.wire.protocol import ControllerEvent, decode
+
+    c = await start_serving(Controller(controller_settings(nats_server, tmp_path)))
+    seen: list[ParamsView] = []
+    a = await lib(nats_server, "r0", seen)  # a callback: the trainer acknowledges, later
+    nc = await bus.connect(nats_server.url, name="test")
+    events: list[ControllerEvent] = []
+
+    async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
+        events.append(decode(msg.data, ControllerEvent))
+
+    await nc.subscribe(S.events("j"), cb=on_event)
+    await nc.flush()
+    try:
+        for values in ({"lr": 0.5}, {"lr": 0.25, "tags": ["a", 1]}):
+            await bus.request(
+                nc,
+                S.params_set,
+                ParamsSet(job="j", values=values, by="ann@h"),  # type: ignore[arg-type]
+                ParamsSetReply,
+                timeout=5.0,
+            )
+        await eventually(lambda: len([e for e in events if e.kind == "params_set"]) == 2)
+        details = [e.detail for e in events if e.kind == "params_set"]
+        assert details == [
+            "by ann@h: version 1: lr: unset -> 0.5",
+            'by ann@h: version 2: lr: 0.5 -> 0.25, tags: unset -> ["a", 1]',
+        ]
+        await eventually(lambda: bool(seen) and seen[-1].version == 2)
+        # Not acknowledged: told again (level-triggered), until it says it runs version 2.
+        await eventually(lambda: c.stats["params.resent"] >= 1, timeout=5)
+        await a.params_applied(2, {"tags": "not used here"})
+        await eventually(lambda: any(e.kind == "params_rejected" for e in events))
+        resent = c.stats["params.resent"]
+        await asyncio.sleep(2.5)
+        assert c.stats["params.resent"] == resent
+        reply = await bus.request(
+            nc, S.params_get, ParamsQuery(job="j"), ParamsQueryReply, timeout=5.0
+        )
+        assert [(w.version, w.state, w.rejected) for w in reply.workers] == [
+            (2, "rejected", {"tags": "not used here"})
+        ]
+    finally:
+        await nc.close()
+        await a.close()
+        await c.stop()
