@@ -80,9 +80,11 @@ class Checkpointed(Message, tag="checkpointed"):
 
 
 class Welcome(Message, tag="welcome"):
-    """The supervisor's answer to ``hello``: the epoch the trainer was started at."""
+    """The supervisor's answer to ``hello``: the epoch the trainer was started at, and the
+    job's live parameters if any were set (the trainer starts with them)."""
 
     epoch: wire.Epoch
+    params: wire.JobParams | None = None
 
 
 class ForwardedCommand(Message, tag="command"):
@@ -92,8 +94,8 @@ class ForwardedCommand(Message, tag="command"):
 
 
 class ForwardedParams(Message, tag="params"):
-    """The job's live parameters (decisions.md #20), as the controller sent them: at the
-    trainer's welcome if any were set, and each time a newer version comes."""
+    """The job's live parameters (decisions.md #20), as the controller sent them, each time a
+    newer version comes (the first ones come with the welcome)."""
 
     params: wire.JobParams
 

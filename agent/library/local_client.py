@@ -31,6 +31,7 @@ from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import CommandInbox
 from agent.library.options import Options
+from marduk.wire import protocol as wire
 
 log = logging.getLogger("agent.local_client")
 
@@ -69,6 +70,8 @@ class LocalAsyncClient(CommandInbox):
             ) from None
         self.fence = self.fence.adopt(welcome.epoch)
         self.state = "registered"
+        if welcome.params is not None:  # in ``params`` before connect returns
+            self._take_params(welcome.params)
         self._reader_task = self._tasks.spawn(self._read(reader), "local")
 
     async def _read(self, reader: asyncio.StreamReader) -> None:
@@ -77,9 +80,7 @@ class LocalAsyncClient(CommandInbox):
                 if isinstance(msg, ForwardedCommand):
                     self._accept(msg.command)
                 elif isinstance(msg, ForwardedParams):
-                    ack = self.live.take(msg.params, said_again=False, on_error=self._params_bug)
-                    if ack is not None:
-                        await self.params_applied(*ack)
+                    self._take_params(msg.params)
                 else:
                     self._bad(f"unexpected {type(msg).__name__}")
         except OSError as e:
@@ -119,6 +120,11 @@ class LocalAsyncClient(CommandInbox):
         self.live.acked = (int(version), refused)
         await self._send(ParamsApplied(version=int(version), rejected=refused))
         return True
+
+    def _take_params(self, params: wire.JobParams) -> None:
+        ack = self.live.take(params, said_again=False, on_error=self._params_bug)
+        if ack is not None:
+            self._spawn(self.params_applied(*ack), "params-applied")
 
     def _params_bug(self, e: Exception) -> None:
         self.stats["errors.on_params"] += 1

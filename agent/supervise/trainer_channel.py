@@ -83,10 +83,8 @@ class TrainerChannel:
         try:
             async for msg in messages(reader, decode_to_agent, self._bad):
                 if isinstance(msg, TrainerHello):
-                    writer.write(encode(Welcome(epoch=self._epoch())))
-                    params = self.params()
-                    if params is not None:  # a new incarnation starts with the current values
-                        writer.write(encode(ForwardedParams(params=params)))
+                    # A new incarnation starts with the job's current live parameters.
+                    writer.write(encode(Welcome(epoch=self._epoch(), params=self.params())))
                     await writer.drain()
                     if not msg.peer_notices:
                         continue

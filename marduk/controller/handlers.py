@@ -22,6 +22,7 @@ from marduk.core.policy import Policy, PolicyError
 from marduk.errors import ProtocolError
 from marduk.shell.metrics import histogram
 from marduk.wire.protocol import (
+    MAX_MESSAGE_BYTES,
     Ack,
     AckReply,
     ControllerEvent,
@@ -86,7 +87,8 @@ class Handlers:
         standbys: Callable[[], list[ControllerInfo]],
         info: Callable[[], ControllerInfo],
         registry: CollectorRegistry,
-        params_for: Callable[[str], Awaitable[JobParams | None]] | None = None,
+        params_for: Callable[[str, str, int, Callable[[], int]], Awaitable[JobParams | None]]
+        | None = None,
         more_routes: Callable[[], list[Route]] = list,
     ) -> None:
         self._ctx = ctx
@@ -144,7 +146,15 @@ class Handlers:
                 )
             raise
         await self._submit(result.outcome).durable
-        params = await self._params_for(reg.job) if self._params_for is not None else None
+        params = None
+        if self._params_for is not None and result.claimed_by is None:
+            command = result.command
+
+            def room() -> int:  # what the reply leaves the parameters (asked only if large)
+                used = len(msgspec.json.encode(command)) if command is not None else 0
+                return MAX_MESSAGE_BYTES - 2048 - used
+
+            params = await self._params_for(reg.job, reg.replica, reg.worker, room)
         return RegisterReply(
             job=reg.job,
             replica=reg.replica,
@@ -155,7 +165,7 @@ class Handlers:
             renew_interval=result.renew_interval,
             unusable_devices=result.unusable,
             claimed_by=result.claimed_by,
-            params=params if result.claimed_by is None else None,
+            params=params,
         )
 
     async def deregister(self, req: Deregistration, subject: str) -> DeregisterReply:

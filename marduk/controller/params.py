@@ -55,6 +55,9 @@ RESEND_MAX_S = 30.0
 RELOAD_S = 5.0
 """How often a leader reads the bucket again (a write of a lapsed leader's that landed late)."""
 CAS_TRIES = 8
+ALWAYS_FITS = 2048
+"""A document this small always fits in a registration reply beside a command (commands are
+kept 4 KiB under the message limit: ``marduk.core.command_size``)."""
 
 WorkersOf = Callable[[str], Iterable[tuple[str, int]]]
 
@@ -191,13 +194,26 @@ class ParamsDesk:
 
     # --- what other parts ask --------------------------------------------------------------------
 
-    async def for_registration(self, job: str) -> JobParams | None:
-        """The job's document for a registration's reply (None: none was ever set)."""
+    async def for_registration(
+        self, job: str, replica: str, worker: int, room: Callable[[], int]
+    ) -> JobParams | None:
+        """The job's document for a registration's reply (None: none was ever set). One that
+        does not fit beside the reply's command (``room()``: the bytes left; asked only for a
+        large document) is left out, and the worker counted as behind: the document comes on
+        its own subject within a second."""
         if self._store() is None:
             return None
         await self._ensure_loaded()
         doc = self._docs.get(job)
-        return doc[0] if doc is not None and doc[0].version > 0 else None
+        if doc is None or doc[0].version == 0:
+            return None
+        params = doc[0]
+        size = len(encode(params))
+        if size > ALWAYS_FITS and size > room():
+            self._ctx.stats["params.reply_omitted"] += 1
+            self._applied.get(job, {}).pop((replica, worker), None)
+            return None
+        return params
 
     async def run(self, interval: float = 0.25) -> None:
         """The convergence loop: publish again to jobs with workers behind, read the bucket

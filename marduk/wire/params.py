@@ -43,7 +43,7 @@ MAX_REJECTED: Final = MAX_PARAMS
 KEY_PATTERN: Final = r"^[A-Za-z_][A-Za-z0-9_.-]{0,63}$"
 KEY_WORDS: Final = "1-64 letters, digits, '_', '.' or '-', starting with a letter or '_'"
 
-MAX_DOC_BYTES: Final = 64 * 1024
+MAX_DOC_BYTES: Final = 16 * 1024
 """A job's whole document (values and overrides), encoded, at most: it travels in every
 registration reply and every fan-out, well under the server's max payload."""
 
