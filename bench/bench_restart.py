@@ -4,8 +4,8 @@ Contenders, all running bench/restart_worker.py (imports torch, joins a gloo gro
 
 * ``marduk``: 8 ``marduk agent run`` (scope job, 4 replicas x 2 workers, ``--preload torch``:
   trainers forked from each agent's fork server) and a controller; rank 0 crashes.
-* ``marduk-standby``: the same with ``--no-fork-server`` (one pre-spawned standby process per
-  incarnation, started after the trainer's first step).
+* ``marduk-standby``: the same with ``--no-fork-server`` (one prestarted trainer per rank,
+  started after the trainer's first step; the name is the one the recorded results carry).
 * ``marduk-device``: as ``marduk``; the fault is a device health event for one of rank 0's
   devices.
 * ``torchrun``: ``torchrun --standalone --nproc-per-node 8 --max-restarts N``; rank 0 crashes.
@@ -459,7 +459,7 @@ def main() -> None:
         "--settle",
         type=float,
         default=2.0,
-        help="isolated: seconds from the job's ready to the next fault (a standby, "
+        help="isolated: seconds from the job's ready to the next fault (a prestarted trainer, "
         "--no-fork-server, needs its import time here to be warm: about 15 s for 8 on 2 cores)",
     )
     p.add_argument(

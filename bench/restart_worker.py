@@ -1,11 +1,11 @@
 """The trivial worker every contender in bench_restart.py runs (torch + a gloo group, or jax).
 
 Records, as JSON lines in $BENCH_DIR/events-<rank>.jsonl: ``start`` (the first statement of the
-process: the trainer is running; ``by`` says how Marduk started it: zygote, standby or cold),
-``ready`` (first step done: imports, backend and rendezvous included) and ``crash`` (rank 0 exits
-1 when $BENCH_DIR/crash-<incarnation> appears). BENCH_INC=faults: the incarnation is the number
-of crash files there at the start (bench_launch.py --nnodes, where torchrun's restart counts
-differ per node).
+process: the trainer is running; ``by`` says how Marduk started it: zygote, standby (a
+prestarted trainer) or cold), ``ready`` (first step done: imports, backend and rendezvous
+included) and ``crash`` (rank 0 exits 1 when $BENCH_DIR/crash-<incarnation> appears).
+BENCH_INC=faults: the incarnation is the number of crash files there at the start
+(bench_launch.py --nnodes, where torchrun's restart counts differ per node).
 
 BENCH_FRAMEWORK=jax: import jax and run one jitted step instead (no collective: each rank is
 ready on its own).

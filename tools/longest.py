@@ -1,8 +1,8 @@
 """Print the ten longest modules and the ten longest functions of the packages (``make lint``).
 
-The house rule (docs/architecture.md): modules of one job, mostly 100-500 lines, split before
-~800; functions under ~80 lines except declarative tables (typer option lists). This prints where
-the code stands against it; it does not fail the build.
+The house rule (docs/architecture.md, *Module size*): modules of one job, mostly 100-500 lines,
+split before ~800; functions under ~80 lines except declarative tables (typer option lists).
+This prints where the code stands against it; it does not fail the build.
 """
 
 from __future__ import annotations

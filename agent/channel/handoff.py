@@ -1,10 +1,10 @@
 """The ``MARDUK_*`` hand-off: what a trainer learns from its environment, as one typed object.
 
 ``marduk agent run`` writes it (``Handoff.to_env()``) into every trainer it starts; the fork
-server and the standby pass it on; the library reads it back (``Handoff.from_env()``). A trainer
-started without a supervisor may still be given some of these variables by hand (a Kubernetes
-manifest setting ``MARDUK_REPLICA_ID``): every field is optional, and a variable that is set
-but unreadable is an error that names it.
+server and a prestarted trainer pass it on; the library reads it back (``Handoff.from_env()``).
+A trainer started without a supervisor may still be given some of these variables by hand (a
+Kubernetes manifest setting ``MARDUK_REPLICA_ID``): every field is optional, and a variable
+that is set but unreadable is an error that names it.
 
 The variable names are defined here and nowhere else in the code.
 """
@@ -29,6 +29,8 @@ SUPERVISOR_PID: Final = "MARDUK_SUPERVISOR_PID"
 AGENT_SOCKET: Final = "MARDUK_AGENT_SOCKET"
 WARM_START: Final = "MARDUK_WARM_START"
 
+# How a warm trainer was started: forked from the fork server ("zygote") or from a prestarted
+# trainer ("standby": the value trainers have read since before the name; no controller here).
 WarmStart = Literal["zygote", "standby"]
 
 
@@ -55,7 +57,7 @@ class Handoff:
     # The supervisor's unix socket (agent/channel/messages.py): set means "talk to it, don't
     # register".
     agent_socket: str | None = None
-    # How a warm trainer was started (the fork server or a standby); None: a cold start.
+    # How a warm trainer was started (WarmStart); None: a cold start.
     warm_start: WarmStart | None = None
 
     @property

@@ -155,7 +155,8 @@ def run(
             envvar="MARDUK_FORK_SERVER",
             help="With --prespawn: fork every trainer from one process that imported the "
             "framework once (a fork server), so every restart is warm, back-to-back faults "
-            "included; --no-fork-server keeps one standby process per incarnation instead.",
+            "included; --no-fork-server keeps one prestarted trainer per rank instead (its own "
+            "process, the framework imported, waiting).",
         ),
     ] = Config.fork_server,
     preload: Annotated[

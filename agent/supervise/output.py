@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import IO
 
 from agent.supervise.launch import LogSpec, Std
-from agent.supervise.ranks import Rank
+from agent.supervise.rank_facts import Rank
 
 log = logging.getLogger("agent.supervisor")
 

@@ -64,7 +64,7 @@ async def wait_for_release(
         await asyncio.sleep(poll_s)
 
 
-async def between_incarnations(
+async def clean_up(
     stale_files: list[str],
     cleanup_cmd: str,
     devices: list[str],

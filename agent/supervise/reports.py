@@ -16,8 +16,9 @@ from agent.supervise.controller_link import (
     STOPPING_REPORT_TIMEOUT_S,
     ControllerLink,
 )
-from agent.supervise.ranks import Rank
-from agent.supervise.rules import (
+from agent.supervise.rank_facts import Rank
+from agent.supervise.signatures import Diagnosis, diagnose
+from agent.supervise.supervision import (
     ExitCode,
     Finish,
     GiveUp,
@@ -25,7 +26,6 @@ from agent.supervise.rules import (
     Supervision,
     describe_returncode,
 )
-from agent.supervise.signatures import Diagnosis, diagnose
 from marduk.wire import protocol as wire
 
 log = logging.getLogger("agent.supervisor")

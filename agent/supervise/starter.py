@@ -1,11 +1,11 @@
 """How ``marduk agent run`` starts its trainers: cold, forked from the fork server, or from a
-standby process — for each local rank.
+prestarted trainer — for each local rank.
 
 One fork server (agent/supervise/zygote.py) per agent serves every local rank: each rank's next
 trainer is forked ahead of time and waits for its environment (``RANK``, ``LOCAL_RANK``, the epoch,
-...), given at activation. Where forking is unsafe or impossible, each rank keeps one standby
-process (agent/supervise/standby.py) started with its own environment. Commands that are not
-``python SCRIPT`` or ``python -m MODULE`` start cold.
+...), given at activation. Where forking is unsafe or impossible, each rank keeps one prestarted
+trainer (agent/supervise/prestarted.py), its own process started with its own environment.
+Commands that are not ``python SCRIPT`` or ``python -m MODULE`` start cold.
 """
 
 from __future__ import annotations
@@ -24,20 +24,20 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agent.channel import handoff
-from agent.supervise.start_mode import StartFacts, StartMode, choose, needs_import_check
+from agent.supervise.start_choice import StartFacts, StartMode, choose, needs_import_check
 from agent.supervise.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
 from marduk.transport.children import die_with_parent
 
 log = logging.getLogger("agent.supervisor")
 
 IMPORT_CHECK_TIMEOUT_S = 60.0
-SETTLE_TIMEOUT_S = 10.0  # at most, for a fork or a standby's start in flight
+SETTLE_TIMEOUT_S = 10.0  # at most, for a fork or a prestarted trainer's start in flight
 T = TypeVar("T")
 PREFORK_AFTER_S = 1.0  # at the latest, after a start forked from the zygote: fork the next one
 
 
-def standby_command(cmd: list[str], preload: list[str]) -> list[str] | None:
-    """The pre-spawn form of ``cmd`` (``python SCRIPT ...`` or ``python -m MODULE ...``), or
+def prestarted_command(cmd: list[str], preload: list[str]) -> list[str] | None:
+    """``cmd`` (``python SCRIPT ...`` or ``python -m MODULE ...``) run as a prestarted trainer, or
     None when ``cmd`` is not a plain Python trainer (then it is started directly)."""
     if len(cmd) < 2 or not os.path.basename(cmd[0]).startswith("python"):
         return None
@@ -46,7 +46,7 @@ def standby_command(cmd: list[str], preload: list[str]) -> list[str] | None:
         return [
             cmd[0],
             "-m",
-            "agent.supervise.standby",
+            "agent.supervise.prestarted",
             "--preload",
             ",".join(preload),
             "--",
@@ -65,7 +65,7 @@ async def exec_trainer(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=env,
-        start_new_session=True,  # its own process group, apart from ours and the standby's
+        start_new_session=True,  # its own process group, apart from ours and a prestarted one's
         preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
     )
 
@@ -78,9 +78,11 @@ class RankSlot:
     forked: ForkedProcess | None = None  # the next trainer, forked ahead of time
     prefork_task: asyncio.Task[None] | None = None  # waits, then starts ``forking``
     forking: asyncio.Task[None] | None = None
-    standby: asyncio.subprocess.Process | None = None
-    standby_task: asyncio.Task[None] | None = None  # starts the next standby or zygote
-    started_by: str = ""  # how its current trainer started: zygote, standby or "" (cold)
+    prestarted: asyncio.subprocess.Process | None = None
+    prestarted_task: asyncio.Task[None] | None = None  # starts the next prestarted or zygote
+    # How its current trainer started: its MARDUK_WARM_START, "zygote" or "standby" (prestarted;
+    # the value trainers read, handoff.WarmStart), or "" (cold).
+    started_by: str = ""
 
 
 class Starter:
@@ -103,12 +105,12 @@ class Starter:
         self.fork_server_timeout_s = fork_server_timeout_s
         self.stats = stats
         self._spawn = spawn  # named, guarded background tasks (the supervisor's)
-        self.standby_cmd = standby_command(cmd, preload)
-        # The facts the start mode is chosen from (agent/supervise/start_mode.py); failures change
+        self.prestarted_cmd = prestarted_command(cmd, preload)
+        # The facts the start mode is chosen from (agent/supervise/start_choice.py); failures change
         # them.
         self.facts = StartFacts(
             prespawn=prespawn,
-            python_command=self.standby_cmd is not None,
+            python_command=self.prestarted_cmd is not None,
             fork_server=fork_server,
             has_pidfd=hasattr(os, "pidfd_open"),
         )
@@ -119,12 +121,12 @@ class Starter:
         self._warming: asyncio.Task[None] | None = None  # warm_up's fork server start
         self._warm_env: dict[str, str] = {}  # the environment it imports in
         self._dropping = asyncio.Lock()  # a failed fork server is dropped (and said) once
-        # Processes of ours being made (a fork, a standby's or the zygote's exec): their pids
-        # are not known yet, so a sweep of leftovers must wait for them (``settle``).
+        # Processes of ours being made (a fork, a prestarted trainer's or the zygote's exec):
+        # their pids are not known yet, so a sweep of leftovers must wait for them (``settle``).
         self._in_flight: set[asyncio.Future[Any]] = set()
 
     def infrastructure_pids(self) -> set[int]:
-        """Processes of ours that are not trainers: the zygote, forked and standby trainers
+        """Processes of ours that are not trainers: the zygote, forked and prestarted trainers
         waiting (a sweep of leftover processes spares them and what they fork)."""
         pids = set()
         if self.zygote is not None and self.zygote.proc.returncode is None:
@@ -132,8 +134,8 @@ class Starter:
         for s in self.slots:
             if s.forked is not None and s.forked.waiting:
                 pids.add(s.forked.pid)
-            if s.standby is not None and s.standby.returncode is None:
-                pids.add(s.standby.pid)
+            if s.prestarted is not None and s.prestarted.returncode is None:
+                pids.add(s.prestarted.pid)
         return pids
 
     async def start(
@@ -153,11 +155,11 @@ class Starter:
         if mode is StartMode.ZYGOTE:
             proc = await self._fork(rank, env, first, base_env)
         else:
-            proc = await self._activate_standby(rank, env)
-        if self.mode() is StartMode.STANDBY:  # (forking turned out unsafe just now, or is off)
+            proc = await self._activate_prestarted(rank, env)
+        if self.mode() is StartMode.PRESTARTED:  # (forking turned out unsafe just now, or is off)
             # The next one starts once this trainer has made its first step (or after a
             # minute): importing a framework meanwhile would slow the restart it waits for.
-            self._prepare(rank, self._prepare_standby(rank, env))
+            self._prepare(rank, self._prepare_prestarted(rank, env))
         return proc
 
     def warm_up(self, base_env: dict[str, str]) -> None:
@@ -183,7 +185,7 @@ class Starter:
         try:
             await zygote.wait_ready(self.fork_server_timeout_s)
         except ZygoteUnsafe:
-            return False  # the first start finds out, and uses a standby process
+            return False  # the first start finds out, and uses a prestarted trainer
         except ZygoteError as e:
             async with self._dropping:
                 if self.zygote is not zygote:
@@ -242,7 +244,7 @@ class Starter:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._warming), SETTLE_TIMEOUT_S)
         for rank in range(len(self.slots)):
-            await self._discard_standby(rank)
+            await self._discard_prestarted(rank)
         await self._discard_zygote()
 
     # --- the fork server --------------------------------------------------------------------------
@@ -252,7 +254,8 @@ class Starter:
     ) -> TrainerProcess:
         """The trainer forked by the zygote (started first if there is none): the one forked
         ahead of time, else a fresh fork. If neither can be had, the trainer starts cold (or
-        from a standby, where forking is unsafe) and a new zygote starts once it has stepped."""
+        from a prestarted trainer, where forking is unsafe) and a new zygote starts once it has
+        stepped."""
         slot = self.slots[rank]
         if self.zygote is None and first and rank == 0:
             # The first trainers wait for the zygote's import, as they would wait for their
@@ -273,9 +276,9 @@ class Starter:
                 if self.zygote is not None:
                     await self._drop_failed_zygote(env)
             if isinstance(e, ZygoteUnsafe):
-                log.error("cannot fork trainers: %s; using a standby process instead", e)
+                log.error("cannot fork trainers: %s; using a prestarted trainer instead", e)
                 self._learn(fork_unsafe=True)
-                return await self._activate_standby(rank, env)
+                return await self._activate_prestarted(rank, env)
             if self.facts.imports_agent is not False:  # else the import check said it all
                 log.warning("fork server: %s; starting the trainer cold", e)
             self.stats["fork_server.failures"] += 1
@@ -384,8 +387,8 @@ class Starter:
             await zygote.close()
 
     async def _check_warm_starts(self, env: dict[str, str]) -> None:
-        """Once: can the trainer's python import ``agent`` (the fork server and the standby
-        run in it)? If not (``-- python train.py`` with a python from another environment),
+        """Once: can the trainer's python import ``agent`` (the fork server and a prestarted
+        trainer run in it)? If not (``-- python train.py`` with a python from another environment),
         every start is cold: a warm start would die before the trainer runs, and that death
         would count as the trainer's crash."""
         if self.facts.imports_agent is not None:
@@ -394,7 +397,7 @@ class Starter:
             check = await asyncio.create_subprocess_exec(
                 self.cmd[0],
                 "-c",
-                "import agent.supervise.standby, agent.supervise.zygote",
+                "import agent.supervise.prestarted, agent.supervise.zygote",
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
@@ -415,25 +418,27 @@ class Starter:
             )
             self.stats["warm_starts.unavailable"] += 1
 
-    # --- standby processes ------------------------------------------------------------------------
+    # --- prestarted trainers ----------------------------------------------------------------------
 
     def _prepare(self, rank: int, coro: Coroutine[Any, Any, None]) -> None:
-        """Run ``coro`` (the rank's next standby's start) instead of any pending one."""
+        """Run ``coro`` (the start of the rank's next prestarted trainer) instead of any pending
+        one."""
         slot = self.slots[rank]
-        if slot.standby_task is not None:
-            slot.standby_task.cancel()
-        slot.standby_task = self._spawn(coro, f"rank{rank}-standby")
+        if slot.prestarted_task is not None:
+            slot.prestarted_task.cancel()
+        slot.prestarted_task = self._spawn(coro, f"rank{rank}-prestarted")
 
-    async def _activate_standby(self, rank: int, env: dict[str, str]) -> TrainerProcess:
-        assert self.standby_cmd is not None
+    async def _activate_prestarted(self, rank: int, env: dict[str, str]) -> TrainerProcess:
+        assert self.prestarted_cmd is not None
         slot = self.slots[rank]
-        if slot.standby_task is not None:
-            slot.standby_task.cancel()
-        proc, slot.standby = slot.standby, None
+        if slot.prestarted_task is not None:
+            slot.prestarted_task.cancel()
+        proc, slot.prestarted = slot.prestarted, None
         if proc is None or proc.returncode is not None:
-            proc = await exec_trainer(self.standby_cmd, env, stdin=True)
+            proc = await exec_trainer(self.prestarted_cmd, env, stdin=True)
         # The rank's whole environment, not only the MARDUK_* variables that change (epoch,
         # restart count): torchrun's (TORCHELASTIC_RESTART_COUNT, a new MASTER_PORT) change too.
+        # MARDUK_WARM_START says "standby" for a prestarted trainer: the value trainers read.
         order = {"env": {**env, handoff.WARM_START: "standby"}}
         assert proc.stdin is not None
         try:
@@ -441,36 +446,36 @@ class Starter:
             await proc.stdin.drain()
             proc.stdin.close()
         except (BrokenPipeError, ConnectionResetError):
-            log.warning("the pre-spawned trainer died; starting one directly")
+            log.warning("the prestarted trainer died; starting one directly")
             slot.started_by = ""
             return await exec_trainer(self.cmd, env, stdin=False)
         slot.started_by = "standby"
         return proc
 
-    async def _prepare_standby(self, rank: int, env: dict[str, str]) -> None:
+    async def _prepare_prestarted(self, rank: int, env: dict[str, str]) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.slots[rank].first_step.wait(), 60.0)
         # Shielded: a restart that cancels this task mid-exec must not orphan the process.
-        await asyncio.shield(self._start_standby(rank, env))
+        await asyncio.shield(self._start_prestarted(rank, env))
 
-    async def _start_standby(self, rank: int, env: dict[str, str]) -> None:
-        assert self.standby_cmd is not None
+    async def _start_prestarted(self, rank: int, env: dict[str, str]) -> None:
+        assert self.prestarted_cmd is not None
         slot = self.slots[rank]
-        proc = await self._made(exec_trainer(self.standby_cmd, env, stdin=True))
-        if slot.standby is None:
-            slot.standby = proc
+        proc = await self._made(exec_trainer(self.prestarted_cmd, env, stdin=True))
+        if slot.prestarted is None:
+            slot.prestarted = proc
         else:  # a restart started its own meanwhile
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
 
-    async def _discard_standby(self, rank: int) -> None:
+    async def _discard_prestarted(self, rank: int) -> None:
         slot = self.slots[rank]
-        if slot.standby_task is not None:
-            slot.standby_task.cancel()
+        if slot.prestarted_task is not None:
+            slot.prestarted_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await slot.standby_task
-        proc, slot.standby = slot.standby, None
+                await slot.prestarted_task
+        proc, slot.prestarted = slot.prestarted, None
         if proc is not None and proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)

@@ -4,7 +4,7 @@ The pod survives when a trainer dies. This process registers the node's devices 
 controller once (so the registration outlives trainer restarts), runs ``--nproc-per-node`` local
 ranks (torchrun's contract: agent/supervise/launch.py), each in its own process group, passes their
 output through line by line, and applies the decisions of the supervision core
-(agent/supervise/rules.py) to what it observes:
+(agent/supervise/supervision.py) to what it observes:
 
 * a local rank crashes (exit code or signal) or hangs (no step for ``hang_timeout_s``; before
   the first step, ``startup_timeout_s``; a section open past its timeout): every local rank is
@@ -51,16 +51,20 @@ from prometheus_client.core import Metric
 from agent.channel import messages
 from agent.library.client import AsyncClient, Command
 from agent.supervise import placement
-from agent.supervise.between import BetweenIncarnations
+from agent.supervise.before_first_start import join_controller, warn_about_setup
+from agent.supervise.between_incarnations import BetweenIncarnations
 from agent.supervise.controller_link import ControllerLink
 from agent.supervise.launch import LaunchSpec
 from agent.supervise.output import RankOutput
 from agent.supervise.ports import CoordinatorFirst, MasterFirst, port_for_incarnation
 from agent.supervise.proctree import end_leftovers
-from agent.supervise.rank_procs import RankProcesses
-from agent.supervise.ranks import CommandArrived, Fact, Joined, Preempted, Rank, Tick, decide
+from agent.supervise.rank_facts import CommandArrived, Fact, Joined, Preempted, Rank, Tick, decide
+from agent.supervise.rank_processes import RankProcesses
 from agent.supervise.reports import Reporter, restart_for_others
-from agent.supervise.rules import (
+from agent.supervise.signals import CANCEL_WAIT_S, Signals
+from agent.supervise.start_choice import StartMode
+from agent.supervise.starter import Starter, prestarted_command
+from agent.supervise.supervision import (
     Decision,
     ExitCode,
     Finish,
@@ -72,10 +76,6 @@ from agent.supervise.rules import (
     Restart,
     Supervision,
 )
-from agent.supervise.signals import CANCEL_WAIT_S, Signals
-from agent.supervise.start_mode import StartMode
-from agent.supervise.starter import Starter, standby_command
-from agent.supervise.startup import join_controller, warn_about_setup
 from agent.supervise.supervisor_config import SupervisorConfig, default_preload
 from agent.supervise.telemetry import Telemetry, gauges, readiness
 from agent.supervise.trainer_channel import TrainerChannels
@@ -90,10 +90,12 @@ __all__ = [
     "Supervisor",
     "SupervisorConfig",
     "default_preload",
-    "standby_command",
+    "prestarted_command",
 ]
 
 log = logging.getLogger("agent.supervisor")
+# A warm trainer's MARDUK_WARM_START, as the log says where it came from.
+STARTED_FROM = {"zygote": "the zygote", "standby": "a prestarted trainer"}
 
 
 class Supervisor:
@@ -520,7 +522,7 @@ class Supervisor:
             pids,
             self.epoch,
             incarnation,
-            f" (pre-spawned), from the {by}" if by else "",
+            f" (pre-spawned), from {STARTED_FROM.get(by, by)}" if by else "",
         )
         # In the background: the loop must see crashes and signals while the controller
         # answers (5 s at most when it is gone but NATS is not).

@@ -1,5 +1,5 @@
 """What ``marduk agent run`` is configured with: ``SupervisorConfig``, each default defined here
-once (the rules' numbers in ``Limits``, agent/supervise/rules.py).
+once (the supervision core's numbers in ``Limits``, agent/supervise/supervision.py).
 
 No slots: the dataclass's class attributes are its defaults, and ``marduk agent run``'s options
 take theirs from them (agent/supervise/cli.py), so the CLI, ``--help`` and code that builds a config
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Final
 
 from agent.supervise.launch import LaunchSpec, LogSpec
-from agent.supervise.rules import Limits
+from agent.supervise.supervision import Limits
 
 if TYPE_CHECKING:
     from agent.library.options import Options
@@ -42,7 +42,8 @@ class SupervisorConfig:
     cleanup_cmd: str = ""
     stale_files: list[str] = field(default_factory=lambda: ["/tmp/libtpu_lockfile"])
     # Start trainers warm, with these modules imported ahead of time: forked from a fork
-    # server (agent/supervise/zygote.py) or, with fork_server off, from one standby process each.
+    # server (agent/supervise/zygote.py) or, with fork_server off, from one prestarted trainer
+    # each (agent/supervise/prestarted.py).
     prespawn: bool = True
     preload: list[str] = field(default_factory=list)
     fork_server: bool = True

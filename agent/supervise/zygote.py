@@ -3,15 +3,15 @@ trainer incarnation is forked from it in milliseconds.
 
     python -m agent.supervise.zygote --control-fd N --preload torch -- SCRIPT|-m MODULE [ARGS...]
 
-A standby process (``agent/supervise/standby.py``) covers one fault: the next one waits for a new
-interpreter to import the framework (seconds; several at once on a busy host). The zygote is
-never used up, so the first fault after start and a burst of faults are all warm restarts.
+A prestarted trainer (``agent/supervise/prestarted.py``) covers one fault: the next one waits for
+a new interpreter to import the framework (seconds; several at once on a busy host). The zygote
+is never used up, so the first fault after start and a burst of faults are all warm restarts.
 
 How a trainer is made, and why it is a clean process:
 
 * The zygote imports ``--preload`` and runs nothing else: no device is initialised and no
   thread is started (it checks, and refuses to serve otherwise: the agent then falls back to a
-  standby process). Native library pools (OpenBLAS) are shut down by their own fork handlers,
+  prestarted trainer). Native library pools (OpenBLAS) are shut down by their own fork handlers,
   which ``os.fork`` runs.
 * The agent sends a fork order on the control socket (AF_UNIX, SEQPACKET): the trainer's
   environment, with the write ends of its stdout/stderr pipes attached (SCM_RIGHTS).
@@ -23,7 +23,7 @@ How a trainer is made, and why it is a clean process:
   parent-death signal, the agent's pipes on fds 1 and 2 and /dev/null on 0, the zygote's
   socket closed, an empty signal mask and Python's default handlers, the order's environment
   (``MARDUK_WARM_START=zygote``), numpy's global generator reseeded (``random`` is reseeded by
-  ``os.fork``). Then it runs as ``python`` would (``runpy``), as the standby does.
+  ``os.fork``). Then it runs as ``python`` would (``runpy``), as a prestarted trainer does.
 
 The framework reads its import-time settings from the zygote's environment: the agent's, the
 same for every incarnation but for ``MARDUK_EPOCH`` and ``MARDUK_RESTART_COUNT``.
@@ -230,7 +230,7 @@ def _default_signals() -> None:
 
 
 def main(argv: list[str]) -> None:
-    from agent.supervise.standby import parse, preload, run_target
+    from agent.supervise.prestarted import parse, preload, run_target
 
     opts, target = parse(argv, "zygote")
     control = int(opts["--control-fd"])

@@ -414,7 +414,7 @@ def test_two_nodes_of_two_ranks_restart_together_through_the_controller(
         ), "".join(a.all)
 
 
-def test_without_the_fork_server_each_rank_starts_from_its_own_standby(
+def test_without_the_fork_server_each_rank_starts_from_its_own_prestarted_trainer(
     env: dict[str, str],
 ) -> None:
     a = launch(
@@ -431,7 +431,7 @@ def test_without_the_fork_server_each_rank_starts_from_its_own_standby(
         ("1", "0"),
         ("1", "1"),
     ]
-    assert {e["MARDUK_WARM_START"] for e in seen} == {"standby"}
+    assert {e["MARDUK_WARM_START"] for e in seen} == {"standby"}  # a prestarted trainer
 
 
 def test_the_jax_example_one_process_per_host_standalone_resumes_after_a_kill(

@@ -148,7 +148,8 @@ def test_fail_command_makes_the_agent_exit_for_pod_replacement(env: dict[str, st
 def test_prespawned_trainer_has_its_modules_imported_before_it_runs(
     controller_env: dict[str, str], tmp_path: Path
 ) -> None:
-    """The standby imports --preload while it waits; the trainer finds it in sys.modules."""
+    """A prestarted trainer imports --preload while it waits; the trainer finds it in
+    sys.modules."""
     env = controller_env
     probe = "import sys; print('PRELOADED', 'email.mime.text' in sys.modules)"
     preload = ("--devices", "d1", "--preload", "email.mime.text")
@@ -164,28 +165,28 @@ def test_prespawned_trainer_has_its_modules_imported_before_it_runs(
     assert b.proc.wait(20) == ExitCode.OK
 
 
-def test_standby_command_forms() -> None:
-    from agent.supervise.supervisor import standby_command
+def test_prestarted_command_forms() -> None:
+    from agent.supervise.supervisor import prestarted_command
 
-    assert standby_command(["python3", "t.py", "-x"], ["jax"]) == [
+    assert prestarted_command(["python3", "t.py", "-x"], ["jax"]) == [
         "python3",
         "-m",
-        "agent.supervise.standby",
+        "agent.supervise.prestarted",
         "--preload",
         "jax",
         "--",
         "t.py",
         "-x",
     ]
-    assert standby_command(["python", "-m", "pkg.train"], []) == [
+    assert prestarted_command(["python", "-m", "pkg.train"], []) == [
         "python",
         "-m",
-        "agent.supervise.standby",
+        "agent.supervise.prestarted",
         "--preload",
         "",
         "--",
         "-m",
         "pkg.train",
     ]
-    assert standby_command(["python", "-u", "t.py"], []) is None
-    assert standby_command(["bash", "run.sh"], []) is None
+    assert prestarted_command(["python", "-u", "t.py"], []) is None
+    assert prestarted_command(["bash", "run.sh"], []) is None

@@ -116,11 +116,11 @@ def test_no_process_is_left_behind(controller_env: dict[str, str], sig: int) -> 
     assert not alive, [(p.pid, p.cmdline()) for p in alive]
 
 
-def test_a_zygote_that_would_fork_threads_falls_back_to_a_standby(
+def test_a_zygote_that_would_fork_threads_falls_back_to_prestarted_trainers(
     controller_env: dict[str, str],
 ) -> None:
     """A preloaded module started a thread: forking is unsafe, so the zygote refuses and the
-    agent uses standby processes; the job runs and restarts all the same."""
+    agent uses prestarted trainers; the job runs and restarts all the same."""
     a = agent(
         controller_env,
         "--crashes",
@@ -134,12 +134,13 @@ def test_a_zygote_that_would_fork_threads_falls_back_to_a_standby(
     assert [f["by"] for f in facts(a)] == ["standby", "standby", "standby"]
 
 
-def test_without_the_fork_server_the_standby_starts_trainers(
+def test_without_the_fork_server_prestarted_trainers_start_the_trainers(
     controller_env: dict[str, str],
 ) -> None:
     a = agent(controller_env, "--crashes", "1", "--steps", "3", extra=("--no-fork-server",))
     assert a.proc.wait(60) == ExitCode.OK
     bys = [f["by"] for f in facts(a)]
-    # The first from a standby started on the spot; the restart from one (ready or not).
+    # MARDUK_WARM_START=standby: the first from a prestarted trainer started on the spot; the
+    # restart from one (ready or not).
     assert bys == ["standby", "standby"]
     assert not any("fork server started" in line for line in a.all)

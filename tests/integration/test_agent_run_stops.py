@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent.supervise.rules import ExitCode
+from agent.supervise.supervision import ExitCode
 from tests.processes import agent_run, controller, inject, status
 
 WAITER = (

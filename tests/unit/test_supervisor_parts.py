@@ -14,11 +14,11 @@ from agent.library.client import Command
 from agent.library.options import Options
 from agent.supervise.launch import LaunchSpec, LogSpec, Std
 from agent.supervise.output import RankOutput, read_output, step_of
-from agent.supervise.ranks import CommandArrived, Preempted, Rank, RankExited, Tick, decide
+from agent.supervise.rank_facts import CommandArrived, Preempted, Rank, RankExited, Tick, decide
 from agent.supervise.reports import answered_epoch, failure_report, restart_for_others
-from agent.supervise.rules import ExitCode, Forward, GiveUp, Limits, Restart, Supervision
 from agent.supervise.signals import Signals
 from agent.supervise.signatures import Diagnosis
+from agent.supervise.supervision import ExitCode, Forward, GiveUp, Limits, Restart, Supervision
 from agent.supervise.telemetry import Telemetry, gauges, readiness
 from agent.supervise.trainer_env import rank_env, trainer_env
 from marduk.wire import protocol as wire

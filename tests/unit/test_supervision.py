@@ -1,4 +1,4 @@
-"""The agent's supervision core (agent/supervise/rules.py): every rule, no process, no clock."""
+"""The agent's supervision core (agent/supervise/supervision.py): every rule, no process, no clock."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.supervise.rules import (
+from agent.supervise.supervision import (
     ExitCode,
     Finish,
     Forward,

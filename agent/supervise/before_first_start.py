@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 from agent.library.client import AsyncClient
 from agent.supervise.controller_link import ControllerLink
 from agent.supervise.proctree import become_subreaper
-from agent.supervise.rules import ExitCode, Supervision
 from agent.supervise.signals import Signals
+from agent.supervise.supervision import ExitCode, Supervision
 from agent.supervise.supervisor_config import SupervisorConfig
 from marduk.errors import MardukError
 from marduk.transport.credentials import redact

@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 
 from agent.supervise.preflight import run_check
-from agent.supervise.reclaim import between_incarnations
+from agent.supervise.reclaim import clean_up
 from agent.supervise.supervisor_config import SupervisorConfig
 from marduk.wire import protocol as wire
 
@@ -65,7 +65,7 @@ class BetweenIncarnations:
         """Remove stale lockfiles, run the user's cleanup command, wait for the GPUs' memory
         to be released."""
         c = self._config
-        await between_incarnations(
+        await clean_up(
             c.stale_files,
             c.cleanup_cmd,
             self._devices,

@@ -18,7 +18,7 @@ from agent.supervise.launch import LaunchSpec, Std
 from agent.supervise.output import RankOutput
 from agent.supervise.ports import CoordinatorFirst, MasterFirst
 from agent.supervise.proctree import end_leftovers, find_leftovers, wait_groups_gone
-from agent.supervise.ranks import Fact, Rank, RankExited
+from agent.supervise.rank_facts import Fact, Rank, RankExited
 from agent.supervise.signals import Signals
 from agent.supervise.starter import Starter
 from agent.supervise.zygote import TrainerProcess
@@ -126,7 +126,7 @@ class RankProcesses:
         """SIGTERM every rank's group and every process the trainers left behind; the grace
         period; SIGKILL what is left; wait until all of it is gone. ``why``: for the log
         line (None: the caller said it); ``grace_s``: the grace period (None: ``--grace``; a
-        restart's is shorter, ``Grace`` in agent/supervise/rules.py)."""
+        restart's is shorter, ``Grace`` in agent/supervise/supervision.py)."""
         grace = self._grace_s if grace_s is None else grace_s
         running = [r for r in self.ranks if r.running]
         # A trainer being forked ahead of time is ours before its pid is known: not a leftover.

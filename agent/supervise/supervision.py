@@ -48,8 +48,8 @@ class ExitCode(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Limits:
-    """The rules' numbers (``marduk agent run`` options; no slots: the class attributes are the
-    defaults, which agent/supervise/supervisor_config.py takes)."""
+    """The supervision core's numbers (``marduk agent run`` options; no slots: the class
+    attributes are the defaults, which agent/supervise/supervisor_config.py takes)."""
 
     max_restarts: int = 3
     restart_window_s: float = 3600.0

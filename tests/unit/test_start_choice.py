@@ -1,4 +1,5 @@
-"""The start mode (agent/supervise/start_mode.py): every branch of the choice, from the facts alone."""
+"""How a trainer starts (agent/supervise/start_choice.py): every branch of the choice, from the
+facts alone."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from agent.supervise.start_mode import (
+from agent.supervise.start_choice import (
     ZYGOTE_RETRIES,
     StartFacts,
     StartMode,
@@ -25,11 +26,11 @@ WARM = StartFacts(prespawn=True, python_command=True, fork_server=True, imports_
         ({"prespawn": False}, StartMode.COLD, "--no-prespawn"),
         ({"python_command": False}, StartMode.COLD, "not a python SCRIPT"),
         ({"imports_agent": False}, StartMode.COLD, "cannot import the agent package"),
-        ({"fork_server": False}, StartMode.STANDBY, "--no-fork-server"),
-        ({"fork_unsafe": True}, StartMode.STANDBY, "unsafe"),
-        ({"zygote_failures": ZYGOTE_RETRIES}, StartMode.STANDBY, "failed 3 times in a row"),
+        ({"fork_server": False}, StartMode.PRESTARTED, "--no-fork-server"),
+        ({"fork_unsafe": True}, StartMode.PRESTARTED, "unsafe"),
+        ({"zygote_failures": ZYGOTE_RETRIES}, StartMode.PRESTARTED, "failed 3 times in a row"),
         ({"zygote_failures": ZYGOTE_RETRIES - 1}, StartMode.ZYGOTE, "--fork-server"),
-        ({"has_pidfd": False}, StartMode.STANDBY, "no pidfd_open"),
+        ({"has_pidfd": False}, StartMode.PRESTARTED, "no pidfd_open"),
     ],
 )
 def test_each_fact_and_the_mode_it_leads_to(
@@ -46,7 +47,7 @@ def test_cold_wins_over_everything_warm() -> None:
     assert choose(dataclasses.replace(broken, imports_agent=False))[0] is StartMode.COLD
 
 
-def test_the_import_check_is_made_once_before_a_standby_start_only() -> None:
+def test_the_import_check_is_made_once_before_a_prestarted_start_only() -> None:
     unknown = dataclasses.replace(WARM, imports_agent=None)
     assert needs_import_check(dataclasses.replace(unknown, fork_server=False))
     assert not needs_import_check(unknown)  # the fork server's own failure says so

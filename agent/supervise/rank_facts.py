@@ -1,5 +1,5 @@
 """What ``marduk agent run`` keeps of each local rank, and the facts its shell feeds to the
-supervision core (agent/supervise/rules.py): ``decide`` gives the core each one."""
+supervision core (agent/supervise/supervision.py): ``decide`` gives the core each one."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import IO
 
 from agent.library.client import Command
 from agent.supervise.launch import LogSpec, Std
-from agent.supervise.rules import Decision, Supervision
+from agent.supervise.supervision import Decision, Supervision
 from agent.supervise.zygote import TrainerProcess
 
 log = logging.getLogger("agent.supervisor")
