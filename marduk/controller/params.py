@@ -114,6 +114,11 @@ class ParamsDesk:
         async with lock:  # one set of a job at a time here; the CAS covers other controllers
             for _ in range(CAS_TRIES):
                 current, revision = self._docs.get(req.job, (JobParams(job=req.job), 0))
+                if req.if_version is not None and req.if_version > current.version:
+                    # The client read a version we have not: ours is stale (a late write of
+                    # another controller's). Read the key before judging the compare-and-set.
+                    await self._refresh(req.job)
+                    current, revision = self._docs.get(req.job, (current, revision))
                 result = apply_set(
                     current,
                     req.values,
@@ -130,8 +135,7 @@ class ParamsDesk:
                     # Another controller (a lapsed leader's late write) got there first: read
                     # it and apply this change on top of it.
                     self._ctx.stats["params.cas_retries"] += 1
-                    got = await store.get(req.job)
-                    self._docs[req.job] = got if got is not None else (JobParams(job=req.job), 0)
+                    await self._refresh(req.job)
                     continue
                 break
             else:
@@ -256,6 +260,10 @@ class ParamsDesk:
             self._resend[job] = (due, wait)
 
     # --- inside ----------------------------------------------------------------------------------
+
+    async def _refresh(self, job: str) -> None:
+        got = await self._require_store().get(job)
+        self._docs[job] = got if got is not None else (JobParams(job=job), 0)
 
     def _require_store(self) -> ParamsStore:
         store = self._store()

@@ -214,6 +214,17 @@ async def test_concurrent_sets_lose_no_update(nats_server: NatsServer, tmp_path:
         )
         assert r.params.version == 22 and r.params.values["x"] == 1 and r.params.values["y"] == 2
         assert c.stats["params.cas_retries"] == 1
+        # A client that read a version this controller has not seen yet is judged on the store.
+        doc, rev = await store.get("j")  # type: ignore[misc]
+        await store.put(msgspec.structs.replace(doc, version=23), rev)
+        r = await bus.request(
+            nc,
+            S.params_set,
+            ParamsSet(job="j", values={"z": 3}, if_version=23),
+            ParamsSetReply,
+            timeout=5.0,
+        )
+        assert r.params.version == 24
     finally:
         await nc.close()
         await a.close()
