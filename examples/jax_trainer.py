@@ -54,6 +54,24 @@ def loss_fn(params: list[tuple[jax.Array, jax.Array]], x: jax.Array, y: jax.Arra
     return jnp.mean((forward(params, x) - y) ** 2)
 
 
+def live_params(client, args, lr: float, log_every: int) -> tuple[float, int, int]:  # type: ignore[no-untyped-def]
+    """``lr`` and ``log_every`` from the job's live parameters (the command line's when unset);
+    a value the loop cannot use is refused, with why, and the one in force kept."""
+    live, rejected = client.params, {}
+    new_lr, new_every = live.get("lr", args.lr), live.get("log_every", args.log_every)
+    if isinstance(new_lr, int | float) and not isinstance(new_lr, bool) and new_lr > 0:
+        lr = float(new_lr)
+    else:
+        rejected["lr"] = f"{new_lr!r} is not a positive number"
+    if isinstance(new_every, int) and not isinstance(new_every, bool) and new_every >= 1:
+        log_every = new_every
+    else:
+        rejected["log_every"] = f"{new_every!r} is not a positive integer"
+    client.params_applied(live.version, rejected=rejected)
+    print(f"params version {live.version}: lr {lr} log_every {log_every}", flush=True)
+    return lr, log_every, live.version
+
+
 @jax.jit
 def train_step(params, x, y, lr):  # type: ignore[no-untyped-def]
     loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
@@ -111,6 +129,7 @@ def main() -> int:
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (demos)")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
     p.add_argument("--events", default=None, help="append timed JSON events to DIR/WHO.jsonl")
     p.add_argument(
         "--compile-cache-dir",
@@ -177,11 +196,17 @@ def main() -> int:
         import agent
 
         client = agent.connect()
+    # Live parameters (`marduk monitor set JOB lr=0.01 log_every=10`): read at each step
+    # boundary, applied from this step on, acknowledged; a restarted trainer starts with them.
+    lr, log_every, applied = args.lr, args.log_every, 0
     for step in range(start + 1, args.steps + 1):
+        if client is not None and client.params.version != applied:
+            lr, log_every, applied = live_params(client, args, lr, log_every)
         t_step = time.perf_counter()
-        params, loss = train_step(params, x, y, args.lr)
+        params, loss = train_step(params, x, y, lr)
         state["step"], state["params"] = step, params
-        print(f"step {step} loss {float(loss):.6f}", flush=True)
+        if step % log_every == 0:
+            print(f"step {step} loss {float(loss):.6f}", flush=True)
         timeline("step", step=step)
         if step == start + 1:  # compiled, or loaded from the compilation cache
             first_ms = (time.perf_counter() - t_step) * 1000

@@ -78,6 +78,7 @@ def main() -> int:
     p.add_argument("--ckpt-dir", default=None)
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (demos)")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--log-every", type=int, default=1, help="print the loss every N steps")
     args = p.parse_args()
     given = Handoff.from_env()
     ckpt_dir = Path(
@@ -97,6 +98,26 @@ def main() -> int:
         os._exit(1)
 
 
+def live_params(client, args, lr: float, log_every: int) -> tuple[float, int, int]:  # type: ignore[no-untyped-def]
+    """``lr`` and ``log_every`` from the job's live parameters (the command line's when unset);
+    a value the loop cannot use is refused, with why, and the one in force kept. Every rank
+    reads the same version: the job's values, the same for each replica unless one was set
+    its own with ``--replica``."""
+    live, rejected = client.params, {}
+    new_lr, new_every = live.get("lr", args.lr), live.get("log_every", args.log_every)
+    if isinstance(new_lr, int | float) and not isinstance(new_lr, bool) and new_lr > 0:
+        lr = float(new_lr)
+    else:
+        rejected["lr"] = f"{new_lr!r} is not a positive number"
+    if isinstance(new_every, int) and not isinstance(new_every, bool) and new_every >= 1:
+        log_every = new_every
+    else:
+        rejected["log_every"] = f"{new_every!r} is not a positive integer"
+    client.params_applied(live.version, rejected=rejected)
+    print(f"params version {live.version}: lr {lr} log_every {log_every}", flush=True)
+    return lr, log_every, live.version
+
+
 def train(args, given: Handoff, ckpt_dir: Path, client) -> int:  # type: ignore[no-untyped-def]
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # env://
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,16 +134,22 @@ def train(args, given: Handoff, ckpt_dir: Path, client) -> int:  # type: ignore[
     share = BATCH // world
     x, y = x[rank * share : (rank + 1) * share], y[rank * share : (rank + 1) * share]
     asked = False
+    # Live parameters (`marduk monitor set JOB lr=0.01 log_every=10`): read at each step
+    # boundary, applied from this step on, acknowledged; a restarted trainer starts with them.
+    lr, log_every, applied = args.lr, args.log_every, 0
     for step in range(start + 1, args.steps + 1):
+        if client is not None and client.params.version != applied:
+            lr, log_every, applied = live_params(client, args, lr, log_every)
         err = x @ w - y
         # One all_reduce a step: the gradient's sum, the squared error's sum, and whether any
         # rank was asked for a checkpoint (every rank then saves at this step).
         packed = torch.cat([(2 * x.T @ err).flatten(), (err**2).sum().view(1)])
         packed = torch.cat([packed, torch.tensor([float(asked)])])
         dist.all_reduce(packed)
-        w = w - args.lr * packed[:8].view(8, 1) / BATCH
+        w = w - lr * packed[:8].view(8, 1) / BATCH
         loss = float(packed[8]) / BATCH
-        print(f"step {step} loss {loss:.6f} sum {float(w.sum()):.6f}", flush=True)
+        if step % log_every == 0:
+            print(f"step {step} loss {loss:.6f} sum {float(w.sum()):.6f}", flush=True)
         if packed[9] > 0:
             save(ckpt_dir, step, w)
             print(f"checkpoint saved at step {step} on request", flush=True)

@@ -10,7 +10,7 @@ import logging
 
 import typer
 
-from monitor_cli import admin_cli, health_cli, run_cli, view_cli
+from monitor_cli import admin_cli, health_cli, params_cli, run_cli, view_cli
 from monitor_cli.alertmanager_cli import app as alertmanager_app
 
 app = typer.Typer(
@@ -28,6 +28,8 @@ for name, command in (
     ("forget", admin_cli.forget),
     ("drain", admin_cli.drain),
     ("undrain", admin_cli.undrain),
+    ("set", params_cli.set_),
+    ("params", params_cli.params),
     ("status", view_cli.status),
     ("top", view_cli.top),
     ("watch", view_cli.watch),

@@ -5,11 +5,12 @@ its workers confirm it (docs/decisions.md #3). An agent acts on each epoch once:
 
 * a command above the last epoch received is **new**: act on it;
 * one at that epoch at a higher revision, or naming devices not seen for it, is an **update**
-  (another failure joined the restart in flight): deliver it again, unless the epoch was
-  already acted on (acked), when it changes nothing here: the ack said the revision the
-  incarnation started with, and the controller restarts the scope again for a failure merged
-  after it (a failure is covered by a restart only if the restart's incarnation starts after
-  it);
+  (another failure joined the restart in flight): deliver it again if it names a device not
+  seen (a repeat of a failure it names is only learnt: the trainer has that command; each
+  delivery of an epoch names more devices than the last), unless the epoch was already acted
+  on (acked), when it changes nothing here: the ack said the revision the incarnation started
+  with, and the controller restarts the scope again for a failure merged after it (a failure
+  is covered by a restart only if the restart's incarnation starts after it);
 * one at an epoch held without knowing its command (the process was started at it, or adopted
   it from the controller) is **known**: its devices are learnt, nothing is delivered;
 * anything else is **stale** (an older epoch, a resend): dropped;
@@ -104,6 +105,11 @@ class Fence:
             # changes nothing here; the ack said the revision it started with, and the
             # controller starts a new epoch for a failure merged after that.
             return Verdict.STALE, learnt
+        if update and seen <= self.devices:
+            # A repeat of a failure the command already names (only its revision moved): the
+            # trainer has this command, so nothing is delivered again; the revision is learnt,
+            # and the ack says it, since the incarnation has not started yet.
+            return Verdict.KNOWN, learnt
         if update:
             return Verdict.UPDATE, learnt
         return Verdict.NEW, Fence(

@@ -88,9 +88,11 @@ class Perf(Message, tag="perf"):
 
 
 class Welcome(Message, tag="welcome"):
-    """The supervisor's answer to ``hello``: the epoch the trainer was started at."""
+    """The supervisor's answer to ``hello``: the epoch the trainer was started at, and the
+    job's live parameters if any were set (the trainer starts with them)."""
 
     epoch: wire.Epoch
+    params: wire.JobParams | None = None
 
 
 class ForwardedCommand(Message, tag="command"):
@@ -99,8 +101,23 @@ class ForwardedCommand(Message, tag="command"):
     command: wire.Command
 
 
-ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed | Perf
-ToTrainer = Welcome | ForwardedCommand
+class ForwardedParams(Message, tag="params"):
+    """The job's live parameters (decisions.md #20), as the controller sent them, each time a
+    newer version comes (the first ones come with the welcome)."""
+
+    params: wire.JobParams
+
+
+class ParamsApplied(Message, tag="params_applied"):
+    """The trainer runs ``version`` of the parameters, except the keys in ``rejected``; the
+    supervisor says so to the controller."""
+
+    version: int
+    rejected: dict[str, str] = {}
+
+
+ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed | ParamsApplied | Perf
+ToTrainer = Welcome | ForwardedCommand | ForwardedParams
 M = TypeVar("M", ToAgent, ToTrainer)
 
 _encoder = msgspec.json.Encoder()

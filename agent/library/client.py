@@ -36,6 +36,7 @@ from agent.library.options import (
     resolve_options,
     with_nkey,
 )
+from agent.library.params import OnParams, ParamsView
 from agent.library.sync_client import Client
 from agent.library.transport import AgentClient, open_client
 from marduk.transport.credentials import Credentials
@@ -48,7 +49,9 @@ __all__ = [
     "Command",
     "CommandInbox",
     "OnCommand",
+    "OnParams",
     "Options",
+    "ParamsView",
     "State",
     "connect",
     "connect_async",
@@ -72,6 +75,7 @@ async def connect_async(
     credentials: Credentials | None = None,
     controller_key: str | None = None,
     peer_notices: bool = False,
+    on_params: OnParams | None = None,
 ) -> AsyncClient:
     """Register this worker and return once registered; raise AgentError after ``timeout``.
 
@@ -83,6 +87,8 @@ async def connect_async(
     ``controller.pub`` beside the nkey file): commands not signed with it are dropped.
     ``peer_notices``: also receive ``peer_failed`` notices (``Command.is_notice``) when another
     replica of the job restarts or fails; they need no ack and set no ``failed``.
+    ``on_params``: called with ``client.params`` when the job's live parameters change (and
+    with the current ones at registration, if any were set); see agent/library/params.py.
     """
     opts = resolve_options(
         replica_id,
@@ -98,6 +104,7 @@ async def connect_async(
         peer_notices=peer_notices,
     )
     client = open_client(opts, on_command, None)
+    client.live.on_params = on_params
     await client.start()
     # Under a supervisor this is a LocalAsyncClient: the same interface (AgentClient).
     return cast(AsyncClient, client)
@@ -118,6 +125,7 @@ def connect(
     credentials: Credentials | None = None,
     controller_key: str | None = None,
     peer_notices: bool = False,
+    on_params: OnParams | None = None,
 ) -> Client:
     """Register this worker with the controller and return a ``Client``.
 
@@ -137,4 +145,4 @@ def connect(
         controller_key=controller_key,
         peer_notices=peer_notices,
     )
-    return Client(opts, on_command)
+    return Client(opts, on_command, on_params)

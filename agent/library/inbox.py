@@ -14,6 +14,7 @@ import msgspec
 from agent.channel.fencing import Fence, Verdict
 from agent.library.command import Command, OnCommand
 from agent.library.options import Options
+from agent.library.params import LiveParams, ParamsView
 from agent.library.perf import PerfRecorder
 from marduk.aio import TaskSet
 from marduk.wire import protocol as wire
@@ -58,6 +59,8 @@ class CommandInbox:
         self.perf = PerfRecorder()
         # ``peer_failed`` notices: the epoch of the last command each failed replica was sent.
         self._noticed: dict[str, int] = {}
+        # Live parameters (agent/library/params.py): the view the trainer reads, its fence.
+        self.live = LiveParams(opts.replica)
 
     def _verify_by_asking(self) -> None:
         """Ask the controller what is current (AsyncClient re-registers; under a supervisor the
@@ -193,3 +196,8 @@ class CommandInbox:
     def epoch(self) -> int:
         """The last epoch received."""
         return self.fence.received
+
+    @property
+    def params(self) -> ParamsView:
+        """The live parameters this replica runs (read-only, with ``version``)."""
+        return self.live.view

@@ -14,8 +14,10 @@ from agent.channel.messages import (
     ChannelError,
     Checkpointed,
     ForwardedCommand,
+    ForwardedParams,
     Heartbeat,
     Message,
+    ParamsApplied,
     Perf,
     Section,
     Step,
@@ -70,6 +72,8 @@ class LocalAsyncClient(CommandInbox):
             ) from None
         self.fence = self.fence.adopt(welcome.epoch)
         self.state = "registered"
+        if welcome.params is not None:  # in ``params`` before connect returns
+            self._take_params(welcome.params)
         self._reader_task = self._tasks.spawn(self._read(reader), "local")
         sender = sender_for(self.opts, self.perf, self._send_perf)
         if sender is not None:
@@ -84,6 +88,8 @@ class LocalAsyncClient(CommandInbox):
             async for msg in messages(reader, decode_to_trainer, self._bad):
                 if isinstance(msg, ForwardedCommand):
                     self._accept(msg.command)
+                elif isinstance(msg, ForwardedParams):
+                    self._take_params(msg.params)
                 else:
                     self._bad(f"unexpected {type(msg).__name__}")
         except OSError as e:
@@ -116,6 +122,22 @@ class LocalAsyncClient(CommandInbox):
         """Clears ``failed``; the supervisor confirms epochs to the controller itself."""
         self._clear_failure(command)
         return True
+
+    async def params_applied(self, version: int, rejected: dict[str, str] | None = None) -> bool:
+        """Tell the supervisor; it says so to the controller."""
+        refused = {str(k): str(v)[:256] for k, v in (rejected or {}).items()}
+        self.live.acked = (int(version), refused)
+        await self._send(ParamsApplied(version=int(version), rejected=refused))
+        return True
+
+    def _take_params(self, params: wire.JobParams) -> None:
+        ack = self.live.take(params, said_again=False, on_error=self._params_bug)
+        if ack is not None:
+            self._spawn(self.params_applied(*ack), "params-applied")
+
+    def _params_bug(self, e: Exception) -> None:
+        self.stats["errors.on_params"] += 1
+        self._record(f"on_params raised {type(e).__name__}: {e}")
 
     async def step(self, step: int) -> None:
         await self._send(Step(step=int(step)))

@@ -42,6 +42,7 @@ from marduk.transport import bus
 from marduk.transport.auth import SIG_HEADER, verify
 from marduk.transport.credentials import redact
 from marduk.wire import protocol as wire
+from marduk.wire.params import Params, ParamsApplied, ParamsAppliedReply
 from marduk.wire.subjects import Subjects
 
 log = logging.getLogger("agent")
@@ -124,6 +125,7 @@ class AsyncClient(CommandInbox):
             nc = self._nc
             await nc.subscribe(self.subjects.replica_commands(o.job, o.replica), cb=self._on_msg)
             await nc.subscribe(self.subjects.job_commands(o.job), cb=self._on_msg)
+            await nc.subscribe(self.subjects.params_commands(o.job), cb=self._on_params_msg)
             await nc.subscribe(self.subjects.hello, cb=self._on_hello)
             await self._register(timeout=max(0.5, deadline - time.monotonic()), retry=True)
         except MardukError as e:
@@ -237,6 +239,8 @@ class AsyncClient(CommandInbox):
             self.claimed_by = reply.claimed_by
             self.membership_changed.set()
             return
+        if reply.params is not None and reply.params.job == o.job:
+            self._take_params(reply.params, said_again=False)
         if reply.unusable_devices != self.unusable_devices:
             self.unusable_devices = list(reply.unusable_devices)
             if self.unusable_devices:
@@ -312,11 +316,18 @@ class AsyncClient(CommandInbox):
 
     # --- commands --------------------------------------------------------------------------------
 
-    async def _on_msg(self, msg: Msg) -> None:
+    def _forged(self, msg: Msg, what: str) -> bool:
+        """True (counted, recorded) if ``msg`` is not signed by the controller (when its keys
+        are known)."""
         keys = self.opts.controller_keys
-        if keys is not None and not verify(keys, msg.data, (msg.headers or {}).get(SIG_HEADER)):
-            self.stats["dropped_forged"] += 1
-            self._record(f"dropped a command on {msg.subject} not signed by the controller")
+        if keys is None or verify(keys, msg.data, (msg.headers or {}).get(SIG_HEADER)):
+            return False
+        self.stats["dropped_forged"] += 1
+        self._record(f"dropped {what} on {msg.subject} not signed by the controller")
+        return True
+
+    async def _on_msg(self, msg: Msg) -> None:
+        if self._forged(msg, "a command"):
             return
         try:
             command = wire.decode(msg.data, wire.Command)
@@ -355,6 +366,64 @@ class AsyncClient(CommandInbox):
             return
         self.membership = (command.epoch, m)
         self.membership_changed.set()
+
+    # --- live parameters (agent/library/params.py) ---------------------------------------------
+
+    async def _on_params_msg(self, msg: Msg) -> None:
+        if self._forged(msg, "parameters"):
+            return
+        try:
+            doc = wire.decode(msg.data, Params).params
+        except ValueError as e:
+            self.stats["bad_params"] += 1
+            self._record(f"dropped undecodable parameters on {msg.subject}: {e}")
+            return
+        if doc.job != self.opts.job:
+            self.stats["bad_params"] += 1
+            self._record(f"dropped parameters of job {doc.job!r} sent on {msg.subject}")
+            return
+        self._take_params(doc, said_again=True)
+
+    def _take_params(self, doc: wire.JobParams, *, said_again: bool) -> None:
+        """A document from the controller (``said_again``: on the bus, not in a reply)."""
+        before = self.live.view.version
+        ack = self.live.take(doc, said_again=said_again, on_error=self._on_params_failed)
+        if self.live.view.version != before:
+            self.stats["params_received"] += 1
+        if ack is not None:
+            self._spawn(self.params_applied(*ack), "params-applied")
+
+    def _on_params_failed(self, e: Exception) -> None:
+        self.stats["errors.on_params"] += 1
+        self._record(f"on_params raised {type(e).__name__}: {e}")
+
+    async def params_applied(self, version: int, rejected: dict[str, str] | None = None) -> bool:
+        """Tell the controller this worker runs ``version`` of the job's parameters, except the
+        keys in ``rejected`` (key -> why). True once the controller confirmed (5 s at most);
+        False is recorded in ``errors``, never raised; the controller asks again."""
+        o = self.opts
+        refused = {str(k): str(v)[:256] for k, v in (rejected or {}).items()}
+        self.live.acked = (version, refused)
+        if not self.connected:
+            self._record("parameters not acknowledged: no connection to NATS")
+            return False
+        applied = ParamsApplied(
+            job=o.job, replica=o.replica, worker=o.worker, version=version, rejected=refused
+        )
+        try:
+            assert self._nc is not None
+            await bus.request(
+                self._nc,
+                self.subjects.params_applied(o.job),
+                applied,
+                ParamsAppliedReply,
+                timeout=5.0,
+                addr=o.addr,
+            )
+        except MardukError as e:
+            self._record(f"parameters version {version} not acknowledged: {e}")
+            return False
+        return True
 
     @property
     def connected(self) -> bool:

@@ -16,6 +16,7 @@ from agent.library.command import Command, OnCommand
 from agent.library.inbox import State
 from agent.library.nats_client import AsyncClient
 from agent.library.options import Options
+from agent.library.params import OnParams, ParamsView
 from agent.library.transport import AgentClient, open_client
 
 log = logging.getLogger("agent")
@@ -28,7 +29,12 @@ class Client:
     keep them short and thread-safe, or use ``wait()``/``failed`` from the training loop.
     """
 
-    def __init__(self, opts: Options, on_command: OnCommand | None = None) -> None:
+    def __init__(
+        self,
+        opts: Options,
+        on_command: OnCommand | None = None,
+        on_params: OnParams | None = None,
+    ) -> None:
         self._commands: queue.Queue[Command] = queue.Queue()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="marduk-agent")
@@ -38,6 +44,7 @@ class Client:
 
         async def make() -> AgentClient:
             client = open_client(opts, on_command, self._commands.put_nowait)
+            client.live.on_params = on_params
             await client.start()
             return client
 
@@ -154,6 +161,28 @@ class Client:
         the controller this worker applied the epoch. False (not confirmed within 5 s) is
         recorded in ``errors``, never raised."""
         return self._call_recorded(self._async.ack(command))
+
+    @property
+    def params(self) -> ParamsView:
+        """The job's live parameters as this replica runs them (read-only; ``version``). Read
+        them at a step boundary; ``marduk monitor set`` changes them."""
+        return self._async.params
+
+    @property
+    def on_params(self) -> OnParams | None:
+        """Called (on the ``marduk-agent`` thread) with the new ``params`` when they change;
+        apply them at the next step boundary, then call ``params_applied(version)``. Unset,
+        the library acknowledges each version on receipt."""
+        return self._async.live.on_params
+
+    @on_params.setter
+    def on_params(self, callback: OnParams | None) -> None:
+        self._async.live.on_params = callback
+
+    def params_applied(self, version: int, rejected: dict[str, str] | None = None) -> None:
+        """Say that this worker runs parameters ``version`` from this step on, except the keys
+        in ``rejected`` (key -> why): ``marduk monitor params`` shows it. Never blocks."""
+        self._fire(self._async.params_applied(version, dict(rejected or {})))
 
     def _call_recorded(self, coro: Any) -> bool:
         """Run ``coro`` on the client's loop; a failure is recorded in ``errors``, never raised."""

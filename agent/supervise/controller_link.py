@@ -50,6 +50,8 @@ class ControllerLink:
         self._spawn = spawn
         self._join_task: asyncio.Task[None] | None = None
         self._collector: StatsCollector | None = None
+        # Told when the job's live parameters change (the supervisor forwards them).
+        self.on_params: Callable[[Any], None] | None = None
 
     async def connect(self, on_unreachable: Callable[[str], None] | None = None) -> AsyncClient:
         """Register now, within the options' timeout (MardukError: no controller answered);
@@ -65,6 +67,7 @@ class ControllerLink:
         self, opts: Options, on_unreachable: Callable[[str], None] | None = None
     ) -> AsyncClient:
         client = AsyncClient(opts, on_command=self._on_command, deliver=lambda _c: None)
+        client.live.on_params = self.on_params
         await client.start(on_unreachable=on_unreachable)
         # The library client's counters (commands, dropped forgeries, ...) are exported too.
         if self._collector is not None:
@@ -148,6 +151,14 @@ class ControllerLink:
     async def ack(self, command: Command) -> None:
         if self.client is not None:
             await self.client.ack(command)
+
+    def params(self) -> wire.JobParams | None:
+        """The job's live parameters as last received (None: none set, or no controller)."""
+        return self.client.live.doc if self.client is not None else None
+
+    async def params_applied(self, version: int, rejected: dict[str, str]) -> None:
+        if self.client is not None:
+            await self.client.params_applied(version, rejected)
 
     async def close(self, *, deregister: bool, reason: str = "closed") -> None:
         """Stop trying to join; close the registration (``deregister``: the worker is gone)."""

@@ -167,6 +167,8 @@ class Supervisor:
             join_interval_s=config.join_interval_s,
             spawn=self._spawn,
         )
+        # Live parameters (decisions.md #20): forwarded to the trainers, acknowledged for them.
+        self.link.on_params = self._params_changed
         run_prefix = f"{o.job}_{o.replica}_{o.worker}_"
         self.output = RankOutput(config.logs, config.step_regex, run_prefix, self._progress)
         self.procs = RankProcesses(
@@ -218,6 +220,7 @@ class Supervisor:
                 return ExitCode.SETUP
         paths = [r.socket_path for r in self.ranks]
         await self.channels.open(paths, self._on_trainer, lambda: self.epoch, self.stats)
+        self.channels.hand_params(self.link.params)
         background = [
             self._spawn(self.reporter.progress_loop(self.config.status_interval_s), "status"),
             self._spawn(self._ticker(), "ticker"),
@@ -573,6 +576,14 @@ class Supervisor:
                         summary, job=o.job, replica=o.replica, worker=o.worker
                     )
                     self._spawn(_ignore(client.publish_perf(summary)), "perf")
+            case messages.ParamsApplied(version=version, rejected=rejected):
+                # One registration for all local ranks: the last rank's word stands.
+                await self.link.params_applied(version, rejected)
+
+    def _params_changed(self, _view: object) -> None:
+        params = self.link.params()
+        if params is not None:
+            self._spawn(self.channels.forward_params(params), "forward-params")
 
     async def _forward(self, cmd: Command) -> None:
         """Tell the trainers' libraries (those connected) why they are about to be stopped."""

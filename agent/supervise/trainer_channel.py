@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from agent.channel.messages import (
     MAX_LINE,
     ForwardedCommand,
+    ForwardedParams,
     ToAgent,
     TrainerHello,
     Welcome,
@@ -47,6 +48,8 @@ class TrainerChannel:
         self.stats = stats
         self._server: asyncio.Server | None = None
         self._trainers: set[asyncio.StreamWriter] = set()
+        # The job's live parameters to hand a trainer at its welcome (None: none set).
+        self.params: Callable[[], wire.JobParams | None] = lambda: None
         self._bad_lines = RateLimitedLog(
             log, more="(more bad messages from the trainer this minute are counted, not logged)"
         )
@@ -63,7 +66,13 @@ class TrainerChannel:
 
     async def forward(self, command: wire.Command) -> None:
         """Tell the trainer's library (if it connected) why it is about to be stopped."""
-        line = encode(ForwardedCommand(command=command))
+        await self._to_all(encode(ForwardedCommand(command=command)))
+
+    async def forward_params(self, params: wire.JobParams) -> None:
+        """A newer version of the job's live parameters, to every trainer connected."""
+        await self._to_all(encode(ForwardedParams(params=params)))
+
+    async def _to_all(self, line: bytes) -> None:
         for writer in list(self._trainers):
             with contextlib.suppress(OSError, RuntimeError, TimeoutError):
                 writer.write(line)
@@ -74,7 +83,8 @@ class TrainerChannel:
         try:
             async for msg in messages(reader, decode_to_agent, self._bad):
                 if isinstance(msg, TrainerHello):
-                    writer.write(encode(Welcome(epoch=self._epoch())))
+                    # A new incarnation starts with the job's current live parameters.
+                    writer.write(encode(Welcome(epoch=self._epoch(), params=self.params())))
                     await writer.drain()
                     if not msg.peer_notices:
                         continue
@@ -119,6 +129,15 @@ class TrainerChannels:
         """To every trainer connected, rank by rank."""
         for channel in self.channels:
             await channel.forward(command)
+
+    def hand_params(self, params: Callable[[], wire.JobParams | None]) -> None:
+        """Where each channel reads the parameters it hands a trainer at its welcome."""
+        for channel in self.channels:
+            channel.params = params
+
+    async def forward_params(self, params: wire.JobParams) -> None:
+        for channel in self.channels:
+            await channel.forward_params(params)
 
     def close(self) -> None:
         for channel in self.channels:

@@ -22,6 +22,7 @@ from marduk.core.policy import Policy, PolicyError
 from marduk.errors import ProtocolError
 from marduk.shell.metrics import histogram
 from marduk.wire.protocol import (
+    MAX_MESSAGE_BYTES,
     Ack,
     AckReply,
     ControllerEvent,
@@ -34,6 +35,7 @@ from marduk.wire.protocol import (
     Forget,
     ForgetReply,
     HealthReply,
+    JobParams,
     Member,
     MemberOut,
     Membership,
@@ -85,6 +87,9 @@ class Handlers:
         standbys: Callable[[], list[ControllerInfo]],
         info: Callable[[], ControllerInfo],
         registry: CollectorRegistry,
+        params_for: Callable[[str, str, int, Callable[[], int]], Awaitable[JobParams | None]]
+        | None = None,
+        more_routes: Callable[[], list[Route]] = list,
     ) -> None:
         self._ctx = ctx
         self._policy = policy
@@ -92,6 +97,8 @@ class Handlers:
         self._announce = announce
         self._standbys = standbys
         self._info = info
+        self._params_for = params_for  # the job's live parameters, for a registration's reply
+        self._more_routes = more_routes  # the parameters desk's endpoints
         self._snapshots = SnapshotCache()
         self._notice_latency = histogram(
             registry,
@@ -110,6 +117,7 @@ class Handlers:
             Route("query", s.query, Query, h.query, False),
             Route("forget", s.forget, Forget, h.forget, False),
             Route("drain", s.drain, Drain, h.drain, False),
+            *self._more_routes(),
         ]
 
     def _check_subject_job(self, job: str, subject: str) -> None:
@@ -138,6 +146,15 @@ class Handlers:
                 )
             raise
         await self._submit(result.outcome).durable
+        params = None
+        if self._params_for is not None and result.claimed_by is None:
+            command = result.command
+
+            def room() -> int:  # what the reply leaves the parameters (asked only if large)
+                used = len(msgspec.json.encode(command)) if command is not None else 0
+                return MAX_MESSAGE_BYTES - 2048 - used
+
+            params = await self._params_for(reg.job, reg.replica, reg.worker, room)
         return RegisterReply(
             job=reg.job,
             replica=reg.replica,
@@ -148,6 +165,7 @@ class Handlers:
             renew_interval=result.renew_interval,
             unusable_devices=result.unusable,
             claimed_by=result.claimed_by,
+            params=params,
         )
 
     async def deregister(self, req: Deregistration, subject: str) -> DeregisterReply:

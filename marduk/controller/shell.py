@@ -31,6 +31,7 @@ from marduk.controller.edge import Edge
 from marduk.controller.handlers import Handlers
 from marduk.controller.leadership import Leadership
 from marduk.controller.outbox import Outbox
+from marduk.controller.params import ParamsDesk
 from marduk.controller.perf import PerfMonitor
 from marduk.controller.settings import ControllerSettings, StartupError
 from marduk.controller.standbys import Standbys
@@ -42,6 +43,7 @@ from marduk.errors import ConnectError, MardukError
 from marduk.shell.metrics import MetricsServer, Probes, StatsCollector
 from marduk.store.health_stream import HealthConsumer, ensure_stream
 from marduk.store.mirror import StateMirror
+from marduk.store.params import ParamsStore
 from marduk.store.state import StateStore
 from marduk.transport import auth, bus
 from marduk.transport.credentials import redact
@@ -80,6 +82,7 @@ class Controller:
         self.policy = Policy(settings.policy)
         self.nc: NATS | None = None
         self.store: StateStore | None = None
+        self.params_store: ParamsStore | None = None
         self.mirror: StateMirror | None = None
         self.leadership: Leadership | None = None
         self.server: EmbeddedServer | None = None
@@ -149,6 +152,16 @@ class Controller:
                 publish_failed=self.outbox.publish_failed,
             )
         )
+        self.params = ParamsDesk(
+            ctx,
+            store=lambda: self.params_store,
+            term=lambda: self.leadership.term if self.leadership is not None else 0,
+            workers_of=lambda job: [
+                (k.replica, k.worker) for k in self.policy.drmap.workers_of_job(job)
+            ],
+            announce=self.outbox.announce,
+            sign=self.outbox.signature,
+        )
         self.handlers = Handlers(
             ctx,
             policy=lambda: self.policy,
@@ -157,6 +170,8 @@ class Controller:
             standbys=self.standbys.live,
             info=self.info,
             registry=self.registry,
+            params_for=self.params.for_registration,
+            more_routes=self.params.routes,
         )
         self.perf = PerfMonitor(
             ctx,
@@ -268,6 +283,7 @@ class Controller:
         self._spawn(self.leadership.run(), "leadership")
         self._spawn(self.leadership.watch_holder(), "leadership-watch")
         self._spawn(self._tick_loop(), "tick")
+        self._spawn(self.params.run(), "params")
         self._spawn(self.standbys.announce_loop(), "standby-heartbeat")
         self._spawn(self._gc_loop(), "gc")
         self._spawn(self.perf.sweep_loop(), "perf-sweep")
@@ -293,6 +309,7 @@ class Controller:
             nc, st.prefix, replicas=st.kv_replicas, dedup_window_s=st.dedup_window_s
         )
         await ensure_stream(nc, st.prefix, self.subjects.health, replicas=st.kv_replicas)
+        self.params_store = await ParamsStore.open(nc, st.prefix, replicas=st.kv_replicas)
         self.mirror = StateMirror(self.store)
         await self.mirror.start()
         self.leadership = Leadership(

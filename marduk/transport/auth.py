@@ -4,14 +4,15 @@
 grants each role only what it needs under the prefix (decisions.md #10):
 
 * ``controller``: everything Marduk uses (its subjects, JetStream, replies);
-* ``agent``: request ``<job>.register|deregister|ack|report``, publish ``<job>.perf``,
-  subscribe to command subjects and ``ctl.hello``, and its own reply inboxes: it cannot
-  publish commands, health, hello or queries;
+* ``agent``: request ``<job>.register|deregister|ack|report|params.applied``, publish
+  ``<job>.perf``, subscribe to command subjects (``<job>.cmd.>``: parameters too) and
+  ``ctl.hello``, and its own reply inboxes: it cannot publish commands, health, hello, queries
+  or parameters;
   ``add-agent --job NAME`` makes one valid for one job only;
 * ``monitor``: publish health events (and see the stream's ``health.stored`` notices and
   receive the controller's decision);
-* ``admin``: what ``marduk monitor`` does: health, query, forget, drain, perf, and watching
-  events.
+* ``admin``: what ``marduk monitor`` does: health, query, forget, drain, perf, live parameters
+  (``ctl.params.set``: no other role may set them), and watching events.
 
 Files in DIR: ``<name>.nk`` (the seed, mode 0600, what nats-py's ``nkeys_seed=`` and the ``nats``
 CLI's ``--nkey`` read), ``controller.pub`` (the controller's public key: agents verify command
@@ -336,7 +337,8 @@ def permissions(
         j = job or "*"
         return {
             "publish": [
-                f"{p}.{j}.{leaf}" for leaf in ("register", "deregister", "ack", "report", "perf")
+                f"{p}.{j}.{leaf}"
+                for leaf in ("register", "deregister", "ack", "report", "params.applied", "perf")
             ],
             "subscribe": [f"{p}.{j}.cmd.>", f"{p}.ctl.hello", inbox],
         }
@@ -347,12 +349,15 @@ def permissions(
         return {
             # Not $SRV.>: the micro library answers on whatever reply subject it is given,
             # with the controller's rights. Discover it with the controller or system account.
+            # ctl.params.set: only admins change a job's live parameters (decisions.md #20).
             "publish": [
                 f"{p}.health",
                 f"{p}.ctl.query",
                 f"{p}.ctl.forget",
                 f"{p}.ctl.drain",
                 f"{p}.ctl.perf_query",
+                f"{p}.ctl.params.set",
+                f"{p}.ctl.params.get",
             ],
             "subscribe": [f"{p}.*.events", f"{p}.ctl.hello", f"{p}.health.stored", inbox],
         }

@@ -51,6 +51,7 @@ from marduk.wire.membership import Member as Member
 from marduk.wire.membership import Membership as Membership
 from marduk.wire.membership import Rendezvous as Rendezvous
 from marduk.wire.membership import WorkerRef as WorkerRef
+from marduk.wire.params import JobParams as JobParams
 from marduk.wire.perf import JobPerf as JobPerf
 from marduk.wire.perf import PerfQuery as PerfQuery
 from marduk.wire.perf import PerfReply as PerfReply
@@ -171,6 +172,9 @@ class RegisterReply(Message, tag="register_reply", kw_only=True):
     # claimed: it is that job's worker now (same replica and worker), and registers under
     # ``claimed_by`` from now on. Nothing else of the reply applies to it.
     claimed_by: JobName | None = None
+    # The job's desired parameters (marduk.wire.params), if any were set: a new incarnation
+    # starts with the current values, not its command line's. Older agents ignore it.
+    params: JobParams | None = None
 
 
 class Deregistration(Message, tag="deregister", kw_only=True):
@@ -336,6 +340,9 @@ EventKind = Literal[
     # performance (marduk/core/stragglers.py)
     "straggler_detected",
     "straggler_cleared",
+    # live parameters
+    "params_set",
+    "params_rejected",
 ]
 EVENT_KINDS: Final = frozenset(get_args(EventKind))
 

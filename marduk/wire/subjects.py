@@ -13,6 +13,8 @@ Layout (prefix ``marduk`` by default)::
     marduk.ctl.standby                     hot standby controllers announce themselves
     marduk.ctl.events                      controller events that belong to no job
     marduk.ctl.perf_query                  request/reply: jobs' step rates, stragglers, slow devices
+    marduk.ctl.params.set                  request/reply: an admin sets a job's parameters
+    marduk.ctl.params.get                  request/reply: a job's parameters, who applied them
     marduk.<job>.register                  request/reply: agent registration
     marduk.<job>.deregister                request/reply: agent deregistration
     marduk.<job>.ack                       an agent applied a command's epoch
@@ -20,6 +22,8 @@ Layout (prefix ``marduk`` by default)::
     marduk.<job>.perf                      a rank's performance summary per window (published)
     marduk.<job>.cmd.replica.<replica>     commands for one replica
     marduk.<job>.cmd.job                   commands for every replica of the job
+    marduk.<job>.cmd.params                the job's desired parameters (every replica)
+    marduk.<job>.params.applied            request/reply: a worker applied a parameters version
     marduk.<job>.events                    controller events about the job
 
 Device health events carry no job: a device is physical and a monitor on a host does not know
@@ -140,6 +144,22 @@ class Subjects:
 
     def job_commands(self, job: str) -> str:
         return f"{self.prefix}.{job}.cmd.job"
+
+    # Live parameters (marduk.wire.params): under ``cmd``, so an agent's credential that may
+    # receive its job's commands receives them too, signed like commands.
+    @property
+    def params_set(self) -> str:
+        return f"{self.prefix}.ctl.params.set"
+
+    @property
+    def params_get(self) -> str:
+        return f"{self.prefix}.ctl.params.get"
+
+    def params_commands(self, job: str) -> str:
+        return f"{self.prefix}.{job}.cmd.params"
+
+    def params_applied(self, job: str) -> str:
+        return f"{self.prefix}.{job}.params.applied"
 
     def events(self, job: str | None) -> str:
         return self.ctl_events if job is None else f"{self.prefix}.{job}.events"

@@ -39,12 +39,12 @@ async def started_at(p: Proc, epoch: int) -> None:
     await asyncio.to_thread(p.expect, f"START epoch={epoch}", 30)
 
 
-def supervise(addr: str, tmp_path: Path, trainer: str) -> Proc:
+def supervise(addr: str, tmp_path: Path, trainer: str, *options: str) -> Proc:
     """``marduk agent run`` of replica r1 on device d1, reaching NATS at ``addr``."""
     (tmp_path / "train.py").write_text(trainer)
     return agent_run(
         {"MARDUK_ADDR": addr, "PYTHONUNBUFFERED": "1"},
-        *("--replica", "r1", "--devices", "d1", "--preload", "none"),
+        *("--replica", "r1", "--devices", "d1", "--preload", "none", *options),
         cmd=[sys.executable, str(tmp_path / "train.py")],
     )
 
@@ -96,7 +96,8 @@ async def test_a_failure_while_the_old_trainer_stops_is_covered_by_the_restart(
         "import os, signal, sys, time\n"
         "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2.5), sys.exit(0)))\n",
     )
-    sup = supervise(nats_server.url, tmp_path, slow)
+    # A restart stops a trainer after --restart-grace (0.5 s): give this one its 2.5 s.
+    sup = supervise(nats_server.url, tmp_path, slow, "--restart-grace", "10")
     try:
         await started_at(sup, 0)
         await health_event(nc, "d1", event_id="e1")

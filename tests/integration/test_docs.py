@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from marduk.controller import Controller
+from marduk.wire import params as params_wire
 from marduk.wire import protocol as wire
 from marduk.wire.subjects import Subjects
 from tests.conftest import NatsServer, store_health
@@ -45,6 +46,13 @@ TAGGED = (
     | wire.Standby
     | wire.Drain
     | wire.DrainReply
+    | params_wire.ParamsSet
+    | params_wire.ParamsSetReply
+    | params_wire.Params
+    | params_wire.ParamsApplied
+    | params_wire.ParamsAppliedReply
+    | params_wire.ParamsQuery
+    | params_wire.ParamsQueryReply
     | wire.PerfSummary
     | wire.PerfQuery
     | wire.PerfReply
@@ -54,11 +62,14 @@ ARCHITECTURE_MD = ROOT / "docs" / "architecture.md"
 
 
 def _messages() -> set[str]:
-    """Every wire message class: the tagged Structs of marduk/wire/protocol.py."""
+    """Every wire message class: the tagged Structs of marduk/wire/protocol.py and of the
+    live parameters' marduk/wire/params.py."""
+    bases = (wire.Message, params_wire.ParamsMessage)
     return {
         name
-        for name, obj in vars(wire).items()
-        if isinstance(obj, type) and issubclass(obj, wire.Message) and obj is not wire.Message
+        for module in (wire, params_wire)
+        for name, obj in vars(module).items()
+        if isinstance(obj, type) and issubclass(obj, bases) and obj not in bases
     } | {"PerfSummary", "PerfQuery", "PerfReply"}  # marduk/wire/perf.py's, tagged alike
 
 
@@ -95,6 +106,8 @@ def test_every_subject_in_code_is_documented() -> None:
         s.events("<job>"),
         s.replica_commands("<job>", "<replica>"),
         s.job_commands("<job>"),
+        s.params_commands("<job>"),
+        s.params_applied("<job>"),
     ):
         assert f"`{subject}`" in text, subject
 
@@ -442,7 +455,8 @@ def test_the_error_code_table_lists_every_code_the_code_answers() -> None:
         for call in ast.walk(ast.parse(path.read_text())):
             if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
                 continue
-            if call.func.id in {"ProtocolError", "PolicyError", "MembershipError"} and call.args:
+            errors = {"ProtocolError", "PolicyError", "MembershipError"}
+            if call.func.id in errors | {"ParamsError", "ParamValueError"} and call.args:
                 arg = call.args[0]
             elif call.func.id == "ErrorReply":
                 arg = next((k.value for k in call.keywords if k.arg == "code"), None)
