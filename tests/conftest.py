@@ -50,6 +50,7 @@ HEAVY_GROUPS = {
         "integration/test_torchft_guard.py",
         "e2e/test_membership_failover.py",
         "e2e/test_spare_pools.py",
+        "e2e/test_stragglers.py",
         "integration/test_agent_defaults.py",
     ),
 }
