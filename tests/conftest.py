@@ -57,16 +57,15 @@ HEAVY_GROUPS = {
 _GROUP_OF = {name: group for group, names in HEAVY_GROUPS.items() for name in names}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups off the items
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
     """Everything under tests/e2e is an end-to-end test (``-m "not e2e"`` leaves it out); the
-    heavy files are grouped for pytest-xdist (above)."""
-    for item in items:
-        if E2E in item.path.parents:
-            item.add_marker(pytest.mark.e2e)
-        group = _GROUP_OF.get(f"{item.path.parent.name}/{item.path.name}")
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+    heavy files are grouped for pytest-xdist (above). Marked as each test is collected: by
+    ``pytest_collection_modifyitems`` pytest-xdist's worker may have read the groups already."""
+    if E2E in item.path.parents:
+        item.add_marker(pytest.mark.e2e)
+    group = _GROUP_OF.get(f"{item.path.parent.name}/{item.path.name}")
+    if group is not None:
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 class NatsServer:
