@@ -36,16 +36,23 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-## The suite on PYTEST_WORKERS pytest-xdist workers (tests/conftest.py says which files keep to
-## one worker), then the tests marked serial, alone. SUITE names a tier (make pytest-fast and the
-## test-* targets below); pytest's exit 5 (no serial test in it) is not a failure.
-PYTEST_WORKERS ?= 4
+## The unit and integration tiers on PYTEST_WORKERS pytest-xdist workers, then the end-to-end
+## tier and the tests marked serial on E2E_WORKERS; 0: no worker processes, one test at a time.
+## On a 2-core machine that is fastest: the suite is bound by CPU there, and four workers took
+## longer and timed out (README, Quick start). With more cores, try
+## PYTEST_WORKERS=4 E2E_WORKERS=2: tests/conftest.py keeps the files that run jax meshes or torch
+## ranks to one worker per kind, and test ports never collide (tests/ports.py). SUITE names a
+## tier, MARKS narrows further (make pytest-fast, test-*); pytest's exit 5 (no test in a phase)
+## is not a failure.
+PYTEST_WORKERS ?= 0
+E2E_WORKERS ?= 0
 SUITE ?= tests
-PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider
+PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider --dist loadgroup
 ALSO := $(if $(MARKS), and ($(MARKS)))
+OK5 := rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 pytest: $(STAMP)
-	$(PYTEST) -n $(PYTEST_WORKERS) --dist loadgroup -m "not serial$(ALSO)" $(SUITE)
-	$(PYTEST) -m "serial$(ALSO)" $(SUITE); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	$(PYTEST) -n $(PYTEST_WORKERS) -m "not serial and not e2e$(ALSO)" $(SUITE); $(OK5)
+	$(PYTEST) -n $(E2E_WORKERS) -m "(serial or e2e)$(ALSO)" $(SUITE); $(OK5)
 
 ## Everything but the slow end-to-end tests.
 pytest-fast:

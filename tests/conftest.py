@@ -28,12 +28,12 @@ ROOT = Path(__file__).resolve().parent.parent
 E2E = Path(__file__).resolve().parent / "e2e"
 
 
-# ``make pytest`` runs the suite on several pytest-xdist workers (``--dist loadgroup``), most of
-# its tests waiting on servers and processes rather than computing. The files below start
-# multi-process trainers that keep a core busy: the tests of one group run one after another on
-# one worker, so two meshes (or two sets of torch ranks) never fight for the two cores while the
-# other workers run the light tests. A test that needs the machine to itself (an upper bound on
-# time, the machine-wide pid counter) is marked ``serial`` and runs after the others, alone.
+# With pytest-xdist workers (``make pytest PYTEST_WORKERS=4 E2E_WORKERS=2`` on a machine with
+# cores to spare; on 2 cores one test at a time is faster) the files below, which start
+# multi-process trainers that keep a core busy, run one after another on one worker per kind
+# (``--dist loadgroup``), so two meshes (or two sets of torch ranks) never fight for the cores
+# while the other workers run the light tests. A test that needs the machine to itself (an upper
+# bound on time, the machine-wide pid counter) is marked ``serial`` and runs with the e2e tier.
 HEAVY_GROUPS = {
     "jax": (
         "e2e/test_jax_distributed.py",
