@@ -223,6 +223,12 @@ class PerfMonitor:
     async def _on_query(self, msg: Msg) -> None:
         if not self._leading() or not msg.reply:
             return  # the leader answers
+        if not msg.reply.startswith("_INBOX."):
+            # Never a confused deputy: a reply subject that is a KV or stream subject would have
+            # the leader write its answer into a Marduk bucket (the edge's rule, docs/protocol.md).
+            self._ctx.stats["rejected.reply_subject"] += 1
+            self._reject("reply_subject", f"not an inbox: {msg.reply[:100]}", msg.subject)
+            return
         try:
             q = decode(msg.data, PerfQuery)
         except ProtocolError as e:

@@ -278,11 +278,19 @@ async def test_monitor_drain_says_which_member_retired_and_who_took_its_ranks(
         assert r.returncode == 0, r.stderr
         return r.stdout
 
+    async def above(epoch: int) -> wire.Command:
+        """The next command past ``epoch``: resends of the last one (every second until the
+        workers confirm) queue up while the CLI starts."""
+        while True:
+            command = await asyncio.wait_for(sent.get(), 5)
+            if command.epoch > epoch:
+                return command
+
     try:
         sent = await listen(nc, S.job_commands(JOB), wire.Command)
         formed = await form(nc, sent)
         said = await drain("b-d0")  # the spare s takes b's ranks
-        swap = await asyncio.wait_for(sent.get(), 5)
+        swap = await above(formed.epoch)
         assert said.splitlines() == [
             "1 device drained: b-d0",
             "  b/0 (node rank 1) retired (exits 71); spare s/0 takes node rank 1",
@@ -290,13 +298,13 @@ async def test_monitor_drain_says_which_member_retired_and_who_took_its_ranks(
         ]
         assert swap.epoch > formed.epoch and "fail sent" not in said
         said = await drain("a-d0")  # no spare left: the job shrinks to s alone
-        shrink = await asyncio.wait_for(sent.get(), 5)
+        shrink = await above(swap.epoch)
         assert said.splitlines()[1:] == [
             "  a/0 (node rank 0) retired (exits 71); no spare fits",
             f"  job {JOB} shrinks to 1 node (world size 2) at epoch {shrink.epoch}",
         ]
         said = await drain("s-d0")  # below MIN 1: held
-        held = await asyncio.wait_for(sent.get(), 5)
+        held = await above(shrink.epoch)
         assert said.splitlines()[1:] == [
             "  s/0 (node rank 0) retired (exits 71); no spare fits",
             f"  job {JOB} is held below its MIN at epoch {held.epoch}: it forms again once "
