@@ -126,6 +126,9 @@ async def test_the_leader_is_a_nats_micro_service(
             "query",
             "forget",
             "drain",
+            "params_set",
+            "params_get",
+            "params_applied",
         }
         assert info["metadata"]["controller_id"] == controller.controller_id
         stats = json.loads((await nc.request("$SRV.STATS.marduk", b"", timeout=5)).data)
