@@ -240,6 +240,18 @@ def controller_env(env: dict[str, str]) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(autouse=True)
+def _no_framework_preload(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent's pre-spawned trainer imports jax by default (torch for a torch script): 4 s of
+    a core per agent start, for trainers here that are plain python. So the agents these tests
+    start preload nothing unless a test says ``--preload``; the jax files keep the default (their
+    trainers import jax, their restarts are meant to be warm), and so does a test marked
+    ``framework_preload`` (one that checks the default itself)."""
+    jax_file = _GROUP_OF.get(f"{request.path.parent.name}/{request.path.name}") == "jax"
+    if not jax_file and request.node.get_closest_marker("framework_preload") is None:
+        monkeypatch.setenv("MARDUK_PRELOAD", "none")
+
+
+@pytest.fixture(autouse=True)
 def _reap_processes() -> Iterator[None]:
     """No test leaves a process behind, even one that failed before its own cleanup."""
     yield

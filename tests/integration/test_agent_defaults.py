@@ -17,6 +17,8 @@ from agent.supervise.launch import LaunchSpec, Std
 from agent.supervise.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig, default_preload
 from marduk.cli import app
 
+pytestmark = pytest.mark.framework_preload  # the defaults checked here include --preload's
+
 
 @pytest.fixture
 def built(monkeypatch: pytest.MonkeyPatch) -> list[SupervisorConfig]:
