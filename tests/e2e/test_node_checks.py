@@ -28,10 +28,11 @@ SICK = "gpu 1: xid 79"
 
 class NodeCheckService:
     """A node health check service on a unix socket (docs/protocol.md, *Node check*):
-    unhealthy for the replicas in ``sick``, healthy for the others."""
+    unhealthy for the replicas in ``sick`` (after ``healthy_first`` healthy answers), healthy
+    for the others."""
 
-    def __init__(self, path: str, sick: set[str]) -> None:
-        self.path, self.sick = path, sick
+    def __init__(self, path: str, sick: set[str], healthy_first: int = 0) -> None:
+        self.path, self.sick, self.healthy_first = path, sick, healthy_first
         self.asked: list[str] = []
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.bind(path)
@@ -47,7 +48,9 @@ class NodeCheckService:
             with conn, conn.makefile("rwb") as f:
                 request = json.loads(f.readline())
                 self.asked.append(request["replica"])
-                healthy = request["replica"] not in self.sick
+                healthy = request["replica"] not in self.sick or (
+                    self.asked.count(request["replica"]) <= self.healthy_first
+                )
                 f.write(json.dumps({"healthy": healthy, "reason": SICK}).encode() + b"\n")
                 f.flush()
 
@@ -90,9 +93,31 @@ def test_an_unhealthy_node_is_kept_out_and_a_spare_takes_its_place(
         service.close()
 
 
-def agent(env: dict[str, str], *options: str) -> Proc:
+def agent(env: dict[str, str], *options: str, trainer: tuple[str, ...] = ("true",)) -> Proc:
     cmd = [sys.executable, "-m", "marduk", "agent", "run", "--standalone", "--replica", "r"]
-    return Proc([*cmd, "--devices", "d0", *options, "--", "true"], env)
+    return Proc([*cmd, "--devices", "d0", *options, "--", *trainer], env)
+
+
+def test_a_node_unhealthy_after_a_device_fault_is_not_restarted_onto(
+    env: dict[str, str], short_dir: str
+) -> None:
+    """Healthy at the start; the trainer dies of an ECC error (a device-class failure), and
+    the service now says unhealthy: no restart, exit 71 (its ranks are its own: nobody else
+    can take them)."""
+    service = NodeCheckService(os.path.join(short_dir, "nhc.sock"), {"r"}, healthy_first=1)
+    ecc = "import sys; print('uncorrectable ECC error', flush=True); sys.exit(1)"
+    try:
+        p = agent(
+            env,
+            *("--node-check-endpoint", service.path, "--no-prespawn"),
+            trainer=(sys.executable, "-c", ecc),
+        )
+        assert p.proc.wait(timeout=60) == 71
+        out = "".join(p.all)
+        assert f"failed its checks after gpu_ecc: node check: {SICK}" in out, out
+        assert out.count("trainer started") == 1 and service.asked == ["r", "r"]
+    finally:
+        service.close()
 
 
 def test_a_missing_storage_path_fails_the_start_with_its_reason(
