@@ -14,10 +14,7 @@ same way. Where Lustre's health file is present (``/sys/fs/lustre/health_check``
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
-import signal
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -29,6 +26,7 @@ LUSTRE_HEALTH = "/sys/fs/lustre/health_check"
 NETWORK_FS = frozenset({"nfs", "nfs4", "lustre", "cifs", "smb3", "ceph", "glusterfs", "beegfs"})
 CHECKED_MOUNTS = frozenset({"nfs", "nfs4", "lustre"})  # what --check-mounts looks at (NVRx's)
 FAIL = "STORAGE FAIL "
+SCRIPT = os.path.abspath(__file__)  # what the supervisor runs (``run_probe``)
 
 
 class StorageSpecError(ValueError):
@@ -210,30 +208,21 @@ async def run_probe(specs: list[StoragePath], all_mounts: bool, timeout_s: float
     """Run the probe in a child under ``timeout_s``; what failed, one line each (empty: all
     well). A child stuck past it (a hung mount) is killed and not waited for long: one in
     uninterruptible sleep dies only when the file system lets it go."""
-    cmd = [sys.executable, "-m", "agent.supervise.storage_probe", *map(str, specs)]
+    from marduk.transport.children import run_with_deadline
+
+    # This file run as a script: the child imports the standard library only, not the agent
+    # package (whose library client costs seconds to import on a loaded host).
+    cmd = [sys.executable, SCRIPT, *map(str, specs)]
     if all_mounts:
         cmd.append("--mounts")
-    proc = await asyncio.create_subprocess_exec(
-        *cmd,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(proc.wait(), 1.0)
+    code, lines = await run_with_deadline(cmd, timeout_s)
+    if code is None:
         what = ", ".join(map(str, specs)) or "the mounts"
         return [f"{what}: no answer within {timeout_s:g}s (a hung mount?)"]
-    lines = out.decode(errors="replace").splitlines()
     failed = [x[len(FAIL) :] for x in lines if x.startswith(FAIL)]
-    if proc.returncode == 0:
+    if code == 0:
         return []
-    return failed or [f"storage check exited {proc.returncode}: {' | '.join(lines[-3:])}"]
+    return failed or [f"storage check exited {code}: {' | '.join(lines[-3:])}"]
 
 
 if __name__ == "__main__":
