@@ -119,8 +119,10 @@ async def give_up_unhealthy(link: ControllerLink, report: Report, reason: str) -
     await report(
         "gave_up",
         failure_class=FAILURE_CLASS,
+        action="check_node",
         summary="node checks failed before the first start",
         lines=[reason],
     )
-    await link.close(deregister=True, reason=f"node unhealthy: {reason}"[:4000])
+    # Still registered (as after a failed device check): status shows why, until it expires.
+    await link.close(deregister=False)
     return ExitCode.DEVICE_FAILED

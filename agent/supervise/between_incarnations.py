@@ -60,6 +60,7 @@ class BetweenIncarnations:
         await self._report(
             "gave_up",
             failure_class=FAILURE_CLASS,
+            action="check_node",
             summary=f"node checks failed after {after}",
             lines=[reason],
         )

@@ -74,10 +74,12 @@ async def exec_trainer(
 
 def _in_child(cpus: str | None) -> None:
     """Between fork and exec: die with the agent; bind to ``cpus`` (a no-op under numactl,
-    which binds to the same CPUs after the exec)."""
+    which binds to the same CPUs after the exec). None of them allowed here (a cpuset that
+    excludes the node): the trainer runs unbound rather than not at all."""
     die_with_parent(signal.SIGKILL)
     if cpus:
-        os.sched_setaffinity(0, numa.parse_cpulist(cpus))
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, numa.parse_cpulist(cpus))
 
 
 def cold_command(cmd: list[str], env: dict[str, str], numactl: str | None) -> list[str]:
