@@ -63,20 +63,23 @@ class NodeHealth:
         """Can the controller keep this node out (it assigns the node ranks)?"""
         return self._opts.rendezvous is not None
 
-    async def check(self, when: str) -> str:
+    async def check(self, when: str, *, said: str | None = None) -> str:
         """Every check, at once; why the node is unhealthy ("" when it is not, or when nothing
-        is checked). Each failure is logged with its reason."""
+        is checked). The verdict is logged with its reason, unless it is ``said`` already."""
         spec = self.spec
         if not spec.enabled:
             return ""
         node, storage = await asyncio.gather(self._node_check(), self._storage_check())
         failures = node + storage
         self._stats["node_checks.failed" if failures else "node_checks.passed"] += 1
-        if failures:
-            log.error("this node failed its checks %s: %s", when, "; ".join(failures))
+        reason = "; ".join(failures)[:4000]
+        if reason == said:
+            pass
+        elif failures:
+            log.error("this node failed its checks %s: %s", when, reason)
         else:
             log.info("this node passed its checks %s", when)
-        return "; ".join(failures)[:4000]
+        return reason
 
     async def _node_check(self) -> list[str]:
         endpoint = self.spec.endpoint
@@ -124,7 +127,5 @@ class NodeHealth:
         passes, then register as healthy (it may take a rank, or be a spare, from then on)."""
         while self._opts.rendezvous is not None and self._opts.rendezvous.unhealthy:
             await asyncio.sleep(self.spec.interval_s)
-            reason = await self.check("again")
-            await self.mark(reason)
-            if not reason:
-                log.warning("this node passes its checks again: it may take ranks")
+            reason = await self.check("again", said=self._opts.rendezvous.unhealthy)
+            await self.mark(reason)  # healthy: it may take ranks from now on

@@ -1,6 +1,8 @@
 """The node's checks before a start, with real processes (agent/supervise/start_checks.py):
 a node the node check service calls unhealthy is kept out of a ``--nnodes`` job and a spare
-takes its place; a missing storage path, or one that hangs, fails the start with its reason."""
+takes its place, it takes part once it passes again, and a member whose node fails its checks
+after a device failure is replaced; a missing storage path, or one that hangs, fails the start
+with its reason."""
 
 from __future__ import annotations
 
@@ -72,22 +74,41 @@ def test_an_unhealthy_node_is_kept_out_and_a_spare_takes_its_place(
     service = NodeCheckService(os.path.join(short_dir, "nhc.sock"), sick={"b"})
     env = env_for(nats_server, MARDUK_JOIN_TIMEOUT="1")
     job = ElasticJob(env, tmp_path, "nhc", "2:2", controllers=1)
-    check = ("--node-check-endpoint", service.path, "--no-prespawn")
+    check = ("--node-check-endpoint", service.path, "--no-prespawn", "--check-interval", "1")
     try:
         job.controllers[0].expect("serving prefix", timeout=60)
         job.start("a", *check)
         job.start("b", *check)
         job.start("s", "--spare", *check)
         job.formed(("a", "s"))  # b's place: the spare's
-        assert not job.starts("b") and sorted(service.asked) == ["a", "b", "s"]
+        assert not job.starts("b") and set(service.asked) == {"a", "b", "s"}
+        assert service.asked.count("a") == service.asked.count("s") == 1  # b: every second
         job.agents["b"].expect(f"failed its checks before the first start: node check: {SICK}")
-        [b] = [w for w in status(env)["workers"] if w["replica"] == "b"]
+        now = status(env)
+        [b] = [w for w in now["workers"] if w["replica"] == "b"]
         assert (b["part"], b["unhealthy"]) == ("unhealthy", f"node check: {SICK}")
         # Listed with the free workers as a drained one is, unusable, and why.
-        [shown] = job_info(env, "nhc")["spares"]
-        assert shown == f"b/0 (unusable: node unhealthy: node check: {SICK})"
+        [info] = [j for j in now["jobs"] if j["job"] == "nhc"]
+        assert info["spares"] == [f"b/0 (unusable: node unhealthy: node check: {SICK})"]
         text = marduk_cli("monitor", "status", "--job", "nhc", env=env).stdout
         assert f"unhealthy: node check: {SICK}" in text, text
+
+        # b passes again (it checks every --check-interval): a free worker, usable. Then a
+        # device of member a fails and a's node fails its checks before the restart: a is
+        # retired at once and b takes its ranks.
+        service.sick = {"a"}
+        job.agents["b"].expect("this node passed its checks again", timeout=30)
+        eventually_sync(lambda: job_info(env, "nhc")["spares"] == ["b/0"], timeout=30)
+        ranks = {r: int(job.starts(r)[-1]["GROUP_RANK"]) for r in ("a", "s")}
+        r = marduk_cli("monitor", "inject-failure", "nhc-a", env=env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        job.wait({"b": (ranks["a"], 2), "s": (ranks["s"], 2)}, timeout=60)
+        assert job.agents["a"].proc.wait(timeout=60) == 71
+        assert any(
+            f"failed its checks after device(s) nhc-a: node check: {SICK}" in line
+            for line in job.agents["a"].all
+        ), job.output()
+        job.check_epochs_forward()
     finally:
         job.stop()
         service.close()
