@@ -2,9 +2,10 @@
 on the CPUs, and allocates from the memory, of the NUMA node its accelerator hangs off.
 
 ``N`` is NVIDIA's launcher's ``NVRX_GPUS_PER_NUMA``: GPU ``g`` is on node ``g // N``. ``auto``
-reads each GPU's node from sysfs (``/sys/bus/pci/devices/*/numa_node`` of the NVIDIA display
-controllers, in PCI bus order: NVML's and nvidia-smi's index order); on a machine with one NUMA
-node every rank is on node 0. Local rank ``i`` uses GPU ``i`` (torchrun's convention), or with
+reads each GPU's node from sysfs (``/sys/bus/pci/devices/BUS/numa_node``): the GPU's bus as NVML
+says it, by the rank's device UUID or its index; without NVML, the NVIDIA display controllers in
+PCI bus order (NVML's and nvidia-smi's index order). On a machine with one NUMA node every rank
+is on node 0. Local rank ``i`` uses GPU ``i`` (torchrun's convention), or with
 ``--rank-devices split`` the first of its share.
 
 The binding: where ``numactl`` is installed, a trainer started cold runs under ``numactl
@@ -17,11 +18,12 @@ and its memory follows them (the kernel's default policy allocates on the local 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 NODE_ENV = "MARDUK_NUMA_NODE"
 CPUS_ENV = "MARDUK_NUMA_CPUS"
@@ -41,6 +43,7 @@ class Topology:
 
     nodes: Mapping[int, tuple[int, ...]]
     gpus: tuple[int, ...] = ()
+    by_uuid: Mapping[str, int] = field(default_factory=dict)  # NVML's GPU UUID -> node
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,13 +80,21 @@ def format_cpulist(cpus: tuple[int, ...] | list[int]) -> str:
     return ",".join(out)
 
 
-def plan(spec: str, nproc: int, gpus_per_rank: int, topo: Topology) -> list[Binding]:
-    """Each local rank's binding for ``--numa-bind spec`` (pure)."""
+def plan(
+    spec: str, nproc: int, gpus_per_rank: int, topo: Topology, devices: Sequence[str] = ()
+) -> list[Binding]:
+    """Each local rank's binding for ``--numa-bind spec`` (pure). ``devices``: the node's
+    (``--devices``); with ``auto``, a rank whose first GPU NVML knows by its UUID is on that
+    GPU's node, any other by its GPU's index."""
     if not topo.nodes:
         raise NumaError(f"--numa-bind {spec}: this machine shows no NUMA node ({NODES})")
     per = max(gpus_per_rank, 1)
     if spec == "auto":
-        nodes = [_auto_node(i * per, topo) for i in range(nproc)]
+        nodes = []
+        for i in range(nproc):
+            uuid = devices[i * per] if i * per < len(devices) else ""
+            known = topo.by_uuid.get(uuid, -1) if len(topo.nodes) > 1 else -1
+            nodes.append(known if known >= 0 else _auto_node(i * per, topo))
     else:
         if not spec.isdigit() or int(spec) < 1:
             raise NumaError(
@@ -150,8 +161,40 @@ def _read(path: str) -> str:
         return ""
 
 
-def read_topology(nodes_dir: str = NODES, pci_dir: str = PCI) -> Topology:
-    """The NUMA nodes with CPUs, and the NVIDIA GPUs' nodes in PCI bus order."""
+def pci_path(bus_id: str, pci_dir: str = PCI) -> str:
+    """NVML's bus id (``00000000:41:00.0``) as its sysfs directory (``0000:41:00.0``)."""
+    domain, _, rest = bus_id.strip().lower().partition(":")
+    return os.path.join(pci_dir, f"{domain[-4:]:0>4}:{rest}")
+
+
+def _nvml_gpus(pci_dir: str) -> list[tuple[str, int]] | None:
+    """(UUID, NUMA node) of each GPU in NVML's index order; None without NVML."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # ImportError, no driver: sysfs alone
+        return None
+    out = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid, bus = pynvml.nvmlDeviceGetUUID(handle), pynvml.nvmlDeviceGetPciInfo(handle).busId
+            uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+            bus = bus.decode() if isinstance(bus, bytes) else str(bus)
+            node = _read(os.path.join(pci_path(bus, pci_dir), "numa_node"))
+            out.append((uuid, int(node) if node.lstrip("-").isdigit() else -1))
+    except Exception:
+        return None
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    return out
+
+
+def read_topology(nodes_dir: str = NODES, pci_dir: str = PCI, nvml: bool = True) -> Topology:
+    """The NUMA nodes with CPUs, and the NVIDIA GPUs' nodes: in NVML's order, by UUID too,
+    where NVML answers; else the NVIDIA display controllers in PCI bus order (NVML's order)."""
     nodes: dict[int, tuple[int, ...]] = {}
     for path in glob.glob(os.path.join(nodes_dir, "node[0-9]*")):
         cpus = parse_cpulist(_read(os.path.join(path, "cpulist")))
@@ -163,4 +206,7 @@ def read_topology(nodes_dir: str = NODES, pci_dir: str = PCI) -> Topology:
         if _read(os.path.join(dev, "vendor")) == NVIDIA and cls.startswith(GPU_CLASSES):
             node = _read(os.path.join(dev, "numa_node"))
             gpus.append(int(node) if node.lstrip("-").isdigit() else -1)
+    found = _nvml_gpus(pci_dir) if nvml else None
+    if found:
+        return Topology(dict(sorted(nodes.items())), tuple(n for _, n in found), dict(found))
     return Topology(dict(sorted(nodes.items())), tuple(gpus))

@@ -288,7 +288,7 @@ def _numa(
     split = launch is not None and launch.rank_devices == "split"
     per_rank = len(devices) // nproc if split else 1  # the first GPU of local rank i: i * this
     try:
-        return numa.plan(args.numa_bind, nproc, per_rank, look.topology())
+        return numa.plan(args.numa_bind, nproc, per_rank, look.topology(), devices)
     except numa.NumaError as e:
         raise ConfigError(str(e)) from None
 

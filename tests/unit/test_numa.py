@@ -40,6 +40,19 @@ def test_auto_reads_each_gpus_node_and_one_node_needs_no_discovery() -> None:
     assert numa.plan("auto", 3, 1, one) == [Binding(0, (0, 1))] * 3
 
 
+def test_auto_takes_a_ranks_gpu_by_its_uuid_where_nvml_knew_it() -> None:
+    topo = Topology(TWO.nodes, gpus=(0, 0, 1, 1), by_uuid={"GPU-b": 1, "GPU-a": 0})
+    # --devices in another order than NVML's: each rank by its own first device's node.
+    assert [b.node for b in numa.plan("auto", 2, 1, topo, ["GPU-b", "GPU-a"])] == [1, 0]
+    # A device NVML does not know (or none given): by the rank's GPU index.
+    assert [b.node for b in numa.plan("auto", 4, 1, topo, ["GPU-x"])] == [0, 0, 1, 1]
+
+
+def test_nvml_bus_ids_name_their_sysfs_directory() -> None:
+    assert numa.pci_path("00000000:41:00.0", "/s") == "/s/0000:41:00.0"
+    assert numa.pci_path("0001:C1:00.0\n", "/s") == "/s/0001:c1:00.0"
+
+
 @pytest.mark.parametrize(
     ("spec", "topo", "says"),
     [
@@ -102,7 +115,7 @@ def test_the_machine_is_read_from_sysfs(tmp_path: Path) -> None:
         _write(pci / bus / "vendor", vendor + "\n")
         _write(pci / bus / "class", cls + "\n")
         _write(pci / bus / "numa_node", node + "\n")
-    topo = numa.read_topology(str(nodes), str(pci))
+    topo = numa.read_topology(str(nodes), str(pci), nvml=False)
     assert topo == Topology({0: (0, 1, 2, 3), 1: (4, 5, 6, 7)}, gpus=(0, 1, -1))
 
 
