@@ -170,6 +170,8 @@ def workers_grid(workers: Sequence[WorkerInfo], now: float) -> Grid:
         status = (w.status or "registered") + (f" ({w.failure_class})" if w.failure_class else "")
         if w.part == "member":
             status += f", node {w.node_rank}" + (" (spare, holding)" if w.spare else "")
+        elif w.part == "unhealthy":  # its node failed its checks: why
+            status = f"unhealthy: {w.unhealthy}"
         elif w.part:  # joining (will grow the job), spare (runs nothing) or retired (exit 71)
             status = w.part
         rows.append(

@@ -1,6 +1,7 @@
-"""Before the first incarnation of ``marduk agent run``: the warnings about its setup, and its
+"""Before the first incarnation of ``marduk agent run``: the warnings about its setup, its
 registration with the controller (before the trainers start, or in the background when
-standalone or when none answers)."""
+standalone or when none answers), and the end of a node that failed its checks where nobody can
+take its place (agent/supervise/start_checks.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from agent.library.client import AsyncClient
 from agent.supervise.controller_link import ControllerLink
 from agent.supervise.proctree import become_subreaper
 from agent.supervise.signals import Signals
+from agent.supervise.start_checks import FAILURE_CLASS
 from agent.supervise.supervision import ExitCode, Supervision
 from agent.supervise.supervisor_config import SupervisorConfig
 from marduk.errors import MardukError
@@ -107,3 +109,20 @@ async def join_controller(
         await link.close(deregister=True, reason="devices out of service")
         return gave_up.code
     return None
+
+
+async def give_up_unhealthy(link: ControllerLink, report: Report, reason: str) -> int:
+    """This node failed its checks before the first start, and its ranks are its own (static,
+    or one node): reported (``gave_up``, class ``node_check``), then exit 71 so the pod goes
+    back to the scheduler, onto another node."""
+    log.error("not starting the trainers on this node: %s", reason)
+    await report(
+        "gave_up",
+        failure_class=FAILURE_CLASS,
+        action="check_node",
+        summary="node checks failed before the first start",
+        lines=[reason],
+    )
+    # Still registered (as after a failed device check): status shows why, until it expires.
+    await link.close(deregister=False)
+    return ExitCode.DEVICE_FAILED

@@ -1,6 +1,7 @@
 """Between two incarnations of the ranks: a device check in a fresh process before restarting
-onto a device that may be broken (agent/supervise/preflight.py), and the cleanup (stale
-lockfiles, the user's command, the GPUs' memory released: agent/supervise/reclaim.py)."""
+onto a device that may be broken (agent/supervise/preflight.py) and the node's checks
+(agent/supervise/start_checks.py), and the cleanup (stale lockfiles, the user's command, the
+GPUs' memory released: agent/supervise/reclaim.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from agent.supervise.preflight import run_check
 from agent.supervise.reclaim import clean_up
+from agent.supervise.start_checks import FAILURE_CLASS, NodeHealth
 from agent.supervise.supervisor_config import SupervisorConfig
 from marduk.wire import protocol as wire
 
@@ -27,19 +29,44 @@ def failed_lines(lines: list[str]) -> list[str]:
 
 class BetweenIncarnations:
     def __init__(
-        self, config: SupervisorConfig, devices: list[str], stats: Counter[str], report: Report
+        self,
+        config: SupervisorConfig,
+        devices: list[str],
+        stats: Counter[str],
+        report: Report,
+        health: NodeHealth,
     ) -> None:
         self._config = config
         self._devices = devices
         self._stats = stats
         self._report = report
+        self._health = health
 
     async def preflight(self, env: Mapping[str, str], after: str) -> bool:
-        """Check the devices in a fresh process before restarting onto them (when enabled).
+        """Check the devices in a fresh process, then the node (when enabled), before
+        restarting onto them after a device-class failure.
 
-        False: a device is broken; it was reported (gave_up, failure class ``preflight``) and
-        the agent exits 71 so the pod goes back to the scheduler instead of restarting into it.
+        False: a device is broken, or the node failed its checks; it was reported (gave_up,
+        failure class ``preflight`` or ``node_check``; an unhealthy member is taken out of its
+        job first) and the agent exits 71 so the pod goes back to the scheduler instead of
+        restarting into it.
         """
+        if not await self._check_devices(env, after):
+            return False
+        reason = await self._health.check(f"after {after}")
+        if not reason:
+            return True
+        await self._health.mark(reason)  # a member: the controller retires it, a spare steps in
+        await self._report(
+            "gave_up",
+            failure_class=FAILURE_CLASS,
+            action="check_node",
+            summary=f"node checks failed after {after}",
+            lines=[reason],
+        )
+        return False
+
+    async def _check_devices(self, env: Mapping[str, str], after: str) -> bool:
         c = self._config
         if not c.preflight:
             return True

@@ -15,7 +15,15 @@ import typer
 
 from agent.library import options as library
 from agent.supervise.launch import DEFAULT_MASTER_PORT, PORT_SPAN
-from agent.supervise.run_config import LAUNCH, Config, ConfigError, RunArgs, build_config
+from agent.supervise.run_config import (
+    CHECK_INTERVAL_S,
+    CHECK_TIMEOUT_S,
+    LAUNCH,
+    Config,
+    ConfigError,
+    RunArgs,
+    build_config,
+)
 from agent.supervise.run_config import node_name as node_name
 from agent.supervise.run_config import trainer_command as trainer_command
 from agent.supervise.supervisor_config import CONNECT_TIMEOUT_S
@@ -216,6 +224,70 @@ def run(
     preflight_timeout: Annotated[
         float, _opt("MARDUK_PREFLIGHT_TIMEOUT", "Seconds the device check may take.", min=1.0)
     ] = Config.preflight_timeout_s,
+    node_check_endpoint: Annotated[
+        str | None,
+        _opt(
+            "MARDUK_NODE_CHECK_ENDPOINT",
+            "The node health check service to ask before the first start and before a restart "
+            "after a device-class failure: a unix socket (/run/nhc.sock) or HOST:PORT, one line "
+            "of JSON each way (docs/protocol.md, Node check). Only its explicit "
+            '"healthy": false keeps the node out; a service that cannot be reached is logged '
+            "and counted, the node counted healthy (as NVRx does).",
+            metavar="SOCKET|HOST:PORT",
+            show_default=False,
+        ),
+    ] = None,
+    storage_check: Annotated[
+        list[str] | None,
+        _opt(
+            "MARDUK_STORAGE_CHECK",
+            "A path that must exist and be readable (PATH), and writable (PATH:rw), on a mount "
+            "that answers, when the node checks run (see --node-check-endpoint); repeatable. "
+            "Checked in a child process within --check-timeout: a hung NFS or Lustre mount "
+            "fails the check instead of hanging the agent.",
+            metavar="PATH[:rw]",
+            show_default=False,
+        ),
+    ] = None,
+    check_mounts: Annotated[
+        bool,
+        typer.Option(
+            "--check-mounts/--no-check-mounts",
+            envvar="MARDUK_CHECK_MOUNTS",
+            help="With the node checks: every NFS and Lustre mount of this node must answer, "
+            "and Lustre's /sys/fs/lustre/health_check (where present) say healthy.",
+        ),
+    ] = False,
+    check_timeout: Annotated[
+        float,
+        _opt(
+            "MARDUK_CHECK_TIMEOUT",
+            "Seconds each node check may take (the service's answer; the storage checks).",
+            min=0.1,
+        ),
+    ] = CHECK_TIMEOUT_S,
+    check_interval: Annotated[
+        float,
+        _opt(
+            "MARDUK_CHECK_INTERVAL",
+            "Seconds between the checks of a node kept out before its first start (--nnodes "
+            "MIN:MAX: it registers as unhealthy, takes no rank, and takes ranks once it passes). "
+            "Elsewhere a node that fails its checks exits 71.",
+            min=1.0,
+        ),
+    ] = CHECK_INTERVAL_S,
+    numa_bind: Annotated[
+        str | None,
+        _opt(
+            "MARDUK_NUMA_BIND",
+            "Bind each local rank to the NUMA node of its GPU: N (GPUs per NUMA node, "
+            "NVRX_GPUS_PER_NUMA's meaning: GPU g on node g // N) or auto (each GPU's node from "
+            "sysfs). Under numactl --cpunodebind --membind where installed and the trainer "
+            "starts cold; else the trainer binds its CPUs (sched_setaffinity) to the node's.",
+            metavar="auto|N",
+            show_default=False,
+        ),
+    ] = None,
     nproc_per_node: Annotated[
         str | None,
         typer.Option(

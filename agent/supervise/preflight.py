@@ -14,12 +14,10 @@ device is missing or fails; the lines on stdout say which (``PREFLIGHT FAIL <id>
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import os
-import signal
 import sys
 import time
+
+from marduk.transport.children import run_with_deadline
 
 
 def check(expect: int | None) -> list[str]:
@@ -50,22 +48,10 @@ async def run_check(
     cmd = [sys.executable, "-m", "agent.supervise.preflight"]
     if expect:
         cmd += ["--expect", str(expect)]
-    proc = await asyncio.create_subprocess_exec(
-        *cmd,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        await proc.wait()
+    code, lines = await run_with_deadline(cmd, timeout_s, env)
+    if code is None:
         return False, [f"PREFLIGHT FAIL no answer within {timeout_s:g}s"]
-    return proc.returncode == 0, out.decode(errors="replace").splitlines()
+    return code == 0, lines
 
 
 def main() -> int:

@@ -24,6 +24,8 @@ import os
 import runpy
 import sys
 
+from agent.supervise import numa
+
 USAGE = "usage: python -m agent.supervise.{} [--preload a,b] -- SCRIPT|-m MODULE [ARGS...]"
 
 
@@ -71,6 +73,7 @@ def main(argv: list[str]) -> None:
         return  # discarded
     order = json.loads(line)
     os.environ.update({str(k): str(v) for k, v in order.get("env", {}).items()})
+    numa.bind_self()  # --numa-bind: this rank's CPUs (agent/supervise/numa.py)
     sys.stdin.close()
     sys.stdin = open(os.devnull)  # noqa: SIM115 - the trainer's stdin, as the supervisor gives
     run_target(target)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -37,9 +38,13 @@ from marduk.wire.subjects import DEFAULT_PREFIX, check_job
 
 if TYPE_CHECKING:
     from agent.library.options import Options
+    from agent.supervise.numa import Binding, Topology
+    from agent.supervise.start_checks import CheckSpec
 
 Config = SupervisorConfig
 LAUNCH = LaunchSpec()
+CHECK_TIMEOUT_S = 30.0  # each node check's (agent/supervise/start_checks.py)
+CHECK_INTERVAL_S = 60.0  # between the checks of a node kept out
 
 
 class ConfigError(ValueError):
@@ -77,6 +82,12 @@ class RunArgs:
     preflight: bool = Config.preflight
     preflight_expect: int | None = Config.preflight_expect
     preflight_timeout: float = Config.preflight_timeout_s
+    node_check_endpoint: str | None = None
+    storage_check: list[str] | None = None
+    check_mounts: bool = False
+    check_timeout: float = CHECK_TIMEOUT_S
+    check_interval: float = CHECK_INTERVAL_S
+    numa_bind: str | None = None
     nproc_per_node: str | None = None
     nnodes: str | None = None
     node_rank: int | None = None
@@ -125,6 +136,16 @@ def _default_preload(cmd: list[str]) -> list[str]:
     return default_preload(script_source(cmd))
 
 
+def _topology() -> Topology:
+    from agent.supervise.numa import read_topology
+
+    return read_topology()
+
+
+def _numactl() -> str | None:
+    return shutil.which("numactl")
+
+
 def _resolve(**kw: Any) -> Options:
     from agent.library.options import resolve_options
 
@@ -143,6 +164,8 @@ class Lookups:
     )
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
     free_ports: Callable[[], list[int]] = field(default_factory=lambda: ports.coordinator_ports)
+    topology: Callable[[], Topology] = field(default_factory=lambda: _topology)
+    numactl: Callable[[], str | None] = field(default_factory=lambda: _numactl)
 
 
 def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorConfig:
@@ -186,6 +209,8 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
                 pool=args.spare_pool or None,
             )
         logs = _logs(args, launch, look)
+        checks = _checks(args)
+        numa = _numa(args, launch, opts.devices, look)
     except ConfigError:
         raise
     except (AgentError, LaunchError) as e:
@@ -200,6 +225,9 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
         preflight=args.preflight,
         preflight_expect=args.preflight_expect,
         preflight_timeout_s=args.preflight_timeout,
+        checks=checks,
+        numa=numa,
+        numactl=look.numactl() if numa is not None else None,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,
         hang_timeout_s=args.hang_timeout,
@@ -224,6 +252,45 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
             else [m.strip() for m in args.preload.split(",") if m.strip() and m.strip() != "none"]
         ),
     )
+
+
+def _checks(args: RunArgs) -> CheckSpec | None:
+    """The node's checks before a start (agent/supervise/start_checks.py); None: none asked."""
+    if args.node_check_endpoint is None and not args.storage_check and not args.check_mounts:
+        return None
+    from agent.supervise.node_check import EndpointError, parse_endpoint
+    from agent.supervise.start_checks import CheckSpec
+    from agent.supervise.storage_probe import StorageSpecError, parse_storage
+
+    try:
+        endpoint = parse_endpoint(args.node_check_endpoint) if args.node_check_endpoint else None
+        storage = tuple(parse_storage(x) for x in args.storage_check or ())
+    except (EndpointError, StorageSpecError) as e:
+        raise ConfigError(str(e)) from None
+    return CheckSpec(
+        endpoint=endpoint,
+        storage=storage,
+        check_mounts=args.check_mounts,
+        timeout_s=args.check_timeout,
+        interval_s=args.check_interval,
+    )
+
+
+def _numa(
+    args: RunArgs, launch: LaunchSpec | None, devices: list[str], look: Lookups
+) -> list[Binding] | None:
+    """``--numa-bind auto|N``: each local rank's NUMA node and CPUs (agent/supervise/numa.py)."""
+    if args.numa_bind is None:
+        return None
+    from agent.supervise import numa
+
+    nproc = launch.nproc_per_node if launch is not None else 1
+    split = launch is not None and launch.rank_devices == "split"
+    per_rank = len(devices) // nproc if split else 1  # the first GPU of local rank i: i * this
+    try:
+        return numa.plan(args.numa_bind, nproc, per_rank, look.topology(), devices)
+    except numa.NumaError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_spare(args: RunArgs) -> None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from agent.channel import handoff
+from agent.supervise import numa
 from agent.supervise.start_choice import StartFacts, StartMode, choose, needs_import_check
 from agent.supervise.zygote import ForkedProcess, TrainerProcess, Zygote, ZygoteError, ZygoteUnsafe
 from marduk.transport.children import die_with_parent
@@ -58,7 +59,8 @@ def prestarted_command(cmd: list[str], preload: list[str]) -> list[str] | None:
 async def exec_trainer(
     cmd: list[str], env: dict[str, str], *, stdin: bool
 ) -> asyncio.subprocess.Process:
-    """``cmd`` in a session of its own (its process group is its pid), its output piped."""
+    """``cmd`` in a session of its own (its process group is its pid), its output piped; bound
+    to the CPUs ``env`` names (``--numa-bind``: agent/supervise/numa.py), if any."""
     return await asyncio.create_subprocess_exec(
         *cmd,
         stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
@@ -66,8 +68,28 @@ async def exec_trainer(
         stderr=asyncio.subprocess.PIPE,
         env=env,
         start_new_session=True,  # its own process group, apart from ours and a prestarted one's
-        preexec_fn=functools.partial(die_with_parent, signal.SIGKILL),
+        preexec_fn=functools.partial(_in_child, env.get(numa.CPUS_ENV)),
     )
+
+
+def _in_child(cpus: str | None) -> None:
+    """Between fork and exec: die with the agent; bind to ``cpus`` (a no-op under numactl,
+    which binds to the same CPUs after the exec). None of them allowed here (a cpuset that
+    excludes the node): the trainer runs unbound rather than not at all."""
+    die_with_parent(signal.SIGKILL)
+    if cpus:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, numa.parse_cpulist(cpus))
+
+
+def cold_command(cmd: list[str], env: dict[str, str], numactl: str | None) -> list[str]:
+    """What a rank started cold runs: ``cmd``, under numactl when its binding names a node
+    and numactl is installed (``--numa-bind``)."""
+    node = env.get(numa.NODE_ENV)
+    if numactl is None or node is None:
+        return cmd
+    binding = numa.Binding(int(node), numa.parse_cpulist(env.get(numa.CPUS_ENV, "")))
+    return numa.numactl_command(cmd, numactl, binding)
 
 
 @dataclass(slots=True)
@@ -99,8 +121,10 @@ class Starter:
         fork_server_timeout_s: float,
         stats: Counter[str],
         spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
+        numactl: str | None = None,
     ) -> None:
         self.cmd = cmd
+        self.numactl = numactl  # cold starts run under it, bound (agent/supervise/numa.py)
         self.preload = preload
         self.fork_server_timeout_s = fork_server_timeout_s
         self.stats = stats
@@ -150,7 +174,7 @@ class Starter:
         mode = self.mode()
         if mode is StartMode.COLD:
             slot.started_by = ""
-            return await exec_trainer(self.cmd, env, stdin=False)
+            return await exec_trainer(cold_command(self.cmd, env, self.numactl), env, stdin=False)
         slot.first_step.clear()
         if mode is StartMode.ZYGOTE:
             proc = await self._fork(rank, env, first, base_env)
@@ -448,7 +472,7 @@ class Starter:
         except (BrokenPipeError, ConnectionResetError):
             log.warning("the prestarted trainer died; starting one directly")
             slot.started_by = ""
-            return await exec_trainer(self.cmd, env, stdin=False)
+            return await exec_trainer(cold_command(self.cmd, env, self.numactl), env, stdin=False)
         slot.started_by = "standby"
         return proc
 

@@ -51,7 +51,11 @@ from prometheus_client.core import Metric
 from agent.channel import messages
 from agent.library.client import AsyncClient, Command
 from agent.supervise import placement
-from agent.supervise.before_first_start import join_controller, warn_about_setup
+from agent.supervise.before_first_start import (
+    give_up_unhealthy,
+    join_controller,
+    warn_about_setup,
+)
 from agent.supervise.between_incarnations import BetweenIncarnations
 from agent.supervise.controller_link import ControllerLink
 from agent.supervise.launch import LaunchSpec
@@ -62,6 +66,7 @@ from agent.supervise.rank_facts import CommandArrived, Fact, Joined, Preempted, 
 from agent.supervise.rank_processes import RankProcesses
 from agent.supervise.reports import Reporter, restart_for_others
 from agent.supervise.signals import CANCEL_WAIT_S, Signals
+from agent.supervise.start_checks import CheckSpec, NodeHealth
 from agent.supervise.start_choice import StartMode
 from agent.supervise.starter import Starter, prestarted_command
 from agent.supervise.supervision import (
@@ -132,6 +137,7 @@ class Supervisor:
             fork_server_timeout_s=config.fork_server_timeout_s,
             stats=self.stats,
             spawn=self._spawn,
+            numactl=config.numactl,
         )
         # A private directory (0700, made race-free by mkdtemp) holds the trainers' sockets: no
         # other user can connect to them, or guess and squat their paths.
@@ -181,7 +187,10 @@ class Supervisor:
             signals=self.signals,
         )
         self.reporter = Reporter(o, self.link, self.core, self.ranks, self.signals.signalled.is_set)
-        self.between = BetweenIncarnations(config, o.devices, self.stats, self.reporter.report)
+        self.health = NodeHealth(config.checks or CheckSpec(), o, self.link, self.stats)
+        self.between = BetweenIncarnations(
+            config, o.devices, self.stats, self.reporter.report, self.health
+        )
 
     # --- what the rest of the code reads ----------------------------------------------------------
 
@@ -202,11 +211,18 @@ class Supervisor:
     async def run(self) -> int:
         self.signals.install(asyncio.get_running_loop())
         warn_about_setup(self.config, self.nproc)
+        unhealthy = await self.signals.or_signal(self.health.check("before the first start"))
+        if unhealthy and self.health.kept_out:
+            await self.health.mark(unhealthy)  # registered so: it takes no rank
         code = await join_controller(
             self.config, self.link, self.core, self.signals, self.reporter.report, self._joined
         )
         if code is not None:
             return code
+        if unhealthy:
+            if not self.health.kept_out:  # nobody can take its place: the pod goes elsewhere
+                return await give_up_unhealthy(self.link, self.reporter.report, unhealthy)
+            self._spawn(self.health.recheck(), "node-recheck")
         metrics = None
         if self.config.metrics_addr:
             metrics = MetricsServer(
@@ -496,7 +512,7 @@ class Supervisor:
         return False
 
     def _rank_env(self, base: dict[str, str], rank: Rank) -> dict[str, str]:
-        return rank_env(
+        env = rank_env(
             base,
             rank=rank.index,
             socket_path=rank.socket_path,
@@ -505,6 +521,8 @@ class Supervisor:
             incarnation=self.incarnation,
             master_port=self.master.port,
         )
+        numa = self.config.numa
+        return {**env, **numa[rank.index].env()} if numa else env
 
     def _started(self, incarnation: int) -> None:
         self.telemetry.trainers_started(time.monotonic())

@@ -18,6 +18,8 @@ from agent.supervise.supervision import Limits
 
 if TYPE_CHECKING:
     from agent.library.options import Options
+    from agent.supervise.numa import Binding
+    from agent.supervise.start_checks import CheckSpec
 
 DEFAULT_STEP_REGEX: Final = r"\bstep[\s:=#]+(\d+)"
 # Seconds the supervisor waits to register at start: longer than the library's
@@ -58,6 +60,13 @@ class SupervisorConfig:
     preflight: bool = False
     preflight_timeout_s: float = 120.0
     preflight_expect: int | None = None  # devices the check must see (default: any)
+    # The node's checks before the first start and before such a restart (the node check
+    # service, storage, mounts: agent/supervise/start_checks.py); None: none.
+    checks: CheckSpec | None = None
+    # Each local rank's NUMA node and its CPUs (agent/supervise/numa.py), and numactl where it
+    # is installed (else each trainer binds its own CPUs); None: no binding.
+    numa: list[Binding] | None = None
+    numactl: str | None = None
     # Between incarnations, wait for the GPUs' memory to drop below this (0 s: don't wait).
     reclaim_timeout_s: float = 50.0
     reclaim_tolerance_mib: float = 512.0

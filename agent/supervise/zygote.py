@@ -47,6 +47,7 @@ import traceback
 from typing import Any, Protocol
 
 from agent.library.client import AgentError
+from agent.supervise import numa
 from marduk.transport.children import die_with_parent
 
 MAX_ORDER = 1 << 20  # bytes: the environment travels in the order
@@ -207,6 +208,7 @@ def _await_activation(ctl_fd: int) -> dict[str, Any]:
             os.close(fd)
         os.environ.clear()
         os.environ.update({str(k): str(v) for k, v in order["env"].items()})
+        numa.bind_self()  # --numa-bind: this rank's CPUs (agent/supervise/numa.py)
         numpy = sys.modules.get("numpy")
         if numpy is not None:
             with contextlib.suppress(Exception):

@@ -264,10 +264,14 @@ class Fleet:
         return state.shape if state is not None else None
 
     def unfit(self, key: WorkerKey, now: float) -> str:
-        """Why the worker may not take a rank ("" if it may): a device of it out of service or
-        past its failure budget."""
+        """Why the worker may not take a rank ("" if it may): its node failed its checks before
+        a start (``Rendezvous.unhealthy``), or a device of it is out of service or past its
+        failure budget."""
         window, budget = self.config.device_failure_window_s, self.config.device_max_failures
-        for device in self.workers[key].registration.devices:
+        reg = self.workers[key].registration
+        if reg.rendezvous is not None and reg.rendezvous.unhealthy:
+            return f"node unhealthy: {reg.rendezvous.unhealthy}"
+        for device in reg.devices:
             rec = self.devices.get(device)
             if rec is None:
                 continue

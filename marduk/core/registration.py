@@ -32,7 +32,13 @@ from marduk.core.membership_policy import MembershipRules
 from marduk.core.pools import PoolRules, is_pool_spare
 from marduk.core.records import EpochKey, EpochRecord, WorkerRecord
 from marduk.core.service_policy import ServiceRules
-from marduk.wire.protocol import MAX_EPOCH, ControllerEvent, Registration, same_process
+from marduk.wire.protocol import (
+    MAX_EPOCH,
+    ControllerEvent,
+    Registration,
+    Rendezvous,
+    same_process,
+)
 
 # An agent may have seen epochs a lost write never recorded; it may not claim more than this
 # above what was reserved (the agents' own MAX_EPOCH_JUMP is the same bound).
@@ -213,12 +219,42 @@ class RegistrationRules:
         if reg.rendezvous is not None and not is_pool_spare(reg):  # a pool forms nothing
             self.membership.registered(ekey, reg.rendezvous, now, out)
             self.grow.registered(key, fresh_process or was_stale, now, out)
+        if reg.rendezvous is not None and (old is None or old.registration != reg):
+            self._health_changed(ekey, key, old, reg.rendezvous, now, out)
         unusable = fleet.unusable(reg.devices)
         if unusable and result != "unchanged":
             detail = f"registered with out-of-service device(s) {', '.join(unusable)}"
             out.events.append(event_at(reg, "worker_on_unusable_device", now, detail=detail))
         interval = fleet.config.renew_interval_s
         return Registered(out, result, state.epoch, state.command, interval, unusable)
+
+    def _health_changed(
+        self,
+        ekey: EpochKey,
+        key: WorkerKey,
+        old: WorkerRecord | None,
+        r: Rendezvous,
+        now: float,
+        out: Outcome,
+    ) -> None:
+        """The node says it failed its checks before a start (or passes them again): an event
+        with why; a member saying so is retired at once, as a drained one is (a spare takes its
+        ranks, or the job shrinks, or it is held: ``replace_members``). A non-member is left
+        out by ``Fleet.unfit``: no rank, no spare."""
+        was = old.registration.rendezvous.unhealthy if old and old.registration.rendezvous else ""
+        if r.unhealthy == was:
+            return
+        if not r.unhealthy:
+            out.events.append(event_at(key, "worker_healthy", now, detail=f"was: {was}"))
+            return
+        out.events.append(event_at(key, "worker_unhealthy", now, detail=r.unhealthy))
+        state = self.fleet.epochs.get(ekey)
+        m = state.membership if state is not None else None
+        rec = self.fleet.workers[key]
+        if state is None or m is None or rec.retired or m.member(key.replica, key.worker) is None:
+            return
+        why = f"member {key.replica}/{key.worker} unhealthy: {r.unhealthy}"
+        self.membership.replace_members(ekey, state, {key: why}, [], "unhealthy", now, out)
 
     def _scope_state(
         self, ekey: EpochKey, state: EpochRecord | None, seen: int, out: Outcome

@@ -87,13 +87,15 @@ def joining(
 
 
 def _part(fleet: Fleet, key: WorkerKey, grows: set[WorkerKey]) -> dict[str, Any]:
-    """Member (at which node rank), joining (will grow the job), spare or retired, in a job
-    with a membership."""
+    """Member (at which node rank), joining (will grow the job), spare, retired, or unhealthy
+    (its node failed its checks before a start: why), in a job with a membership."""
     rec = fleet.workers[key]
     if rec.registration.rendezvous is None:
         return {}
     if rec.retired:
         return {"part": "retired"}
+    if unhealthy := rec.registration.rendezvous.unhealthy:
+        return {"part": "unhealthy", "unhealthy": unhealthy}  # no rank, no spare (unfit)
     state = fleet.epochs.get(fleet.epoch_key_of(rec))
     m = state.membership if state is not None else None
     me = m.member(key.replica, key.worker) if m is not None else None

@@ -17,6 +17,7 @@ from marduk.wire.fields import (
     Port,
     PosInt,
     ShortText,
+    Text,
     Token,
 )
 
@@ -47,6 +48,12 @@ class Rendezvous(msgspec.Struct, kw_only=True):
     # none)? False while the fork server warms up; the agent registers again once it is ready.
     # A grow's settle counts from then (docs/decisions.md #17). Older agents: always true.
     ready: bool = True
+    # Why this node failed its checks before a start (``marduk agent run``'s
+    # ``--node-check-endpoint``, ``--storage-check``, ``--check-mounts``); "" while it passes.
+    # Set, the node is unusable as a drained one is: it takes no rank and is no spare, and a
+    # member saying so is retired at once (a spare takes its ranks, or the job shrinks). Older
+    # controllers ignore it.
+    unhealthy: Text = ""
 
 
 class Member(msgspec.Struct, kw_only=True, frozen=True):

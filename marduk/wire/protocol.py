@@ -303,6 +303,8 @@ EventKind = Literal[
     "worker_live",
     "worker_expired",
     "worker_on_unusable_device",
+    "worker_unhealthy",
+    "worker_healthy",
     "epochs_dropped",
     "membership_formed",
     "member_replaced",
@@ -469,8 +471,10 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     failure_class: str = ""  # of the last failure reported
     # A job whose ranks the controller assigns: "member" (node_rank set), "joining" (a free
     # worker that will grow the job: ``JobInfo.joining``), "spare" (registered, no trainer),
-    # "retired" (taken out of the job, told to exit 71); "" otherwise.
+    # "retired" (taken out of the job, told to exit 71), "unhealthy" (its node failed its
+    # checks before a start: ``unhealthy`` says why; no rank, no spare); "" otherwise.
     part: str = ""
+    unhealthy: str = ""
     node_rank: int | None = None
     spare: bool = False  # started with --spare (a member with it holds a lost member's ranks)
 

@@ -457,3 +457,40 @@ def test_a_device_failure_of_a_held_jobs_worker_restarts_nothing() -> None:
     assert hold.membership is None
     assert not p.on_health(fail("a-d0", 1), now=4).outcome.commands
     assert p.epochs[JOB].epoch == hold.epoch
+
+
+def sick(replica: str, why: str, *, pid: int, **kw) -> Registration:
+    """``replica``'s registration saying its node failed its checks (``Rendezvous.unhealthy``)."""
+    r = reg(replica, pid=pid, **kw)
+    assert r.rendezvous is not None
+    return msgspec.structs.replace(
+        r, rendezvous=msgspec.structs.replace(r.rendezvous, unhealthy=why)
+    )
+
+
+def test_an_unhealthy_node_takes_no_rank_and_a_spare_forms_the_job_in_its_place() -> None:
+    p = Policy(PolicyConfig(join_timeout_s=5))
+    p.register(reg("a", pid=1, lo=2), now=0)
+    out = p.register(sick("b", "gpu 3: xid 79", pid=2, lo=2), now=0).outcome
+    assert [e.detail for e in out.events if e.kind == "worker_unhealthy"] == ["gpu 3: xid 79"]
+    p.register(reg("s0", pid=10, lo=2, spare=True), now=1)
+    assert p.epochs[JOB].membership is None  # b counts for nothing: the spare is needed
+    [cmd] = p.tick(now=7).commands  # MIN fit ones for the join timeout
+    assert ranks(cmd) == [("a", 0, 0), ("s0", 1, 2)]
+    [b] = [w for w in p.worker_infos("j", now=7) if w.replica == "b"]
+    assert (b.part, b.unhealthy) == ("unhealthy", "gpu 3: xid 79")
+
+
+def test_a_member_that_turns_unhealthy_is_retired_and_a_spare_takes_its_ranks() -> None:
+    p = Policy()
+    first = formed(p)
+    r = p.register(sick("b", "storage /data: missing", pid=2), now=3)
+    cmd = r.command
+    assert cmd is not None and cmd.epoch > first.epoch
+    assert ranks(cmd) == [("a", 0, 0), ("s0", 1, 2)]
+    assert WorkerRef(replica="b", worker=0) in cmd.retired
+    assert p.workers[key("b")].retired.endswith("unhealthy: storage /data: missing")
+    # Again, unchanged: nothing more happens; healthy again, it stays retired.
+    assert not p.register(sick("b", "storage /data: missing", pid=2), now=4).outcome.commands
+    healed = p.register(reg("b", pid=2), now=5).outcome
+    assert "worker_healthy" in {e.kind for e in healed.events} and not healed.commands
