@@ -8,6 +8,8 @@ every decision about them is made here, from facts the shell observes, with ``no
   failure -> ``Restart`` (every local rank restarts together) or ``GiveUp`` past the budget;
 * ``tick(now)``: a rank with no first step within ``startup_timeout_s``, no step or heartbeat
   for ``hang_timeout_s``, or a section open past its own timeout is hung: a local failure too;
+* a trainer asked not to be restarted (``stop_restarting``): its next failure, or a restart
+  command, is a ``GiveUp`` with the trainer's own exit code (``own_exit_code``) instead;
 * a controller command: fenced by epoch (``Ignore`` when not newer); ``restart`` -> ``Restart``
   at its epoch (not counted against the budget), ``fail`` -> ``GiveUp`` 71, ``stop`` ->
   ``GiveUp`` 72, ``checkpoint`` -> ``Forward`` (the ranks save and keep training);
@@ -81,9 +83,10 @@ class Restart:
 
 @dataclass(frozen=True, slots=True)
 class GiveUp:
-    """End every local rank and exit with ``code``."""
+    """End every local rank and exit with ``code`` (an ``ExitCode``, or the trainer's own
+    exit code once it asked not to be restarted)."""
 
-    code: ExitCode
+    code: int
     why: str
     failure: FailureKind | None = None  # set when the last local failure exhausted the budget
     rank: int | None = None
@@ -176,6 +179,8 @@ class Supervision:
         # Ranks started and not stopped since: only then can they hang (an agent still waiting
         # for its place, or between incarnations, has nothing to time out).
         self.live = False
+        # A trainer asked not to be restarted (``client.request("stop_restarting")``): why.
+        self.no_restarts: str | None = None
 
     @property
     def step(self) -> int | None:
@@ -214,6 +219,11 @@ class Supervision:
         else:
             sections.pop(name, None)
         return self.progress(rank, None, now)
+
+    def stop_restarting(self, why: str) -> None:
+        """A trainer asked: the next failure or restart ends the agent instead (with the
+        trainer's exit code: ``own_exit_code``)."""
+        self.no_restarts = why
 
     def exited(self, rank: int, returncode: int, now: float) -> Decision | None:
         """A local rank's process ended (``returncode`` as asyncio gives it: -N for signal N)."""
@@ -276,6 +286,9 @@ class Supervision:
             return GiveUp(ExitCode.DEVICE_FAILED, f"fail command (epoch {epoch}): {reason}")
         if kind == "stop":
             return GiveUp(ExitCode.STOPPED, f"stop command (epoch {epoch}): {reason}")
+        if self.no_restarts is not None:
+            why = f"restart command epoch {epoch}: {reason}; not restarted: {self.no_restarts}"
+            return GiveUp(ExitCode.STOPPED, why)
         return Restart(f"restart command epoch {epoch}: {reason}", epoch)
 
     def preempted(self, signal_name: str = "SIGTERM") -> GiveUp:
@@ -314,6 +327,10 @@ class Supervision:
         self, kind: FailureKind, rank: int, why: str, now: float, returncode: int | None = None
     ) -> Restart | GiveUp:
         lim = self.limits
+        if self.no_restarts is not None:
+            code = own_exit_code(returncode)
+            why = f"{why}; not restarted: {self.no_restarts} (exit {code})"
+            return GiveUp(code, why, kind, rank, returncode)
         while self.failures and now - self.failures[0] > lim.restart_window_s:
             self.failures.popleft()
         if len(self.failures) >= lim.max_restarts:
@@ -328,6 +345,14 @@ class Supervision:
             )
         self.failures.append(now)
         return Restart(why, self.epoch, kind, rank, returncode)
+
+
+def own_exit_code(returncode: int | None) -> int:
+    """The agent's exit code for a trainer that asked not to be restarted: its own exit code,
+    128 + N for signal N (as a shell says it), 72 (``STOPPED``) for a hang the agent ended."""
+    if returncode is None:
+        return ExitCode.STOPPED
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def describe_returncode(code: int) -> tuple[int | None, str]:

@@ -260,6 +260,42 @@ class ReportReply(Message, tag="report_reply", kw_only=True):
     actions: list[Action] = []
 
 
+# --- a trainer's requests (``client.request``) ----------------------------------------------
+
+# stop_restarting: this agent restarts the trainer no more (it ends with the trainer's exit
+# code); exclude_node: the worker's devices leave service (as ``marduk monitor drain`` does),
+# so the node leaves its job's membership at the next epoch; device_bad: a ``failed`` health
+# event for one of the worker's devices, as a monitor would send.
+WorkloadRequestKind = Literal["stop_restarting", "exclude_node", "device_bad"]
+WORKLOAD_REQUEST_KINDS: Final = frozenset(get_args(WorkloadRequestKind))
+
+
+class WorkloadRequest(Message, tag="workload_request", kw_only=True):
+    """A trainer asks something of the control plane about itself (NVRx's workload control
+    requests); its supervisor relays it on ``marduk.<job>.request`` under its registration's
+    names. Only about the worker's own devices: the controller refuses any other."""
+
+    job: JobName
+    replica: Token
+    worker: NonNegInt = 0
+    kind: WorkloadRequestKind
+    rank: NonNegInt = 0  # the local rank that asked
+    device: DeviceId | None = None  # device_bad: which of the worker's devices
+    reason: Text = ""
+    # Chosen by the asker; a repeated device_bad with the same id is a duplicate health event.
+    request_id: ShortText = ""
+
+
+class WorkloadReply(Message, tag="workload_reply", kw_only=True):
+    """What the controller did: ``devices`` taken out of service or reported failed, and the
+    commands it sent for them (``actions``); ``detail`` in words."""
+
+    kind: WorkloadRequestKind
+    detail: Text = ""
+    devices: list[str] = []
+    actions: list[Action] = []
+
+
 # --- device health -----------------------------------------------------------------------------
 
 
@@ -337,6 +373,8 @@ EventKind = Literal[
     "worker_hung",
     "worker_gave_up",
     "worker_preempted",
+    # a trainer's requests (client.request)
+    "trainer_request",
     # performance (marduk/core/stragglers.py)
     "straggler_detected",
     "straggler_cleared",
