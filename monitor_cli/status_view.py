@@ -172,6 +172,8 @@ def workers_grid(workers: Sequence[WorkerInfo], now: float) -> Grid:
             status += f", node {w.node_rank}" + (" (spare, holding)" if w.spare else "")
         elif w.part:  # joining (will grow the job), spare (runs nothing) or retired (exit 71)
             status = w.part
+        if w.timeouts:  # learned by its agent (--hang-timeout auto)
+            status += f"; {w.timeouts}"
         rows.append(
             (
                 w.job,

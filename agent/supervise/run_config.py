@@ -9,6 +9,7 @@ without touching the machine.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -30,6 +31,7 @@ from agent.supervise.launch import (
     parse_nnodes,
     parse_std,
 )
+from agent.supervise.learned_timeouts import HANG_BOUNDS, STARTUP_BOUNDS, Bounds, Learning
 from agent.supervise.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
 from marduk.shell import options
 from marduk.wire.protocol import Rendezvous
@@ -59,8 +61,9 @@ class RunArgs:
     scope: Literal["replica", "job"] = library.DEFAULT_SCOPE
     max_restarts: int = Config.max_restarts
     restart_window: float = Config.restart_window_s
-    hang_timeout: float = Config.hang_timeout_s
-    startup_timeout: float = Config.startup_timeout_s
+    hang_timeout: str = f"{Config.hang_timeout_s:g}"
+    startup_timeout: str = f"{Config.startup_timeout_s:g}"
+    timeout_factor: float = Config.learning.factor
     step_regex: str = Config.step_regex
     grace: float = Config.grace_s
     restart_grace: float = Config.restart_grace_s
@@ -192,6 +195,7 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
         raise ConfigError(str(e)) from None
     if not args.cmd:
         raise ConfigError("no trainer command given")
+    hang_s, startup_s, learning = _timeouts(args)
     command = trainer_command(args.cmd, module=args.module, no_python=args.no_python)
     return Config(
         cmd=command,
@@ -202,8 +206,9 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
         preflight_timeout_s=args.preflight_timeout,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,
-        hang_timeout_s=args.hang_timeout,
-        startup_timeout_s=args.startup_timeout,
+        hang_timeout_s=hang_s,
+        startup_timeout_s=startup_s,
+        learning=learning,
         step_regex=args.step_regex,
         grace_s=args.grace,
         restart_grace_s=args.restart_grace,
@@ -224,6 +229,41 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
             else [m.strip() for m in args.preload.split(",") if m.strip() and m.strip() != "none"]
         ),
     )
+
+
+def _timeouts(args: RunArgs) -> tuple[float, float, Learning]:
+    """The hang and startup timeouts (fixed, or the upper bound until learned), and what is
+    learned."""
+    hang_s, hang = timeout_option(args.hang_timeout, "--hang-timeout", HANG_BOUNDS)
+    startup_s, startup = timeout_option(args.startup_timeout, "--startup-timeout", STARTUP_BOUNDS)
+    return hang_s, startup_s, Learning(hang=hang, startup=startup, factor=args.timeout_factor)
+
+
+def timeout_option(
+    value: str, name: str, default_bounds: tuple[float, float]
+) -> tuple[float, Bounds | None]:
+    """A timeout option's value: seconds (fixed), or ``auto[:MIN:MAX]`` (learned within the
+    bounds; the fixed value is then MAX, what applies until something is learned)."""
+    v = value.strip()
+    usage = f"{name} {value!r}: seconds (at least 0.1), or auto, or auto:MIN:MAX"
+    if v == "auto" or v.startswith("auto:"):
+        lo, hi = default_bounds
+        if v != "auto":
+            low, colon, high = v[5:].partition(":")
+            try:
+                lo, hi = float(low), float(high)
+            except ValueError:
+                raise ConfigError(usage) from None
+            if not colon or not 0.1 <= lo <= hi or not math.isfinite(hi):
+                raise ConfigError(f"{usage} (0.1 <= MIN <= MAX)")
+        return hi, Bounds(lo, hi)
+    try:
+        seconds = float(v)
+    except ValueError:
+        raise ConfigError(usage) from None
+    if seconds < 0.1 or not math.isfinite(seconds):
+        raise ConfigError(usage)
+    return seconds, None
 
 
 def _check_spare(args: RunArgs) -> None:

@@ -115,6 +115,7 @@ class Supervisor:
                 restart_window_s=config.restart_window_s,
                 hang_timeout_s=config.hang_timeout_s,
                 startup_timeout_s=config.startup_timeout_s,
+                learning=config.learning,
             ),
             nproc,
             epoch=o.epoch,

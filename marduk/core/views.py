@@ -114,6 +114,7 @@ def _report_fields(fleet: Fleet, key: WorkerKey) -> dict[str, Any]:
         "step": r.step,
         "step_at": r.step_at,
         "failure_class": r.failure_class,
+        "timeouts": r.timeouts,
     }
 
 

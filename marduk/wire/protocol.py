@@ -254,6 +254,9 @@ class Report(Message, tag="report", kw_only=True):
     action: ShortText = ""
     summary: Text = ""
     lines: Annotated[list[Text], msgspec.Meta(max_length=20)] = []
+    # The hang and startup timeouts in force, in words, when the agent learns them
+    # (``--hang-timeout auto``); empty with fixed timeouts.
+    timeouts: ShortText = ""
 
 
 class ReportReply(Message, tag="report_reply", kw_only=True):
@@ -505,6 +508,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     step: int | None = None
     step_at: float = 0.0
     failure_class: str = ""  # of the last failure reported
+    timeouts: str = ""  # learned hang/startup timeouts, as its supervisor's last report says
     # A job whose ranks the controller assigns: "member" (node_rank set), "joining" (a free
     # worker that will grow the job: ``JobInfo.joining``), "spare" (registered, no trainer),
     # "retired" (taken out of the job, told to exit 71); "" otherwise.
