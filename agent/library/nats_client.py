@@ -180,6 +180,7 @@ class AsyncClient(CommandInbox):
             role=o.role,
             peer_notices=o.peer_notices,
             rendezvous=o.rendezvous,
+            nvlink_domain=o.nvlink_domain,
         )
 
     async def _register(self, *, timeout: float, retry: bool = False) -> None:

@@ -285,6 +285,19 @@ def run(
             metavar="NAME",
         ),
     ] = None,
+    segment: Annotated[
+        int,
+        typer.Option(
+            "--segment",
+            envvar="MARDUK_SEGMENT",
+            min=0,
+            help="NVLink segments of N nodes (with --nnodes MIN:MAX, multiples of N): node "
+            "ranks in groups of N contiguous ranks whose nodes share one NVLink domain (NVML's "
+            "ClusterUUID, or MARDUK_NVLINK_DOMAIN), only whole groups in the job, spares taken "
+            "from the lost member's domain. 0 or 1: none.",
+            metavar="N",
+        ),
+    ] = 0,
     master_addr: Annotated[
         str | None,
         typer.Option(

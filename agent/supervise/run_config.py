@@ -85,6 +85,7 @@ class RunArgs:
     node_rank: int | None = None
     spare: bool = False
     spare_pool: str | None = None
+    segment: int = 0
     master_addr: str | None = None
     master_port: int | None = None
     local_addr: str | None = None
@@ -128,6 +129,12 @@ def _default_preload(cmd: list[str]) -> list[str]:
     return default_preload(script_source(cmd))
 
 
+def _nvlink_domain(devices: list[str]) -> str:
+    from agent.library.devices import nvlink_domain
+
+    return nvlink_domain(devices)
+
+
 def _resolve(**kw: Any) -> Options:
     from agent.library.options import resolve_options
 
@@ -146,6 +153,7 @@ class Lookups:
     )
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
     free_ports: Callable[[], list[int]] = field(default_factory=lambda: ports.coordinator_ports)
+    nvlink_domain: Callable[[list[str]], str] = field(default_factory=lambda: _nvlink_domain)
 
 
 def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorConfig:
@@ -177,17 +185,8 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
             controller_key=args.controller_key,
         )
         launch = _launch(args, opts.devices, look) if args.torchrun_style else None
-        if launch is not None and launch.from_controller:
-            opts.rendezvous = Rendezvous(
-                nproc=launch.nproc_per_node,
-                min_nodes=launch.min_nodes,
-                max_nodes=launch.nnodes,
-                node_rank=args.node_rank,
-                addr=args.local_addr or opts.host,
-                ports=look.free_ports(),
-                spare=args.spare,
-                pool=args.spare_pool or None,
-            )
+        opts.rendezvous = _rendezvous(args, launch, opts.host, look)
+        opts.nvlink_domain = look.nvlink_domain(opts.devices)
         logs = _logs(args, launch, look)
     except ConfigError:
         raise
@@ -264,6 +263,37 @@ def timeout_option(
     if seconds < 0.1 or not math.isfinite(seconds):
         raise ConfigError(usage)
     return seconds, None
+
+
+def _rendezvous(
+    args: RunArgs, launch: LaunchSpec | None, host: str, look: Lookups
+) -> Rendezvous | None:
+    """What this node brings to the controller's rendezvous (``--nnodes MIN:MAX``), or None
+    when its ranks are its own; ``--segment`` checked against it."""
+    segment = args.segment if args.segment > 1 else 0
+    if launch is None or not launch.from_controller:
+        if segment:
+            raise ConfigError(
+                "--segment needs --nnodes MIN:MAX without --node-rank: the controller assigns "
+                "the node ranks, segment by segment"
+            )
+        return None
+    if segment and (launch.min_nodes % segment or launch.nnodes % segment):
+        raise ConfigError(
+            f"--segment {segment}: --nnodes {launch.min_nodes}:{launch.nnodes} must be whole "
+            f"segments (MIN and MAX multiples of {segment})"
+        )
+    return Rendezvous(
+        nproc=launch.nproc_per_node,
+        min_nodes=launch.min_nodes,
+        max_nodes=launch.nnodes,
+        node_rank=args.node_rank,
+        addr=args.local_addr or host,
+        ports=look.free_ports(),
+        spare=args.spare,
+        pool=args.spare_pool or None,
+        segment=segment,
+    )
 
 
 def _check_spare(args: RunArgs) -> None:

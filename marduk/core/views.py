@@ -128,6 +128,12 @@ def device_infos(fleet: Fleet, job: str | None = None) -> list[DeviceInfo]:
         if job is not None and not replicas:
             continue
         rec = fleet.devices.get(name)
+        domains = (
+            fleet.workers[w].registration.nvlink_domain
+            for w in fleet.drmap.workers_for_device(name)
+            if w in fleet.workers
+        )
+        domain = next((d for d in domains if d), "")
         infos.append(
             DeviceInfo(
                 device=name,
@@ -139,6 +145,7 @@ def device_infos(fleet: Fleet, job: str | None = None) -> list[DeviceInfo]:
                 quarantined=rec.quarantined if rec else False,
                 drained=rec.drained if rec else False,
                 out_reason=rec.out_reason if rec else "",
+                nvlink_domain=domain,
             )
         )
     return infos

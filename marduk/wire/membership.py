@@ -47,6 +47,10 @@ class Rendezvous(msgspec.Struct, kw_only=True):
     # none)? False while the fork server warms up; the agent registers again once it is ready.
     # A grow's settle counts from then (docs/decisions.md #17). Older agents: always true.
     ready: bool = True
+    # NVLink segments (``--segment N``; 0 or 1: none): node ranks in groups of N contiguous
+    # ranks, each group's nodes in one NVLink domain (``Registration.nvlink_domain``), only
+    # whole groups in the membership; MIN and MAX are multiples of N.
+    segment: Annotated[int, msgspec.Meta(ge=0, le=MAX_MEMBERS)] = 0
 
 
 class Member(msgspec.Struct, kw_only=True, frozen=True):

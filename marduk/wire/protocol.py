@@ -102,6 +102,9 @@ class Registration(Message, tag="register", kw_only=True):
     peer_notices: bool = False
     # A job whose ranks the controller assigns (``Membership``); null: ranks are the agent's.
     rendezvous: Rendezvous | None = None
+    # The NVLink domain of this node's devices (NVML's ClusterUUID, the same on every GPU of
+    # one NVL72 rack); "": none, or not known (no NVML fabric, a library, mixed domains).
+    nvlink_domain: ShortText = ""
 
 
 def same_process(a: Registration, b: Registration) -> bool:
@@ -528,6 +531,8 @@ class DeviceInfo(msgspec.Struct, kw_only=True):
     quarantined: bool = False  # flapping (the policy's decision)
     drained: bool = False  # an operator's decision
     out_reason: str = ""
+    # The NVLink domain of the node that registered it (NVML's ClusterUUID); "": not known.
+    nvlink_domain: str = ""
 
 
 ControllerRole = Literal["leader", "standby"]
