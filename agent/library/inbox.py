@@ -94,12 +94,12 @@ class CommandInbox:
         if answer.accepted:
             self.stats[f"requests.{kind}"] += 1
         else:
-            self.stats[f"requests.refused.{answer.code}"] += 1
+            self.stats[f"requests_refused.{answer.code}"] += 1
             self._record(f"request {kind} refused: {answer.detail}")
         return answer
 
     def _refused(self, refusal: Refusal) -> Answered:
-        self.stats[f"requests.refused.{refusal.code}"] += 1
+        self.stats[f"requests_refused.{refusal.code}"] += 1
         self._record(f"request refused: {refusal.why}")
         return Answered(False, refusal.why, refusal.code)
 

@@ -208,7 +208,7 @@ class Client:
         Returns an ``Answered`` (true when done; ``detail`` says what was done or why not).
         Never raises: a bad request (unknown kind, wrong types, a reason over 1,024
         characters), no agent or controller to answer, or a refusal is counted in
-        ``stats["requests.refused.<code>"]`` and recorded in ``errors``."""
+        ``stats["requests_refused.<code>"]`` and recorded in ``errors``."""
         if self._closed:
             return Answered(False, "the client is closed", "closed")
         try:

@@ -11,7 +11,7 @@ channel), acts on it and answers:
   answer is the trainer's. Standalone, refused: only a controller takes devices out of service.
 
 Every request is counted (``requests.<kind>``), every refusal by its code
-(``requests.refused.<code>``) and logged; none is fatal.
+(``requests_refused.<code>``) and logged; none is fatal.
 """
 
 from __future__ import annotations
@@ -100,6 +100,6 @@ class TrainerRequests:
             log.warning("the controller was not told of %s: %s", req.kind, e)
 
     def _refuse(self, req: Request, refusal: Refusal) -> Answer:
-        self._stats[f"requests.refused.{refusal.code[:64]}"] += 1
+        self._stats[f"requests_refused.{refusal.code[:64]}"] += 1
         log.warning("request %.64r from the trainer refused: %s", req.kind, refusal.why)
         return Answer(id=req.id, accepted=False, detail=refusal.why)
