@@ -27,6 +27,7 @@ GPUs (every training node we know of) the two agree; on mixed nodes set
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -171,7 +172,8 @@ def cluster_uuid(pynvml: Any, uuid: str) -> str:
     try:
         handle = pynvml.nvmlDeviceGetHandleByUUID(uuid.encode())
         info = pynvml.c_nvmlGpuFabricInfo_t()
-        pynvml.nvmlDeviceGetGpuFabricInfo(handle, info)
+        # pynvml passes the struct on to C as given: a pointer to it, as NVML fills it in.
+        pynvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
     except Exception as e:  # NVMLError (not supported), AttributeError (an older pynvml)
         log.debug("NVML fabric info for %s: %s", uuid, e)
         return ""

@@ -4,6 +4,8 @@ domain found from NVML's ClusterUUID (synthetic values) or the environment's ove
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 
 from agent.library import devices as found
@@ -135,13 +137,12 @@ class FakeNvml:
     def nvmlDeviceGetHandleByUUID(self, uuid: bytes) -> str:
         return uuid.decode()
 
-    class c_nvmlGpuFabricInfo_t:
-        clusterUuid = bytes(16)
-        state = 0
-        status = 0
+    from pynvml import c_nvmlGpuFabricInfo_t  # the real struct: filled in through a pointer
 
-    def nvmlDeviceGetGpuFabricInfo(self, handle: str, info: object) -> None:
-        info.clusterUuid, info.state, info.status = self.domains[handle], 3, 0  # type: ignore[attr-defined]
+    def nvmlDeviceGetGpuFabricInfo(self, handle: str, pointer: object) -> None:
+        info = pointer._obj  # type: ignore[attr-defined]  # ctypes.byref's
+        info.clusterUuid = (ctypes.c_uint8 * 16)(*self.domains[handle])
+        info.state, info.status = 3, 0
 
 
 def test_the_nodes_domain_is_its_gpus_common_one_and_the_environment_overrides_it(
