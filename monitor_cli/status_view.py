@@ -174,6 +174,8 @@ def workers_grid(workers: Sequence[WorkerInfo], now: float) -> Grid:
             status = f"unhealthy: {w.unhealthy}"
         elif w.part:  # joining (will grow the job), spare (runs nothing) or retired (exit 71)
             status = w.part
+        if w.timeouts:  # learned by its agent (--hang-timeout auto)
+            status += f"; {w.timeouts}"
         rows.append(
             (
                 w.job,

@@ -15,8 +15,10 @@ JSON lines, one message per line, a msgspec tagged union on ``op``:
                        {"op": "section", "name": "checkpoint", "open": false}
                        {"op": "checkpointed", "step": 42}   (the checkpoint asked for is saved)
                        {"op": "perf", "summary": {...a wire PerfSummary...}}   (once a window)
+                       {"op": "request", "id": 1, "kind": "exclude_node", "reason": "..."}
     agent -> trainer   {"op": "welcome", "epoch": 3}
                        {"op": "command", "command": {...a wire Command...}}
+                       {"op": "answer", "id": 1, "accepted": true, "detail": "..."}
 
 Decoding is strict (types checked; a line is capped at ``MAX_LINE`` bytes). A message that
 cannot be read is counted and logged, and skipped: it never closes the channel or stops either
@@ -116,8 +118,28 @@ class ParamsApplied(Message, tag="params_applied"):
     rejected: dict[str, str] = {}
 
 
-ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed | ParamsApplied | Perf
-ToTrainer = Welcome | ForwardedCommand | ForwardedParams
+class Request(Message, tag="request"):
+    """``client.request(kind, ...)``: the trainer asks the agent (and through it the
+    controller) about itself; answered by an ``answer`` with the same ``id``. ``kind`` is any
+    string here, so that one the agent does not know is refused with a reason, not dropped."""
+
+    id: int
+    kind: str
+    device: str | None = None
+    reason: str = ""
+
+
+class Answer(Message, tag="answer"):
+    """The agent's answer to the trainer's ``request`` ``id``: done (``accepted``) or refused,
+    and why, in ``detail``."""
+
+    id: int
+    accepted: bool
+    detail: str = ""
+
+
+ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed | ParamsApplied | Perf | Request
+ToTrainer = Welcome | ForwardedCommand | ForwardedParams | Answer
 M = TypeVar("M", ToAgent, ToTrainer)
 
 _encoder = msgspec.json.Encoder()

@@ -11,6 +11,10 @@ Order of precedence:
 3. Everything else (TPU, CPU, GPUs without NVML): ``<host>:<platform>:<local_hardware_id>``,
    e.g. ``worker-3:tpu:0``. Stable across restarts of the process on the same host.
 
+NVLink domains (``nvlink_domain``): the GPUs of one NVLink domain (an NVL72 rack) share NVML's
+fabric ClusterUUID; ``MARDUK_NVLINK_DOMAIN`` overrides it (any string: synthetic domains in
+tests, or a site's own names where NVML has no fabric). ``--segment`` jobs use it.
+
 ``marduk agent run`` finds its node's devices without a framework (``node_device_uuids``): the
 same ``MARDUK_DEVICES``, then every GPU NVML shows (through ``CUDA_VISIBLE_DEVICES``), and only
 then jax's view, asked in a child process so the agent itself never initialises a backend (no
@@ -23,6 +27,7 @@ GPUs (every training node we know of) the two agree; on mixed nodes set
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
@@ -33,6 +38,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from agent.channel.handoff import DEVICES, parse_devices
+
+NVLINK_DOMAIN = "MARDUK_NVLINK_DOMAIN"
 
 log = logging.getLogger("agent.devices")
 
@@ -136,6 +143,54 @@ def device_ids(
         uuid = nvml_uuid(local) if platform in ("gpu", "cuda") else None
         out.append(uuid or f"{host}:{platform}:{local}")
     return out
+
+
+def nvlink_domain(devices: Sequence[str]) -> str:
+    """The NVLink domain of this node's GPUs ``devices``: ``MARDUK_NVLINK_DOMAIN`` if set, else
+    their NVML ClusterUUID when every one that has one shares it; "" when none has one (no
+    NVML, no fabric), or they disagree (logged: no segment can hold this node)."""
+    given = os.environ.get(NVLINK_DOMAIN)
+    if given is not None:
+        return given.strip()[:256]
+    pynvml = _nvml()
+    if pynvml is None:
+        return ""
+    found = {d for u in devices if u.startswith("GPU-") and (d := cluster_uuid(pynvml, u))}
+    if len(found) > 1:
+        log.warning(
+            "this node's GPUs are in %d NVLink domains (%s): registering none",
+            len(found),
+            ", ".join(sorted(found)),
+        )
+        return ""
+    return found.pop() if found else ""
+
+
+def cluster_uuid(pynvml: Any, uuid: str) -> str:
+    """NVML's fabric ClusterUUID of the GPU ``uuid`` as a UUID string; "" when it has none (no
+    fabric, the fabric not yet registered, an all-zero id, an older driver or NVML)."""
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid.encode())
+        info = pynvml.c_nvmlGpuFabricInfo_t()
+        # pynvml passes the struct on to C as given: a pointer to it, as NVML fills it in.
+        pynvml.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
+    except Exception as e:  # NVMLError (not supported), AttributeError (an older pynvml)
+        log.debug("NVML fabric info for %s: %s", uuid, e)
+        return ""
+    return fabric_domain(bytes(info.clusterUuid), info.state, info.status)
+
+
+FABRIC_COMPLETED = 3  # NVML_GPU_FABRIC_STATE_COMPLETED
+NVML_SUCCESS = 0
+
+
+def fabric_domain(cluster: bytes, state: int, status: int) -> str:
+    """A ClusterUUID's 16 bytes as ``8-4-4-4-12`` hex, or "" unless the GPU's fabric
+    registration completed with success and the id is not all zeros."""
+    if state != FABRIC_COMPLETED or status != NVML_SUCCESS or not any(cluster):
+        return ""
+    h = cluster.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 _nvml_state: dict[str, Any] = {}

@@ -12,6 +12,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from agent.channel.fencing import Fence, Verdict
+from agent.channel.requests import Answered, Refusal, check, default_device
 from agent.library.command import Command, OnCommand
 from agent.library.options import Options
 from agent.library.params import LiveParams, ParamsView
@@ -77,6 +78,33 @@ class CommandInbox:
     def _record(self, message: str) -> None:
         self.errors.append(f"{time.strftime('%H:%M:%S')} {message}")
         log.warning("%s", message)
+
+    # --- the trainer's requests (client.request) -------------------------------------------------
+
+    async def request(
+        self, kind: str, device: str | None = None, reason: str = "", timeout: float = 10.0
+    ) -> Answered:
+        """Ask about this trainer (agent/channel/requests.py): refused here when malformed,
+        else ``_ask``'s answer. Never raises; each refusal is counted and recorded."""
+        device = default_device(kind, device, list(self.opts.devices))
+        refusal = check(kind, device, reason)
+        if refusal is not None:
+            return self._refused(refusal)
+        answer = await self._ask(kind, device, reason, timeout)
+        if answer.accepted:
+            self.stats[f"requests.{kind}"] += 1
+        else:
+            self.stats[f"requests_refused.{answer.code}"] += 1
+            self._record(f"request {kind} refused: {answer.detail}")
+        return answer
+
+    def _refused(self, refusal: Refusal) -> Answered:
+        self.stats[f"requests_refused.{refusal.code}"] += 1
+        self._record(f"request refused: {refusal.why}")
+        return Answered(False, refusal.why, refusal.code)
+
+    async def _ask(self, kind: str, device: str | None, reason: str, timeout: float) -> Answered:
+        raise NotImplementedError
 
     def _misdirected(self, c: wire.Command, subject: str, expected: str) -> bool:
         """True (counted, recorded) if ``c``, as signed, is not for this replica: another job

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from agent.channel.messages import (
     MAX_LINE,
+    Answer,
     ChannelError,
     Checkpointed,
     ForwardedCommand,
@@ -19,6 +20,7 @@ from agent.channel.messages import (
     Message,
     ParamsApplied,
     Perf,
+    Request,
     Section,
     Step,
     TrainerHello,
@@ -28,6 +30,7 @@ from agent.channel.messages import (
     messages,
     read_line,
 )
+from agent.channel.requests import Answered
 from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import CommandInbox
@@ -53,6 +56,8 @@ class LocalAsyncClient(CommandInbox):
         self.socket_path = socket_path
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._answers: dict[int, asyncio.Future[Answer]] = {}  # requests waiting, by id
+        self._last_request = 0
 
     async def start(self) -> None:
         try:
@@ -90,6 +95,10 @@ class LocalAsyncClient(CommandInbox):
                     self._accept(msg.command)
                 elif isinstance(msg, ForwardedParams):
                     self._take_params(msg.params)
+                elif isinstance(msg, Answer):
+                    waiting = self._answers.get(msg.id)
+                    if waiting is not None and not waiting.done():
+                        waiting.set_result(msg)
                 else:
                     self._bad(f"unexpected {type(msg).__name__}")
         except OSError as e:
@@ -109,6 +118,26 @@ class LocalAsyncClient(CommandInbox):
             await self._writer.drain()
         except (OSError, RuntimeError) as e:
             self._record(f"cannot reach the local agent: {e}")
+
+    async def _ask(self, kind: str, device: str | None, reason: str, timeout: float) -> Answered:
+        """The agent decides (and asks the controller where it must): its answer."""
+        if self._writer is None or self._writer.is_closing():
+            return Answered(False, "not connected to the local agent", "not_connected")
+        self._last_request += 1
+        rid = self._last_request
+        waiting: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._answers[rid] = waiting
+        try:
+            await self._send(Request(id=rid, kind=kind, device=device, reason=reason))
+            answer = await asyncio.wait_for(waiting, timeout)
+        except TimeoutError:
+            return Answered(
+                False, f"the local agent did not answer within {timeout:g}s", "no_answer"
+            )
+        finally:
+            self._answers.pop(rid, None)
+        code = "" if answer.accepted else "refused"
+        return Answered(answer.accepted, answer.detail, code)
 
     # --- the AsyncClient interface ---------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from agent.channel.fencing import Verdict
+from agent.channel.requests import Answered
 from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import CommandInbox
@@ -179,6 +180,7 @@ class AsyncClient(CommandInbox):
             role=o.role,
             peer_notices=o.peer_notices,
             rendezvous=o.rendezvous,
+            nvlink_domain=o.nvlink_domain,
         )
 
     async def _register(self, *, timeout: float, retry: bool = False) -> None:
@@ -441,6 +443,46 @@ class AsyncClient(CommandInbox):
             timeout=timeout,
             addr=self.opts.addr,
         )
+
+    async def workload_request(
+        self, req: wire.WorkloadRequest, timeout: float = 5.0
+    ) -> wire.WorkloadReply:
+        """A trainer's request (``marduk.<job>.request``); raises MardukError if unanswered or
+        refused (RequestRejected, with the controller's code)."""
+        assert self._nc is not None
+        return await bus.request(
+            self._nc,
+            self.subjects.request(self.opts.job),
+            req,
+            wire.WorkloadReply,
+            timeout=timeout,
+            addr=self.opts.addr,
+        )
+
+    async def _ask(self, kind: str, device: str | None, reason: str, timeout: float) -> Answered:
+        """Registered over NATS itself: nobody restarts this trainer, so ``stop_restarting``
+        has nothing to stop; the others go to the controller as an agent's would."""
+        if kind == "stop_restarting":
+            return Answered(False, "no `marduk agent run` restarts this trainer", "not_supervised")
+        if not self.connected:
+            return Answered(False, "not connected to NATS", "not_connected")
+        o = self.opts
+        req = wire.WorkloadRequest(
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            kind=kind,  # type: ignore[arg-type]  # checked by agent/channel/requests.py
+            device=device,
+            reason=reason,
+            request_id=secrets.token_hex(8),
+        )
+        try:
+            reply = await self.workload_request(req, timeout)
+        except RequestRejected as e:
+            return Answered(False, e.detail, e.code)
+        except MardukError as e:
+            return Answered(False, str(e), "no_answer")
+        return Answered(True, reply.detail)
 
     async def publish_perf(self, summary: wire.PerfSummary) -> bool:
         """One window's summary, published (not requested: a lost one costs one window of

@@ -53,6 +53,8 @@ class Options:
     peer_notices: bool = False
     # ``marduk agent run --nnodes MIN:MAX``: the node ranks come from the controller.
     rendezvous: Rendezvous | None = None
+    # The node's NVLink domain (NVML's ClusterUUID; agent/library/devices.py), "" if unknown.
+    nvlink_domain: str = ""
 
 
 def resolve_controller_keys(

@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from agent.channel.requests import Answered
 from agent.errors import AgentError
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import State
@@ -183,6 +184,41 @@ class Client:
         """Say that this worker runs parameters ``version`` from this step on, except the keys
         in ``rejected`` (key -> why): ``marduk monitor params`` shows it. Never blocks."""
         self._fire(self._async.params_applied(version, dict(rejected or {})))
+
+    def request(
+        self,
+        kind: str,
+        *,
+        device: str | None = None,
+        reason: str = "",
+        timeout: float = 10.0,
+    ) -> Answered:
+        """Ask the control plane about this trainer (NVRx's workload control requests); waits
+        for the answer, ``timeout`` s at most. ``kind``:
+
+        * ``"stop_restarting"``: ``marduk agent run`` restarts this trainer no more: when it
+          next ends (it exits, crashes or hangs, or a restart is ordered), the agent ends too,
+          with the trainer's exit code (72 when the agent stopped it);
+        * ``"exclude_node"``: this node's devices leave service, as ``marduk monitor drain``
+          takes them out: the job goes on without this node from the next epoch (a spare takes
+          its ranks) and its agent exits 71;
+        * ``"device_bad"``: a ``failed`` health event for ``device`` (default: this rank's
+          device, if it has one), as a monitor would send it.
+
+        Returns an ``Answered`` (true when done; ``detail`` says what was done or why not).
+        Never raises: a bad request (unknown kind, wrong types, a reason over 1,024
+        characters), no agent or controller to answer, or a refusal is counted in
+        ``stats["requests_refused.<code>"]`` and recorded in ``errors``."""
+        if self._closed:
+            return Answered(False, "the client is closed", "closed")
+        try:
+            answer: Answered = self._call(
+                self._async.request(kind, device, reason, timeout), timeout=timeout + 2.0
+            )
+        except AgentError as e:
+            self._async._record(str(e))
+            return Answered(False, str(e), "no_answer")
+        return answer
 
     def _call_recorded(self, coro: Any) -> bool:
         """Run ``coro`` on the client's loop; a failure is recorded in ``errors``, never raised."""

@@ -13,6 +13,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from typing import Protocol
 
+from agent.channel.requests import Answered
 from agent.library.command import Command, OnCommand
 from agent.library.inbox import State
 from agent.library.local_client import LocalAsyncClient
@@ -56,6 +57,9 @@ class AgentClient(Protocol):
     async def params_applied(
         self, version: int, rejected: dict[str, str] | None = None
     ) -> bool: ...
+    async def request(
+        self, kind: str, device: str | None = None, reason: str = "", timeout: float = 10.0
+    ) -> Answered: ...
     def _record(self, message: str) -> None: ...
 
 

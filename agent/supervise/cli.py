@@ -100,21 +100,32 @@ def run(
         float, _opt("MARDUK_RESTART_WINDOW", "Seconds the restart budget counts over.", min=1.0)
     ] = Config.restart_window_s,
     hang_timeout: Annotated[
-        float,
+        str,
         _opt(
             "MARDUK_HANG_TIMEOUT",
-            "Seconds without a new step before the trainer counts as hung.",
-            min=0.1,
+            "Seconds without a new step before the trainer counts as hung; or auto[:MIN:MAX]: "
+            "learned from the job, --timeout-factor x the 99th percentile of the step "
+            "intervals seen (kept across restarts), within MIN:MAX (default 3:600; MAX "
+            "until learned).",
         ),
-    ] = Config.hang_timeout_s,
+    ] = f"{Config.hang_timeout_s:g}",
     startup_timeout: Annotated[
-        float,
+        str,
         _opt(
             "MARDUK_STARTUP_TIMEOUT",
-            "Seconds until the first step (imports, compilation).",
-            min=0.1,
+            "Seconds until the first step (imports, compilation); or auto[:MIN:MAX]: learned "
+            "from the earlier incarnations' starts, within MIN:MAX (default 60:1800).",
         ),
-    ] = Config.startup_timeout_s,
+    ] = f"{Config.startup_timeout_s:g}",
+    timeout_factor: Annotated[
+        float,
+        _opt(
+            "MARDUK_TIMEOUT_FACTOR",
+            "With --hang-timeout or --startup-timeout auto: the multiple of the observed "
+            "times that makes a timeout.",
+            min=1.0,
+        ),
+    ] = Config.learning.factor,
     step_regex: Annotated[
         str,
         _opt(
@@ -346,6 +357,19 @@ def run(
             metavar="NAME",
         ),
     ] = None,
+    segment: Annotated[
+        int,
+        typer.Option(
+            "--segment",
+            envvar="MARDUK_SEGMENT",
+            min=0,
+            help="NVLink segments of N nodes (with --nnodes MIN:MAX, multiples of N): node "
+            "ranks in groups of N contiguous ranks whose nodes share one NVLink domain (NVML's "
+            "ClusterUUID, or MARDUK_NVLINK_DOMAIN), only whole groups in the job, spares taken "
+            "from the lost member's domain. 0 or 1: none.",
+            metavar="N",
+        ),
+    ] = 0,
     master_addr: Annotated[
         str | None,
         typer.Option(
@@ -505,7 +529,8 @@ def run(
 
     Exit codes: 0 the trainers finished; 1 setup error; 2 bad options; 70 gave up after
     --max-restarts; 71 the controller sent 'fail' (a bad device); 72 the controller sent 'stop';
-    143 SIGTERM (preemption).
+    143 SIGTERM (preemption); after the trainer asked client.request("stop_restarting"), the
+    trainer's own exit code.
     """
     # First, before any other name is bound: every option's value, by name (RunArgs's fields).
     args = RunArgs(**locals())

@@ -122,6 +122,7 @@ class Reporter:
             epoch=self._core.epoch,
             incarnation=max(self._core.incarnation, 0),
             step=self._core.step,
+            timeouts=self._core.timeouts.describe(),
             **fields,  # type: ignore[arg-type]
         )
         timeout = STOPPING_REPORT_TIMEOUT_S if self._stopping() else REPORT_TIMEOUT_S

@@ -9,6 +9,7 @@ without touching the machine.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -31,6 +32,7 @@ from agent.supervise.launch import (
     parse_nnodes,
     parse_std,
 )
+from agent.supervise.learned_timeouts import HANG_BOUNDS, STARTUP_BOUNDS, Bounds, Learning
 from agent.supervise.supervisor_config import CONNECT_TIMEOUT_S, SupervisorConfig
 from marduk.shell import options
 from marduk.wire.protocol import Rendezvous
@@ -64,8 +66,9 @@ class RunArgs:
     scope: Literal["replica", "job"] = library.DEFAULT_SCOPE
     max_restarts: int = Config.max_restarts
     restart_window: float = Config.restart_window_s
-    hang_timeout: float = Config.hang_timeout_s
-    startup_timeout: float = Config.startup_timeout_s
+    hang_timeout: str = f"{Config.hang_timeout_s:g}"
+    startup_timeout: str = f"{Config.startup_timeout_s:g}"
+    timeout_factor: float = Config.learning.factor
     step_regex: str = Config.step_regex
     grace: float = Config.grace_s
     restart_grace: float = Config.restart_grace_s
@@ -93,6 +96,7 @@ class RunArgs:
     node_rank: int | None = None
     spare: bool = False
     spare_pool: str | None = None
+    segment: int = 0
     master_addr: str | None = None
     master_port: int | None = None
     local_addr: str | None = None
@@ -146,6 +150,12 @@ def _numactl() -> str | None:
     return shutil.which("numactl")
 
 
+def _nvlink_domain(devices: list[str]) -> str:
+    from agent.library.devices import nvlink_domain
+
+    return nvlink_domain(devices)
+
+
 def _resolve(**kw: Any) -> Options:
     from agent.library.options import resolve_options
 
@@ -166,6 +176,7 @@ class Lookups:
     free_ports: Callable[[], list[int]] = field(default_factory=lambda: ports.coordinator_ports)
     topology: Callable[[], Topology] = field(default_factory=lambda: _topology)
     numactl: Callable[[], str | None] = field(default_factory=lambda: _numactl)
+    nvlink_domain: Callable[[list[str]], str] = field(default_factory=lambda: _nvlink_domain)
 
 
 def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorConfig:
@@ -197,17 +208,8 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
             controller_key=args.controller_key,
         )
         launch = _launch(args, opts.devices, look) if args.torchrun_style else None
-        if launch is not None and launch.from_controller:
-            opts.rendezvous = Rendezvous(
-                nproc=launch.nproc_per_node,
-                min_nodes=launch.min_nodes,
-                max_nodes=launch.nnodes,
-                node_rank=args.node_rank,
-                addr=args.local_addr or opts.host,
-                ports=look.free_ports(),
-                spare=args.spare,
-                pool=args.spare_pool or None,
-            )
+        opts.rendezvous = _rendezvous(args, launch, opts.host, look)
+        opts.nvlink_domain = look.nvlink_domain(opts.devices)
         logs = _logs(args, launch, look)
         checks = _checks(args)
         numa = _numa(args, launch, opts.devices, look)
@@ -217,6 +219,7 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
         raise ConfigError(str(e)) from None
     if not args.cmd:
         raise ConfigError("no trainer command given")
+    hang_s, startup_s, learning = _timeouts(args)
     command = trainer_command(args.cmd, module=args.module, no_python=args.no_python)
     return Config(
         cmd=command,
@@ -230,8 +233,9 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
         numactl=look.numactl() if numa is not None else None,
         max_restarts=args.max_restarts,
         restart_window_s=args.restart_window,
-        hang_timeout_s=args.hang_timeout,
-        startup_timeout_s=args.startup_timeout,
+        hang_timeout_s=hang_s,
+        startup_timeout_s=startup_s,
+        learning=learning,
         step_regex=args.step_regex,
         grace_s=args.grace,
         restart_grace_s=args.restart_grace,
@@ -291,6 +295,72 @@ def _numa(
         return numa.plan(args.numa_bind, nproc, per_rank, look.topology(), devices)
     except numa.NumaError as e:
         raise ConfigError(str(e)) from None
+
+
+def _timeouts(args: RunArgs) -> tuple[float, float, Learning]:
+    """The hang and startup timeouts (fixed, or the upper bound until learned), and what is
+    learned."""
+    hang_s, hang = timeout_option(args.hang_timeout, "--hang-timeout", HANG_BOUNDS)
+    startup_s, startup = timeout_option(args.startup_timeout, "--startup-timeout", STARTUP_BOUNDS)
+    return hang_s, startup_s, Learning(hang=hang, startup=startup, factor=args.timeout_factor)
+
+
+def timeout_option(
+    value: str, name: str, default_bounds: tuple[float, float]
+) -> tuple[float, Bounds | None]:
+    """A timeout option's value: seconds (fixed), or ``auto[:MIN:MAX]`` (learned within the
+    bounds; the fixed value is then MAX, what applies until something is learned)."""
+    v = value.strip()
+    usage = f"{name} {value!r}: seconds (at least 0.1), or auto, or auto:MIN:MAX"
+    if v == "auto" or v.startswith("auto:"):
+        lo, hi = default_bounds
+        if v != "auto":
+            low, colon, high = v[5:].partition(":")
+            try:
+                lo, hi = float(low), float(high)
+            except ValueError:
+                raise ConfigError(usage) from None
+            if not colon or not 0.1 <= lo <= hi or not math.isfinite(hi):
+                raise ConfigError(f"{usage} (0.1 <= MIN <= MAX)")
+        return hi, Bounds(lo, hi)
+    try:
+        seconds = float(v)
+    except ValueError:
+        raise ConfigError(usage) from None
+    if seconds < 0.1 or not math.isfinite(seconds):
+        raise ConfigError(usage)
+    return seconds, None
+
+
+def _rendezvous(
+    args: RunArgs, launch: LaunchSpec | None, host: str, look: Lookups
+) -> Rendezvous | None:
+    """What this node brings to the controller's rendezvous (``--nnodes MIN:MAX``), or None
+    when its ranks are its own; ``--segment`` checked against it."""
+    segment = args.segment if args.segment > 1 else 0
+    if launch is None or not launch.from_controller:
+        if segment:
+            raise ConfigError(
+                "--segment needs --nnodes MIN:MAX without --node-rank: the controller assigns "
+                "the node ranks, segment by segment"
+            )
+        return None
+    if segment and (launch.min_nodes % segment or launch.nnodes % segment):
+        raise ConfigError(
+            f"--segment {segment}: --nnodes {launch.min_nodes}:{launch.nnodes} must be whole "
+            f"segments (MIN and MAX multiples of {segment})"
+        )
+    return Rendezvous(
+        nproc=launch.nproc_per_node,
+        min_nodes=launch.min_nodes,
+        max_nodes=launch.nnodes,
+        node_rank=args.node_rank,
+        addr=args.local_addr or host,
+        ports=look.free_ports(),
+        spare=args.spare,
+        pool=args.spare_pool or None,
+        segment=segment,
+    )
 
 
 def _check_spare(args: RunArgs) -> None:

@@ -8,6 +8,8 @@ every decision about them is made here, from facts the shell observes, with ``no
   failure -> ``Restart`` (every local rank restarts together) or ``GiveUp`` past the budget;
 * ``tick(now)``: a rank with no first step within ``startup_timeout_s``, no step or heartbeat
   for ``hang_timeout_s``, or a section open past its own timeout is hung: a local failure too;
+* a trainer asked not to be restarted (``stop_restarting``): its next failure, or a restart
+  command, is a ``GiveUp`` with the trainer's own exit code (``own_exit_code``) instead;
 * a controller command: fenced by epoch (``Ignore`` when not newer); ``restart`` -> ``Restart``
   at its epoch (not counted against the budget), ``fail`` -> ``GiveUp`` 71, ``stop`` ->
   ``GiveUp`` 72, ``checkpoint`` -> ``Forward`` (the ranks save and keep training);
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from agent.channel.fencing import supersedes
+from agent.supervise.learned_timeouts import NOT_LEARNING, Learning, Timeouts
 
 
 class ExitCode(enum.IntEnum):
@@ -55,6 +58,8 @@ class Limits:
     restart_window_s: float = 3600.0
     hang_timeout_s: float = 600.0
     startup_timeout_s: float = 1800.0
+    # Timeouts learned from the job instead (``--hang-timeout auto``): none by default.
+    learning: Learning = NOT_LEARNING
 
 
 CommandKind = Literal["restart", "fail", "stop", "checkpoint"]
@@ -81,9 +86,10 @@ class Restart:
 
 @dataclass(frozen=True, slots=True)
 class GiveUp:
-    """End every local rank and exit with ``code``."""
+    """End every local rank and exit with ``code`` (an ``ExitCode``, or the trainer's own
+    exit code once it asked not to be restarted)."""
 
-    code: ExitCode
+    code: int
     why: str
     failure: FailureKind | None = None  # set when the last local failure exhausted the budget
     rank: int | None = None
@@ -176,6 +182,10 @@ class Supervision:
         # Ranks started and not stopped since: only then can they hang (an agent still waiting
         # for its place, or between incarnations, has nothing to time out).
         self.live = False
+        # A trainer asked not to be restarted (``client.request("stop_restarting")``): why.
+        self.no_restarts: str | None = None
+        # The timeouts in force, and what they are learned from (kept across incarnations).
+        self.timeouts = Timeouts(limits.learning, limits.hang_timeout_s, limits.startup_timeout_s)
 
     @property
     def step(self) -> int | None:
@@ -201,6 +211,11 @@ class Supervision:
         """A step (or, with None, a heartbeat). True: the rank's first sign of life."""
         r = self.ranks[rank]
         first = not r.progress_at
+        seen = self.timeouts.seen
+        if first:
+            seen.startup(now - r.started_at)
+        elif not r.sections:  # an interval outside sections (a section is timed on its own)
+            seen.gap(now - r.progress_at)
         if step is not None:
             r.step, r.step_at = step, now
         r.progress_at = now
@@ -208,12 +223,18 @@ class Supervision:
 
     def section(self, rank: int, name: str, open_: bool, timeout: float | None, now: float) -> bool:
         """A section opened (with its own hang timeout) or closed; progress as well."""
+        first = self.progress(rank, None, now)  # observed before the section changes
         sections = self.ranks[rank].sections
         if open_:
             sections[name] = (now, timeout if timeout and timeout > 0 else None)
-        else:
-            sections.pop(name, None)
-        return self.progress(rank, None, now)
+        elif (opened := sections.pop(name, None)) is not None:
+            self.timeouts.seen.section(name, now - opened[0])
+        return first
+
+    def stop_restarting(self, why: str) -> None:
+        """A trainer asked: the next failure or restart ends the agent instead (with the
+        trainer's exit code: ``own_exit_code``)."""
+        self.no_restarts = why
 
     def exited(self, rank: int, returncode: int, now: float) -> Decision | None:
         """A local rank's process ended (``returncode`` as asyncio gives it: -N for signal N)."""
@@ -232,26 +253,31 @@ class Supervision:
         Progress is the node's: a step of any local rank counts for all (torch scripts often
         print from rank 0 only, and a rank stuck in a collective stops every rank's steps);
         sections are each rank's own."""
-        lim = self.limits
         running = [i for i, r in enumerate(self.ranks) if not r.finished]
         if not running or not self.live:
             return None
+        t = self.timeouts
         for i in running:
             for name, (opened, timeout) in self.ranks[i].sections.items():
-                if timeout is not None and now - opened > timeout:
-                    why = f"section {name!r} open for more than {timeout:g}s"
+                limit = timeout if timeout is not None else t.section_s(name)
+                if limit is not None and now - opened > limit:
+                    how = "" if timeout is not None else " (learned)"
+                    why = f"section {name!r} open for more than {round(limit, 3):g}s{how}"
                     return self._failure("hung", i, self._of(i, why), now)
         latest = max(r.progress_at for r in self.ranks)
         if not latest:
-            if now - self.ranks[running[0]].started_at > lim.startup_timeout_s:
+            startup_s = t.startup_s()
+            if now - self.ranks[running[0]].started_at > startup_s:
                 any_rank = " on any local rank" if self.nproc > 1 else ""
-                why = f"no first step{any_rank} within {lim.startup_timeout_s:g}s"
+                why = f"no first step{any_rank} within {round(startup_s, 3):g}s"
                 return self._failure("hung", running[0], why, now)
-        elif now - latest > lim.hang_timeout_s:
+            return None
+        hang_s = t.hang_s(in_section=any(self.ranks[i].sections for i in running))
+        if now - latest > hang_s:
             steps = [r.step for r in self.ranks if r.step is not None]
             last = f"after {max(steps)} " if steps else ""
             where = "on any local rank " if self.nproc > 1 else ""
-            why = f"no step {last}{where}for {lim.hang_timeout_s:g}s"
+            why = f"no step {last}{where}for {round(hang_s, 3):g}s"
             return self._failure("hung", self._stuck_first(running), why, now)
         return None
 
@@ -276,6 +302,9 @@ class Supervision:
             return GiveUp(ExitCode.DEVICE_FAILED, f"fail command (epoch {epoch}): {reason}")
         if kind == "stop":
             return GiveUp(ExitCode.STOPPED, f"stop command (epoch {epoch}): {reason}")
+        if self.no_restarts is not None:
+            why = f"restart command epoch {epoch}: {reason}; not restarted: {self.no_restarts}"
+            return GiveUp(ExitCode.STOPPED, why)
         return Restart(f"restart command epoch {epoch}: {reason}", epoch)
 
     def preempted(self, signal_name: str = "SIGTERM") -> GiveUp:
@@ -314,6 +343,10 @@ class Supervision:
         self, kind: FailureKind, rank: int, why: str, now: float, returncode: int | None = None
     ) -> Restart | GiveUp:
         lim = self.limits
+        if self.no_restarts is not None:
+            code = own_exit_code(returncode)
+            why = f"{why}; not restarted: {self.no_restarts} (exit {code})"
+            return GiveUp(code, why, kind, rank, returncode)
         while self.failures and now - self.failures[0] > lim.restart_window_s:
             self.failures.popleft()
         if len(self.failures) >= lim.max_restarts:
@@ -328,6 +361,14 @@ class Supervision:
             )
         self.failures.append(now)
         return Restart(why, self.epoch, kind, rank, returncode)
+
+
+def own_exit_code(returncode: int | None) -> int:
+    """The agent's exit code for a trainer that asked not to be restarted: its own exit code,
+    128 + N for signal N (as a shell says it), 72 (``STOPPED``) for a hang the agent ended."""
+    if returncode is None:
+        return ExitCode.STOPPED
+    return 128 - returncode if returncode < 0 else returncode
 
 
 def describe_returncode(code: int) -> tuple[int | None, str]:

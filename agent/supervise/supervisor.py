@@ -85,6 +85,7 @@ from agent.supervise.supervisor_config import SupervisorConfig, default_preload
 from agent.supervise.telemetry import Telemetry, gauges, readiness
 from agent.supervise.trainer_channel import TrainerChannels
 from agent.supervise.trainer_env import rank_env, trainer_env
+from agent.supervise.trainer_requests import TrainerRequests
 from marduk.aio import TaskSet
 from marduk.errors import MardukError
 from marduk.shell.metrics import MetricsServer, Probes
@@ -119,6 +120,7 @@ class Supervisor:
                 restart_window_s=config.restart_window_s,
                 hang_timeout_s=config.hang_timeout_s,
                 startup_timeout_s=config.startup_timeout_s,
+                learning=config.learning,
             ),
             nproc,
             epoch=o.epoch,
@@ -237,6 +239,8 @@ class Supervisor:
         paths = [r.socket_path for r in self.ranks]
         await self.channels.open(paths, self._on_trainer, lambda: self.epoch, self.stats)
         self.channels.hand_params(self.link.params)
+        requests = TrainerRequests(self.core, lambda: self.link.client, self.stats, self._spawn)
+        self.channels.hand_requests(requests.answer)
         background = [
             self._spawn(self.reporter.progress_loop(self.config.status_interval_s), "status"),
             self._spawn(self._ticker(), "ticker"),

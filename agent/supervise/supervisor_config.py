@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Final
 
 from agent.supervise.launch import LaunchSpec, LogSpec
+from agent.supervise.learned_timeouts import Learning
 from agent.supervise.supervision import Limits
 
 if TYPE_CHECKING:
@@ -35,6 +36,8 @@ class SupervisorConfig:
     restart_window_s: float = Limits.restart_window_s
     hang_timeout_s: float = Limits.hang_timeout_s
     startup_timeout_s: float = Limits.startup_timeout_s
+    # ``auto``: learned from the job within bounds (agent/supervise/learned_timeouts.py).
+    learning: Learning = Limits.learning
     step_regex: str = DEFAULT_STEP_REGEX
     grace_s: float = 30.0
     # SIGTERM to SIGKILL when the scope restarts at a new epoch (rules.Grace): its other
@@ -91,7 +94,8 @@ class SupervisorConfig:
     def tick_interval_s(self) -> float:
         """Seconds between hang and section checks: ``monitor_interval_s``, else a quarter of
         the hang timeout, at most 1 s."""
-        return self.monitor_interval_s or min(1.0, self.hang_timeout_s / 4)
+        shortest = self.learning.hang.low if self.learning.hang else self.hang_timeout_s
+        return self.monitor_interval_s or min(1.0, shortest / 4)
 
 
 def default_preload(script: str = "") -> list[str]:

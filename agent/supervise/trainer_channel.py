@@ -12,8 +12,10 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from agent.channel.messages import (
     MAX_LINE,
+    Answer,
     ForwardedCommand,
     ForwardedParams,
+    Request,
     ToAgent,
     TrainerHello,
     Welcome,
@@ -50,6 +52,9 @@ class TrainerChannel:
         self._trainers: set[asyncio.StreamWriter] = set()
         # The job's live parameters to hand a trainer at its welcome (None: none set).
         self.params: Callable[[], wire.JobParams | None] = lambda: None
+        # Who answers the trainer's requests (``client.request``); None: refused, as unserved.
+        self.on_request: Callable[[Request], Awaitable[Answer]] | None = None
+        self._answering: set[asyncio.Task[None]] = set()
         self._bad_lines = RateLimitedLog(
             log, more="(more bad messages from the trainer this minute are counted, not logged)"
         )
@@ -88,6 +93,13 @@ class TrainerChannel:
                     await writer.drain()
                     if not msg.peer_notices:
                         continue
+                if isinstance(msg, Request):
+                    # Answered in a task: a request may wait seconds for the controller, and
+                    # the trainer's steps on this channel must not wait behind it.
+                    task = asyncio.create_task(self._answer(msg, writer))
+                    self._answering.add(task)
+                    task.add_done_callback(self._answering.discard)
+                    continue
                 try:
                     await self._on_message(msg)
                 except Exception:  # the supervisor's bug: logged, the channel goes on
@@ -98,6 +110,20 @@ class TrainerChannel:
         finally:
             self._trainers.discard(writer)
             writer.close()
+
+    async def _answer(self, req: Request, writer: asyncio.StreamWriter) -> None:
+        try:
+            if self.on_request is None:
+                answer = Answer(id=req.id, accepted=False, detail="this agent takes no requests")
+            else:
+                answer = await self.on_request(req)
+        except Exception:  # the supervisor's bug: logged, the trainer still gets an answer
+            self.stats["channel_errors"] += 1
+            log.exception("answering %r from the trainer's library", req)
+            answer = Answer(id=req.id, accepted=False, detail="the agent failed to answer")
+        with contextlib.suppress(OSError, RuntimeError, TimeoutError):
+            writer.write(encode(answer))
+            await asyncio.wait_for(writer.drain(), 1.0)
 
     def _bad(self, why: str) -> None:
         self.stats["channel_bad_messages"] += 1
@@ -134,6 +160,11 @@ class TrainerChannels:
         """Where each channel reads the parameters it hands a trainer at its welcome."""
         for channel in self.channels:
             channel.params = params
+
+    def hand_requests(self, on_request: Callable[[int, Request], Awaitable[Answer]]) -> None:
+        """Who answers each rank's requests (its index passed first)."""
+        for index, channel in enumerate(self.channels):
+            channel.on_request = functools.partial(on_request, index)
 
     async def forward_params(self, params: wire.JobParams) -> None:
         for channel in self.channels:

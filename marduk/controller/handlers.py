@@ -46,6 +46,8 @@ from marduk.wire.protocol import (
     Report,
     ReportReply,
     WorkerRef,
+    WorkloadReply,
+    WorkloadRequest,
 )
 
 log = logging.getLogger("marduk.controller")
@@ -114,6 +116,7 @@ class Handlers:
             Route("deregister", s.any_job("deregister"), Deregistration, h.deregister, True),
             Route("ack", s.any_job("ack"), Ack, h.ack, True),
             Route("report", s.any_job("report"), Report, h.report, True),
+            Route("request", s.any_job("request"), WorkloadRequest, h.workload_request, True),
             Route("query", s.query, Query, h.query, False),
             Route("forget", s.forget, Forget, h.forget, False),
             Route("drain", s.drain, Drain, h.drain, False),
@@ -193,6 +196,19 @@ class Handlers:
             self.count_bounded("restarts", f"{report.status}/{what}")
         await self._submit(result.outcome).durable
         return ReportReply(actions=result.actions)
+
+    async def workload_request(self, req: WorkloadRequest, subject: str) -> WorkloadReply:
+        """A trainer's request, relayed by its agent (marduk/core/workload_requests.py)."""
+        self._check_subject_job(req.job, subject)
+        result = self._policy().on_workload_request(req, time.time())
+        self._ctx.stats[f"requests.{req.kind}"] += 1
+        await self._submit(result.outcome).durable
+        log.warning(
+            "%s/%s/%d asks %s: %s", req.job, req.replica, req.worker, req.kind, result.detail
+        )
+        return WorkloadReply(
+            kind=req.kind, detail=result.detail, devices=result.devices, actions=result.actions
+        )
 
     async def forget(self, req: Forget, subject: str) -> ForgetReply:
         outcome = self._policy().forget(req.job, req.replica, req.worker, time.time())

@@ -204,8 +204,11 @@ class Fleet:
         for key in keys:
             if self.is_candidate(key):
                 rec = self.workers[key]
-                assert rec.registration.rendezvous is not None
-                out.append(rdzv.Candidate(key, rec.registration.rendezvous, rec.registered_at))
+                reg = rec.registration
+                assert reg.rendezvous is not None
+                out.append(
+                    rdzv.Candidate(key, reg.rendezvous, rec.registered_at, domain=reg.nvlink_domain)
+                )
         return out
 
     def is_candidate(self, key: WorkerKey) -> bool:

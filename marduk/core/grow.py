@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from marduk.core.drmap import WorkerKey
-from marduk.core.membership import Candidate
+from marduk.core.membership import Candidate, bounds, segment_size, segments
 from marduk.wire.protocol import Membership
 
 # A joiner whose fork server still imports this long past the settle is taken anyway (it
@@ -72,6 +72,9 @@ def joining(
         for c in free_workers(current, job, candidates)
         if settled(c, live_since, ready, now, settle) and on_time(c.key, heard, now, fresh)
     ]
+    size = segment_size(bounds(candidates)) if candidates else 1
+    if size > 1:  # NVLink segments join whole, each of one domain
+        return [c for group in segments(chosen, size, room // size) for c in group]
     return chosen[:room]
 
 

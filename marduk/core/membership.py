@@ -25,6 +25,11 @@ the job's coordinator, with a few free ports its agent picked.
   ranks (shrink); below MIN there is no membership (the job is held until it forms again).
 * **Workers joining a job below MAX** (``grow``; docs/decisions.md #17): the members keep their
   node ranks, the new ones take the next, in the order given.
+* **NVLink segments** (``--segment N``, ``segments``): node ranks in groups of N contiguous
+  ranks whose nodes share one NVLink domain (NVML's ClusterUUID); a domain gives as many whole
+  segments as it has nodes for, and only whole segments are members (forming, a grow). A lost
+  member's ranks go to a spare of its segment's domain; with none, its segment leaves whole
+  (``_replace_segments``). Without ``--segment`` nothing of this applies.
 
 The membership is written ahead with its epoch record (``EpochRecord.membership``) and carried
 in every command of the job (``Command.membership``); docs/decisions.md #14.
@@ -63,6 +68,7 @@ class Candidate:
     rendezvous: Rendezvous
     registered_at: float = 0.0
     devices: int = 0  # how many devices it registered (a pool spare's shape; 0: not asked)
+    domain: str = ""  # its node's NVLink domain (``Registration.nvlink_domain``; "": unknown)
 
 
 def check(
@@ -97,6 +103,12 @@ def check(
                 "shape_mismatch",
                 f"job {new.key.job!r} runs {q.nproc} local rank(s) per node (worker "
                 f"{_name(other.key)}); worker {_name(new.key)} has {r.nproc}",
+            )
+        elif q.segment != r.segment:
+            raise MembershipError(
+                "shape_mismatch",
+                f"job {new.key.job!r} has --segment {q.segment} (worker {_name(other.key)}); "
+                f"worker {_name(new.key)} asked for {r.segment}",
             )
         elif (q.min_nodes, q.max_nodes) != (r.min_nodes, r.max_nodes):
             raise MembershipError(
@@ -141,6 +153,13 @@ def ready(
         return False
     r = bounds(candidates)
     fit = [c for c in candidates if c.rendezvous.nproc == r.nproc]
+    n = segment_size(r)
+    if n > 1:  # only whole segments count, each in one domain
+        whole = len(segments([c for c in fit if not c.rendezvous.spare], n, r.max_nodes // n))
+        if whole * n >= r.max_nodes:
+            return True
+        whole = len(segments(fit, n, r.max_nodes // n))
+        return whole * n >= r.min_nodes and since is not None and now - since >= join_timeout
     if sum(not c.rendezvous.spare for c in fit) >= r.max_nodes:
         return True
     return len(fit) >= r.min_nodes and since is not None and now - since >= join_timeout
@@ -167,6 +186,13 @@ def form(epoch: int, candidates: Sequence[Candidate]) -> Membership | None:
     ordered = sorted(candidates, key=lambda c: (c.rendezvous.spare, c.registered_at, c.key))
     shape = bounds(ordered)
     ordered = [c for c in ordered if c.rendezvous.nproc == shape.nproc]
+    size = segment_size(shape)
+    if size > 1:  # whole segments only, each one domain's, in contiguous node ranks
+        groups = segments(ordered, size, shape.max_nodes // size)
+        if len(groups) * size < shape.min_nodes:
+            return None
+        chosen = [c for group in groups for c in group]
+        return _membership(epoch, dict(enumerate(chosen)), None)
     n = min(len(ordered), shape.max_nodes)
     given = [c for c in ordered if c.rendezvous.node_rank is not None]
     if any(c.rendezvous.node_rank is not None and c.rendezvous.node_rank >= n for c in given):
@@ -244,6 +270,9 @@ def replace(
     live = {c.key: c for c in candidates if c.key not in lost}
     free = [c for c in free_spares(previous, job, candidates) if c.key not in lost]
     free += [c for c in pool if c.key not in live and c.key not in lost]
+    segment = segment_size(bounds(candidates)) if candidates else 0
+    if segment > 1:
+        return _replace_segments(previous, epoch, job, lost, live, free, min_nodes, segment)
     sizes = sizes or {}
     by_rank: dict[int, Candidate | Member] = {}
     replaced: list[tuple[Member, Candidate]] = []
@@ -270,6 +299,89 @@ def replace(
             else msgspec.structs.replace(held, node_rank=new)
             for new, (_, held) in enumerate(sorted(by_rank.items()))
         }
+    return Change(_membership(epoch, by_rank, previous), tuple(replaced), tuple(dropped))
+
+
+def segment_size(r: Rendezvous) -> int:
+    """Nodes per NVLink segment of the job (``--segment``); 1: no segments."""
+    return max(r.segment, 1)
+
+
+def segments(candidates: Sequence[Candidate], size: int, most: int) -> list[list[Candidate]]:
+    """Whole segments of ``size`` nodes, each of one NVLink domain, at most ``most``: the
+    domains in order of their first candidate, each giving as many whole segments as it has
+    nodes for (its candidates in the given order); the nodes left over take no part. Nodes
+    whose domain is not known ("") count as one domain."""
+    by_domain: dict[str, list[Candidate]] = {}
+    for c in candidates:
+        by_domain.setdefault(c.domain, []).append(c)
+    out: list[list[Candidate]] = []
+    for group in by_domain.values():
+        for i in range(0, len(group) - size + 1, size):
+            if len(out) >= most:
+                return out
+            out.append(group[i : i + size])
+    return out
+
+
+def _replace_segments(
+    previous: Membership,
+    epoch: int,
+    job: str,
+    lost: Collection[WorkerKey],
+    live: Mapping[WorkerKey, Candidate],
+    free: list[Candidate],
+    min_nodes: int,
+    size: int,
+) -> Change:
+    """``replace`` for a job of NVLink segments: a lost member's ranks go to a free spare of
+    its shape in its segment's domain (the domain of the segment's members still live); a
+    segment no spare can keep whole leaves the membership whole (its live members become free
+    workers, not retired), the segments after it move down, node ranks contiguous."""
+    kept: list[Candidate | Member] = []
+    replaced: list[tuple[Member, Candidate]] = []
+    dropped: list[Member] = []
+    ordered = sorted(previous.members, key=lambda m: m.node_rank)
+    for start in range(0, len(ordered), size):
+        segment = ordered[start : start + size]
+        keys = [WorkerKey(job, m.replica, m.worker) for m in segment]
+        domains = {live[k].domain for k in keys if k not in lost and k in live}
+        held: list[Candidate | Member] = []
+        swaps: list[tuple[Member, Candidate]] = []
+        taken: list[Candidate] = []
+        for m, key in zip(segment, keys, strict=True):
+            if key not in lost:
+                held.append(live.get(key, m))
+                continue
+            spare = next(
+                (
+                    c
+                    for c in free
+                    if c not in taken
+                    and c.rendezvous.nproc == m.nproc
+                    and (not domains or c.domain in domains)
+                ),
+                None,
+            )
+            if spare is None:
+                break
+            domains = domains or {spare.domain}
+            taken.append(spare)
+            held.append(spare)
+            swaps.append((m, spare))
+        if len(held) < len(segment) or len(segment) < size:
+            dropped.extend(segment)
+            continue
+        for spare in taken:
+            free.remove(spare)
+        replaced.extend(swaps)
+        kept.extend(held)
+    if len(kept) < max(min_nodes, 1):
+        return Change(None, tuple(replaced), tuple(dropped))
+    by_rank: dict[int, Candidate | Member] = {
+        rank: held if isinstance(held, Candidate) else msgspec.structs.replace(held, node_rank=rank)
+        for rank, held in enumerate(kept)
+    }
     return Change(_membership(epoch, by_rank, previous), tuple(replaced), tuple(dropped))
 
 

@@ -492,9 +492,11 @@ class MembershipRules:
                 event_at(_key(job, gone), "member_replaced", now, epoch=epoch, detail=detail), out
             )
         for gone in change.dropped if m is not None else ():
+            # A member not lost itself left with its NVLink segment (``--segment``).
+            because = lost.get(_key(job, gone), "its NVLink segment left whole")
             detail = (
                 f"no free spare of {gone.nproc} rank(s): the job goes on without node rank "
-                f"{gone.node_rank} ({lost[_key(job, gone)]}); {what}"
+                f"{gone.node_rank} ({because}); {what}"
             )
             self.fleet.changed(
                 event_at(_key(job, gone), "job_shrunk", now, epoch=epoch, detail=detail), out

@@ -7,7 +7,8 @@ messages, calls these methods, persists the records they return and publishes th
 that decide over it, each of one job and handed what it needs at construction (the ``Issuer``
 of commands, another rule set where it needs its decision), and routes each input to them:
 registrations (``registration``), acks (``acks``), reports (``reports``), health events
-(``device_policy``), drains (``service_policy``), memberships (``membership_policy``,
+(``device_policy``), drains (``service_policy``), trainers' requests (``workload_requests``),
+memberships (``membership_policy``,
 ``grow_policy``) and time (``tick``).
 
 Epochs (docs/decisions.md #3). Each restart scope has a monotonically increasing epoch: the
@@ -68,6 +69,7 @@ from marduk.core.reports import FAILURE_STATUSES, ReportRules
 from marduk.core.scopes import Scopes
 from marduk.core.service_policy import ServiceRules
 from marduk.core.tick import TickRules
+from marduk.core.workload_requests import WorkloadResult, WorkloadRules
 from marduk.wire.protocol import (
     DeviceHealth,
     DeviceInfo,
@@ -76,6 +78,7 @@ from marduk.wire.protocol import (
     Registration,
     Report,
     WorkerInfo,
+    WorkloadRequest,
 )
 
 __all__ = [
@@ -114,6 +117,13 @@ class Policy:
         self._reports = ReportRules(fleet, issuer, self._acks, self._grow)
         self._tick = TickRules(fleet, issuer, self._membership, self._grow)
         self._jobs = JobViews(fleet, issuer, self._membership, self._grow)
+        self._requests = WorkloadRules(
+            fleet,
+            lambda devices, reason, now: self._service.drain(
+                devices, "", False, reason, now, by="its trainer"
+            ),
+            self._devices.on_health,
+        )
 
     # --- the state, for the shell, the store and queries ---------------------------------------
 
@@ -264,6 +274,10 @@ class Policy:
     ) -> DrainResult:
         """An operator takes devices (or every device of ``host``) out of service, or back."""
         return self._service.drain(devices, host, undrain, reason, now)
+
+    def on_workload_request(self, req: WorkloadRequest, now: float) -> WorkloadResult:
+        """A trainer asks about itself: stop restarting it, exclude its node, a bad device."""
+        return self._requests.on_request(req, now)
 
     def tick(self, now: float) -> Outcome:
         """Time passes: silent workers go stale, then expire; unconfirmed commands are resent."""

@@ -120,7 +120,7 @@ class PoolRules:
             key = WorkerKey(job, c.key.replica, c.key.worker)
             if c.rendezvous.spare and c.rendezvous.pool == pool and key not in taken:
                 devices = len(fleet.workers[c.key].registration.devices)
-                out.append(rdzv.Candidate(key, c.rendezvous, c.registered_at, devices))
+                out.append(rdzv.Candidate(key, c.rendezvous, c.registered_at, devices, c.domain))
         return sorted(out, key=lambda c: (c.registered_at, c.key))
 
     def claim(

@@ -116,6 +116,7 @@ def _report_fields(fleet: Fleet, key: WorkerKey) -> dict[str, Any]:
         "step": r.step,
         "step_at": r.step_at,
         "failure_class": r.failure_class,
+        "timeouts": r.timeouts,
     }
 
 
@@ -129,6 +130,12 @@ def device_infos(fleet: Fleet, job: str | None = None) -> list[DeviceInfo]:
         if job is not None and not replicas:
             continue
         rec = fleet.devices.get(name)
+        domains = (
+            fleet.workers[w].registration.nvlink_domain
+            for w in fleet.drmap.workers_for_device(name)
+            if w in fleet.workers
+        )
+        domain = next((d for d in domains if d), "")
         infos.append(
             DeviceInfo(
                 device=name,
@@ -140,6 +147,7 @@ def device_infos(fleet: Fleet, job: str | None = None) -> list[DeviceInfo]:
                 quarantined=rec.quarantined if rec else False,
                 drained=rec.drained if rec else False,
                 out_reason=rec.out_reason if rec else "",
+                nvlink_domain=domain,
             )
         )
     return infos

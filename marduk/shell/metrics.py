@@ -40,6 +40,12 @@ FAMILIES: dict[str, tuple[str, str, str]] = {
     "health": ("marduk_health_outcomes_total", "outcome", "Health events: duplicates, ..."),
     "errors": ("marduk_errors_total", "kind", "Internal errors, by kind."),
     "reports": ("marduk_reports_total", "status", "Supervisor reports, by status."),
+    "requests": ("marduk_trainer_requests_total", "kind", "Trainers' requests, by kind."),
+    "requests_refused": (
+        "marduk_trainer_requests_refused_total",
+        "reason",
+        "Trainers' requests refused, by reason.",
+    ),
 }
 
 

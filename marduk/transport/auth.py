@@ -4,7 +4,7 @@
 grants each role only what it needs under the prefix (decisions.md #10):
 
 * ``controller``: everything Marduk uses (its subjects, JetStream, replies);
-* ``agent``: request ``<job>.register|deregister|ack|report|params.applied``, publish
+* ``agent``: request ``<job>.register|deregister|ack|report|request|params.applied``, publish
   ``<job>.perf``, subscribe to command subjects (``<job>.cmd.>``: parameters too) and
   ``ctl.hello``, and its own reply inboxes: it cannot publish commands, health, hello, queries
   or parameters;
@@ -338,7 +338,15 @@ def permissions(
         return {
             "publish": [
                 f"{p}.{j}.{leaf}"
-                for leaf in ("register", "deregister", "ack", "report", "params.applied", "perf")
+                for leaf in (
+                    "register",
+                    "deregister",
+                    "ack",
+                    "report",
+                    "request",
+                    "params.applied",
+                    "perf",
+                )
             ],
             "subscribe": [f"{p}.{j}.cmd.>", f"{p}.ctl.hello", inbox],
         }

@@ -54,6 +54,10 @@ class Rendezvous(msgspec.Struct, kw_only=True):
     # member saying so is retired at once (a spare takes its ranks, or the job shrinks). Older
     # controllers ignore it.
     unhealthy: Text = ""
+    # NVLink segments (``--segment N``; 0 or 1: none): node ranks in groups of N contiguous
+    # ranks, each group's nodes in one NVLink domain (``Registration.nvlink_domain``), only
+    # whole groups in the membership; MIN and MAX are multiples of N.
+    segment: Annotated[int, msgspec.Meta(ge=0, le=MAX_MEMBERS)] = 0
 
 
 class Member(msgspec.Struct, kw_only=True, frozen=True):

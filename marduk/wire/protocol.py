@@ -102,6 +102,9 @@ class Registration(Message, tag="register", kw_only=True):
     peer_notices: bool = False
     # A job whose ranks the controller assigns (``Membership``); null: ranks are the agent's.
     rendezvous: Rendezvous | None = None
+    # The NVLink domain of this node's devices (NVML's ClusterUUID, the same on every GPU of
+    # one NVL72 rack); "": none, or not known (no NVML fabric, a library, mixed domains).
+    nvlink_domain: ShortText = ""
 
 
 def same_process(a: Registration, b: Registration) -> bool:
@@ -254,9 +257,48 @@ class Report(Message, tag="report", kw_only=True):
     action: ShortText = ""
     summary: Text = ""
     lines: Annotated[list[Text], msgspec.Meta(max_length=20)] = []
+    # The hang and startup timeouts in force, in words, when the agent learns them
+    # (``--hang-timeout auto``); empty with fixed timeouts.
+    timeouts: ShortText = ""
 
 
 class ReportReply(Message, tag="report_reply", kw_only=True):
+    actions: list[Action] = []
+
+
+# --- a trainer's requests (``client.request``) ----------------------------------------------
+
+# stop_restarting: this agent restarts the trainer no more (it ends with the trainer's exit
+# code); exclude_node: the worker's devices leave service (as ``marduk monitor drain`` does),
+# so the node leaves its job's membership at the next epoch; device_bad: a ``failed`` health
+# event for one of the worker's devices, as a monitor would send.
+WorkloadRequestKind = Literal["stop_restarting", "exclude_node", "device_bad"]
+WORKLOAD_REQUEST_KINDS: Final = frozenset(get_args(WorkloadRequestKind))
+
+
+class WorkloadRequest(Message, tag="workload_request", kw_only=True):
+    """A trainer asks something of the control plane about itself (NVRx's workload control
+    requests); its supervisor relays it on ``marduk.<job>.request`` under its registration's
+    names. Only about the worker's own devices: the controller refuses any other."""
+
+    job: JobName
+    replica: Token
+    worker: NonNegInt = 0
+    kind: WorkloadRequestKind
+    rank: NonNegInt = 0  # the local rank that asked
+    device: DeviceId | None = None  # device_bad: which of the worker's devices
+    reason: Text = ""
+    # Chosen by the asker; a repeated device_bad with the same id is a duplicate health event.
+    request_id: ShortText = ""
+
+
+class WorkloadReply(Message, tag="workload_reply", kw_only=True):
+    """What the controller did: ``devices`` taken out of service or reported failed, and the
+    commands it sent for them (``actions``); ``detail`` in words."""
+
+    kind: WorkloadRequestKind
+    detail: Text = ""
+    devices: list[str] = []
     actions: list[Action] = []
 
 
@@ -339,6 +381,8 @@ EventKind = Literal[
     "worker_hung",
     "worker_gave_up",
     "worker_preempted",
+    # a trainer's requests (client.request)
+    "trainer_request",
     # performance (marduk/core/stragglers.py)
     "straggler_detected",
     "straggler_cleared",
@@ -469,6 +513,7 @@ class WorkerInfo(msgspec.Struct, kw_only=True):
     step: int | None = None
     step_at: float = 0.0
     failure_class: str = ""  # of the last failure reported
+    timeouts: str = ""  # learned hang/startup timeouts, as its supervisor's last report says
     # A job whose ranks the controller assigns: "member" (node_rank set), "joining" (a free
     # worker that will grow the job: ``JobInfo.joining``), "spare" (registered, no trainer),
     # "retired" (taken out of the job, told to exit 71), "unhealthy" (its node failed its
@@ -490,6 +535,8 @@ class DeviceInfo(msgspec.Struct, kw_only=True):
     quarantined: bool = False  # flapping (the policy's decision)
     drained: bool = False  # an operator's decision
     out_reason: str = ""
+    # The NVLink domain of the node that registered it (NVML's ClusterUUID); "": not known.
+    nvlink_domain: str = ""
 
 
 ControllerRole = Literal["leader", "standby"]

@@ -19,6 +19,7 @@ Layout (prefix ``marduk`` by default)::
     marduk.<job>.deregister                request/reply: agent deregistration
     marduk.<job>.ack                       an agent applied a command's epoch
     marduk.<job>.report                    request/reply: a supervisor's status or failure report
+    marduk.<job>.request                   request/reply: a trainer's request, relayed by its agent
     marduk.<job>.perf                      a rank's performance summary per window (published)
     marduk.<job>.cmd.replica.<replica>     commands for one replica
     marduk.<job>.cmd.job                   commands for every replica of the job
@@ -130,6 +131,9 @@ class Subjects:
 
     def report(self, job: str) -> str:
         return f"{self.prefix}.{job}.report"
+
+    def request(self, job: str) -> str:
+        return f"{self.prefix}.{job}.request"
 
     def perf(self, job: str) -> str:
         return f"{self.prefix}.{job}.perf"

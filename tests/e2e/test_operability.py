@@ -123,6 +123,7 @@ async def test_the_leader_is_a_nats_micro_service(
             "deregister",
             "ack",
             "report",
+            "request",
             "query",
             "forget",
             "drain",

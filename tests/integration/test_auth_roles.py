@@ -162,9 +162,19 @@ async def test_each_role_may_do_its_job_and_nothing_else(
         assert await denied(nc, S.register("big"))
     finally:
         await nc.close()
-    # a job-scoped agent serves its job only.
+    # a job-scoped agent serves its job only; its trainer's requests are authorised like its
+    # reports: its own devices only, its job's subject only.
     b = await lib(server, auth_dir, "agent-big", "r2")
     assert b.state == "registered"
+    other = await b.request("device_bad", device="r1-gpu")
+    assert not other and other.code == "not_own_device"
+    own = await b.request("device_bad", device="r2-gpu", reason="ECC")
+    assert own, own.detail
+    nc = await connect(server, creds(auth_dir, "agent-big"))
+    try:
+        assert await denied(nc, S.request("other"))
+    finally:
+        await nc.close()
     with pytest.raises(AgentError, match=r"may not publish on marduk\.other\.register"):
         await lib(server, auth_dir, "agent-big", "r3", job="other")
     await a.close()

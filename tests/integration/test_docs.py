@@ -31,6 +31,8 @@ TAGGED = (
     | wire.AckReply
     | wire.Report
     | wire.ReportReply
+    | wire.WorkloadRequest
+    | wire.WorkloadReply
     | wire.DeviceHealth
     | wire.HealthReply
     | wire.Command

@@ -20,6 +20,8 @@ MODES = [
     "compute",
 ]
 p.add_argument("--mode", choices=MODES)
+p.add_argument("--steps", type=int, default=20, help="steps-then-stall: this many first")
+p.add_argument("--step-seconds", type=float, default=0.1, help="steps-then-stall: apart")
 args = p.parse_args()
 
 client = agent.connect()  # under `marduk agent run`: talks to it, no second registration
@@ -49,9 +51,9 @@ def idle() -> None:
 
 signal.signal(signal.SIGTERM, on_term)
 if args.mode == "steps-then-stall":
-    for i in range(20):
+    for i in range(args.steps):
         client.step(i)  # not printed: only the library reports progress
-        time.sleep(0.1)
+        time.sleep(args.step_seconds)
     print("STALLING", flush=True)
     idle()
 elif args.mode == "steps-then-freeze":  # hung without dying: the whole process stopped

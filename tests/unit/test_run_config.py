@@ -54,6 +54,7 @@ class Fakes:
             default_preload=self.preload,
             environ=self.environ,
             free_ports=lambda: [41000, 41001],
+            nvlink_domain=lambda devices: "domain-of-" + ",".join(devices),
         )
 
 
