@@ -260,10 +260,17 @@ class Policy:
         return self._devices.on_health(event, now)
 
     def drain(
-        self, devices: list[str], host: str, undrain: bool, reason: str, now: float
+        self,
+        devices: list[str],
+        host: str,
+        undrain: bool,
+        reason: str,
+        now: float,
+        by: str = "an operator",
     ) -> DrainResult:
-        """An operator takes devices (or every device of ``host``) out of service, or back."""
-        return self._service.drain(devices, host, undrain, reason, now)
+        """An operator (or the straggler policy: ``by``) takes devices (or every device of
+        ``host``) out of service, or back."""
+        return self._service.drain(devices, host, undrain, reason, now, by)
 
     def tick(self, now: float) -> Outcome:
         """Time passes: silent workers go stale, then expire; unconfirmed commands are resent."""

@@ -136,9 +136,16 @@ class ServiceRules:
         return names, conflicts
 
     def drain(
-        self, devices: list[str], host: str, undrain: bool, reason: str, now: float
+        self,
+        devices: list[str],
+        host: str,
+        undrain: bool,
+        reason: str,
+        now: float,
+        by: str = "an operator",
     ) -> DrainResult:
-        """An operator takes devices (or every device of ``host``) out of service, or back.
+        """An operator (or the straggler policy: ``by``) takes devices (or every device of
+        ``host``) out of service, or back.
 
         By host: only devices that no worker on another host claims too. A conflicting claim
         is reported (``conflicts``), not acted on: the operator names the device to drain it.
@@ -161,7 +168,7 @@ class ServiceRules:
                 if rec.drained:
                     continue
                 rec.drained = True
-                rec.out_reason = f"drained by an operator{': ' + reason if reason else ''}"
+                rec.out_reason = f"drained by {by}{': ' + reason if reason else ''}"
             fleet.devices[name] = rec
             out.put_devices.append(rec)
             changed.append(name)
@@ -175,7 +182,7 @@ class ServiceRules:
             )
         actions: list[Action] = []
         if changed and not undrain:
-            why = f"drained by an operator{': ' + reason if reason else ''}"
+            why = f"drained by {by}{': ' + reason if reason else ''}"
             actions = self._fail_scopes(
                 changed, why, f"drain:{host or ','.join(changed)}", now, out
             )

@@ -340,6 +340,8 @@ EventKind = Literal[
     # performance (marduk/core/stragglers.py)
     "straggler_detected",
     "straggler_cleared",
+    "straggler_acted",
+    "straggler_not_acted",
     # live parameters
     "params_set",
     "params_rejected",
