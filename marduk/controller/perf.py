@@ -47,6 +47,7 @@ from marduk.core.stragglers import (
     repeat_offenders,
 )
 from marduk.errors import ProtocolError
+from marduk.store.kv import Fenced
 from marduk.store.slowness import SlownessStore
 from marduk.wire.perf import MAX_PERF_BYTES, PerfQuery, PerfReply, PerfSummary, StragglerInfo
 from marduk.wire.protocol import ControllerEvent, decode, encode
@@ -71,6 +72,7 @@ class PerfMonitor:
         policy: Callable[[], Policy],
         announce: Callable[[ControllerEvent], Coroutine[Any, Any, None]],
         submit: Callable[[Outcome], Commit] | None = None,
+        term: Callable[[], int] = lambda: 0,
         config: StragglerConfig | None = None,
         actions: ActionConfig | None = None,
     ) -> None:
@@ -78,6 +80,7 @@ class PerfMonitor:
         self._policy = policy
         self._announce = announce
         self._submit = submit
+        self._term = term
         self.detector = StragglerDetector(config)
         self.actions = StragglerActions(actions)
         self.store: SlownessStore | None = None
@@ -176,6 +179,8 @@ class PerfMonitor:
             self.actions = StragglerActions(self.actions.config)
             self._where.clear()
             self._was_leading = leading
+            if leading:  # claim the records' term now: a lapsed leader's late write is refused
+                self._ctx.spawn(self._claim(), "perf-claim")
         return leading
 
     # --- events and records ----------------------------------------------------------------------
@@ -291,14 +296,37 @@ class PerfMonitor:
             self._ctx.stats["errors.perf_action"] += 1
             self._ctx.logs.limited("perf.action", f"straggler action not stored: {e}")
 
+    async def _claim(self) -> None:
+        await self._claimed()
+
+    async def _claimed(self) -> SlownessStore | None:
+        """The store, with this term claimed in it (None: no store, or another term began)."""
+        store, term = self.store, self._term()
+        if store is None or term <= 0:
+            return None
+        async with self._record_lock:
+            if store.term != term:
+                try:
+                    await store.claim_term(term, self._ctx.controller_id)
+                except Fenced:
+                    self._ctx.stats["perf.record_fenced"] += 1
+                    return None
+                except Exception as e:
+                    self._ctx.stats["errors.perf_record"] += 1
+                    self._ctx.logs.limited("perf.record", f"slowness records' term: {e}")
+                    return None
+        return store
+
     async def _note_slow(self, device: str, f: Finding, now: float) -> None:
-        store = self.store
+        store = await self._claimed()
         if store is None:
             return
         try:
             async with self._record_lock:
                 await store.put(note_slow(await store.get(device), device, f, now))
             self._ctx.stats["perf.records_written"] += 1
+        except Fenced:  # a successor's term began: its word counts, not ours
+            self._ctx.stats["perf.record_fenced"] += 1
         except Exception as e:  # JetStream busy or gone: the event went out; counted
             self._ctx.stats["errors.perf_record"] += 1
             self._ctx.logs.limited("perf.record", f"slowness record of {device} not saved: {e}")

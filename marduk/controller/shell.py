@@ -178,6 +178,7 @@ class Controller:
             policy=lambda: self.policy,
             announce=self.outbox.announce,
             submit=self.pipeline.submit,
+            term=lambda: self.leadership.term if self.leadership is not None else 0,
             config=self.settings.stragglers,
             actions=self.settings.straggler_actions,
         )
