@@ -145,6 +145,7 @@ async def driver(args: argparse.Namespace) -> None:
 
         await nc.subscribe("bench.params.done", cb=on_done)
         await nc.flush()
+        load_start = os.getloadavg()[0]
         latencies: list[float] = []
         replied: list[float] = []  # set -> its reply (stored, published, announced)
         for trial in range(1, args.trials + 1):
@@ -187,10 +188,13 @@ async def driver(args: argparse.Namespace) -> None:
                 "p99": round(pct(replied, 99), 2),
             },
             "applied_at_end": f"{applied}/{len(rows)}",
+            "load_1min": {"start": load_start, "end": os.getloadavg()[0]},
             "source": source_version(),
             "machine": machine(),
         }
         print(json.dumps(result, indent=2), flush=True)
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
         await nc.publish("bench.params.stop", b"")
         await nc.flush()
         await nc.close()
@@ -217,6 +221,7 @@ def main() -> None:
     p.add_argument("--procs", type=int, default=4, help="processes hosting the clients")
     p.add_argument("--trials", type=int, default=200)
     p.add_argument("--gap", type=float, default=0.02, help="seconds between sets")
+    p.add_argument("--out", type=Path, default=None, help="also write the result here (JSON)")
     asyncio.run(driver(p.parse_args()))
 
 
