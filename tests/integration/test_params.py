@@ -335,6 +335,36 @@ def test_under_agent_run_the_supervisor_forwards_and_acknowledges(
     sup.expect("START version=1 lr=0.2", timeout=30)
 
 
+def test_a_supervisor_of_two_ranks_acknowledges_each_ranks_word(
+    controller_env: dict[str, str],
+) -> None:
+    """Two local ranks under one `marduk agent run`: `params` lists each rank's version under
+    the worker, and the worker runs the lowest (not the last rank's word)."""
+    from tests.processes import agent_run
+
+    env = controller_env
+    cmd = [sys.executable, "tests/trainers/params_trainer.py", "--replica", "s1"]
+    sup = agent_run(
+        env,
+        *("--job", "params", "--replica", "s1", "--devices", "s1-gpu0,s1-gpu1"),
+        *("--nproc-per-node", "2"),
+        cmd=cmd,
+    )
+    for _ in range(2):
+        sup.expect("START version=0 lr=0.1", timeout=30)
+    out = marduk_cli("monitor", "set", "params", "lr=0.2", env=env)
+    assert out.returncode == 0, out.stderr
+    for _ in range(2):
+        sup.expect("PARAMS version=1 lr=0.2")
+    want = ["s1/0: version 1 applied", "rank 0: version 1 applied", "rank 1: version 1 applied"]
+    text = ""
+    for _ in range(50):
+        text = marduk_cli("monitor", "params", "params", env=env).stdout
+        if all(w in text for w in want):
+            break
+    assert all(w in text for w in want), text
+
+
 async def test_every_change_is_an_event_and_a_worker_behind_is_told_again(
     nats_server: NatsServer, tmp_path: Path
 ) -> None:
