@@ -267,7 +267,8 @@ class PerfMonitor:
         who = f"rank {k.rank} of {k.job}/{k.replica}/{k.worker} ({', '.join(v.devices)})"
         if not v.act:
             stats["perf.actions_withheld"] += 1
-            kind, detail = "straggler_not_acted", f"{who}, section {v.section}: {v.why}"
+            kind = "straggler_not_acted"
+            detail = f"{who}, section {v.section}: {v.why}"
         else:
             assert self._submit is not None
             policy = self._policy()
