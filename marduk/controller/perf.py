@@ -275,10 +275,15 @@ class PerfMonitor:
             reason = f"straggler on {v.section}, {v.why}"
             by = "the straggler policy"
             result = policy.drain(list(v.devices), "", False, reason, now, by=by)
-            stats[f"perf.actions.{v.how}"] += 1
             self._ctx.spawn(self._durable(self._submit(result.outcome)), "perf-action")
-            kind = "straggler_acted"
-            detail = f"{who} drained, section {v.section}: {v.why}"
+            if result.devices:
+                stats[f"perf.actions.{v.how}"] += 1
+                kind = "straggler_acted"
+                detail = f"{who} drained, section {v.section}: {v.why}"
+            else:  # an operator (or an earlier term) drained them already
+                stats["perf.actions_withheld"] += 1
+                kind = "straggler_not_acted"
+                detail = f"{who}, section {v.section}: its devices are out of service already"
         event = ControllerEvent(
             kind=kind,
             ts=now,

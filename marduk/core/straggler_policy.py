@@ -120,6 +120,9 @@ class StragglerActions:
         self.config = config or ActionConfig()
         self._acted: dict[str, float] = {}
         self._said: set[tuple[RankKey, str, float, str]] = set()
+        # Episodes acted on: the drained rank reports on until its trainer stops, and is not
+        # a new case (nor a reason to say "waiting").
+        self._done: set[tuple[RankKey, str, float]] = set()
 
     def decide(
         self,
@@ -131,14 +134,14 @@ class StragglerActions:
         ``--nnodes`` job): at most one action per job, and the reasons not yet said."""
         c = self.config
         by_job: dict[str, list[Straggler]] = {}
+        live: set[tuple[RankKey, str, float]] = set()
         for s in stragglers:
-            if c.mode_of(s.key.job) != "report":
+            live.add((s.key, s.section, s.since))
+            if c.mode_of(s.key.job) != "report" and (s.key, s.section, s.since) not in self._done:
                 by_job.setdefault(s.key.job, []).append(s)
         out: list[Verdict] = []
-        live: set[tuple[RankKey, str, float]] = set()
         for job in sorted(by_job):
             ranked = sorted(by_job[job], key=lambda s: (s.relative, s.key, s.section))
-            live |= {(s.key, s.section, s.since) for s in ranked}
             ready = [s for s in ranked if now - s.since >= c.act_after_s]
             if not ready:
                 continue
@@ -146,6 +149,8 @@ class StragglerActions:
             verdict = self._judge(worst, c.mode_of(job), rooms.get(job), now)
             if verdict.act:
                 self._acted[job] = now
+                # Its node is out: every section it straggles on is this episode.
+                self._done |= {(x.key, x.section, x.since) for x in ranked if x.key == worst.key}
                 out.append(verdict)
                 continue
             said = (worst.key, worst.section, worst.since, verdict.why)
@@ -154,6 +159,7 @@ class StragglerActions:
                 out.append(verdict)
         # Episodes that ended are forgotten (a new detection is a new episode).
         self._said = {s for s in self._said if (s[0], s[1], s[2]) in live}
+        self._done &= live
         return out
 
     def _judge(self, s: Straggler, mode: ActionMode, room: JobRoom | None, now: float) -> Verdict:

@@ -40,6 +40,8 @@ def test_a_persistent_straggler_with_a_spare_is_drained_once_per_interval() -> N
     assert a.decide([slow()], {"j": room()}, 5.0) == []  # not persistent yet
     [v] = a.decide([slow()], {"j": room()}, 10.0)
     assert (v.act, v.how, v.devices) == (True, "spare", ("gpu-1",))
+    # The rank acted on reports on until its trainer stops: not a new case, nothing said.
+    assert a.decide([slow()], {"j": room()}, 12.0) == []
     # The same job again within the interval (another straggler, or the same one still
     # reported): told once why not, then quiet.
     [w] = a.decide([slow(B, since=20.0)], {"j": room()}, 40.0)
