@@ -9,28 +9,17 @@ the output lines are examples/jax_distributed_trainer.py's (tests/jax_mesh.py re
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from jax_sync_point import load_example  # this folder: the script's own (sys.path[0])
 
 import agent
 import agent.jax
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jax_distributed_trainer.py"
-
-
-def load_example():  # type: ignore[no-untyped-def]
-    spec = importlib.util.spec_from_file_location("jax_distributed_trainer", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
