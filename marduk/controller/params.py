@@ -205,6 +205,16 @@ class ParamsDesk:
             raise ParamsError("conflict", f"job {job}: the parameters kept changing")
         self._docs[job] = (doc, revision)
         self._written_at[job] = time.monotonic()
+        await self._settle(job, doc, batch, results)
+
+    async def _settle(
+        self,
+        job: str,
+        doc: JobParams,
+        batch: list[_Waiting],
+        results: list[SetResult | ParamsError],
+    ) -> None:
+        """``doc`` is stored: send it, say each set's change, answer each set."""
         self._ctx.stats["params.sets"] += sum(
             1 for r in results if isinstance(r, SetResult) and r.changed
         )
