@@ -130,7 +130,7 @@ def test_with_the_drain_action_a_spare_takes_the_slow_nodes_ranks(
         watch.expect("watching controller events", timeout=30)
         for r in ("node0", "node1"):
             job.start(r, "--preload", "torch", "--grace", "3")
-        by_rank = job.formed(("node0", "node1"), timeout=120)
+        by_rank = job.formed(("node0", "node1"), timeout=180)  # as test_torch_elastic
         slow_rank = next(k for k, v in by_rank.items() if v == "node1")
         job.start("node2", "--spare", "--preload", "torch", "--grace", "3")
         eventually_sync(lambda: (p := job_perf(env, "sd")) is not None and p["ranks"] == 2, 60)
