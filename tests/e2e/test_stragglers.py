@@ -103,7 +103,7 @@ def job_perf(env: dict[str, str], job: str) -> dict | None:  # type: ignore[type
     return next((j for j in json.loads(r.stdout)["jobs"] if j["job"] == job), None)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_with_the_drain_action_a_spare_takes_the_slow_nodes_ranks(
     tmp_path: Path, nats_server: NatsServer
 ) -> None:
