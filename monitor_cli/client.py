@@ -128,13 +128,25 @@ async def perf(
     answers it (an older one): status shows the rest without it."""
     nc = await connect(addr, timeout=timeout)
     try:
-        return await bus.request(
-            nc, Subjects(prefix).perf_query, PerfQuery(job=job), PerfReply, timeout=timeout
-        )
+        return await perf_on(nc, prefix, job, timeout)
     except MardukError:
         return None
     finally:
         await bus.close(nc, drain=False)
+
+
+async def perf_on(
+    nc: NATS, prefix: str, job: str | None = None, timeout: float = 5.0
+) -> PerfReply | None:
+    """``perf`` on a connection the caller keeps (``top`` asks every refresh)."""
+    try:
+        return await bus.request(
+            nc, Subjects(prefix).perf_query, PerfQuery(job=job), PerfReply, timeout=timeout
+        )
+    except PermissionDeniedError:
+        raise
+    except MardukError:
+        return None
 
 
 async def query_on(

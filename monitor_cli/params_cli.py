@@ -172,16 +172,24 @@ def params_lines(reply: ParamsQueryReply) -> list[str]:
         head += [f"  {k} = {_show(v)}" for k, v in sorted(p.values.items())]
         for replica, own in sorted(p.overrides.items()):
             head += [f"  {k} = {_show(v)}   (replica {replica})" for k, v in sorted(own.items())]
-    rows = [
-        f"  {w.replica}/{w.worker}: version {w.version} {w.state}"
-        + ("".join(f"; {k} refused: {why}" for k, why in sorted(w.rejected.items())))
-        for w in reply.workers
-    ]
+    rows = []
+    for w in reply.workers:
+        rows.append(
+            f"  {w.replica}/{w.worker}: version {w.version} {w.state}{_refused(w.rejected)}"
+        )
+        rows += [
+            f"    rank {r.rank}: version {r.version} {r.state}{_refused(r.rejected)}"
+            for r in w.ranks
+        ]
     counts: dict[str, int] = {}
     for w in reply.workers:
         counts[w.state] = counts.get(w.state, 0) + 1
     summary = ", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "none"
     return [*head, f"workers: {summary}", *rows]
+
+
+def _refused(rejected: dict[str, str]) -> str:
+    return "".join(f"; {k} refused: {why}" for k, why in sorted(rejected.items()))
 
 
 def _show(value: ParamValue | None) -> str:

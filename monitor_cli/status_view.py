@@ -100,6 +100,8 @@ RECENT_KINDS = frozenset(
         "device_preempting",
         "device_drained",
         "device_quarantined",
+        "straggler_detected",
+        "straggler_acted",
         "restart_issued",
         "fail_issued",
         "stop_issued",
@@ -346,9 +348,11 @@ def top_blocks(
     problem: str = "",
     job: str | None = None,
     job_source: str = "",
+    perf: Sequence[Block] = (),
 ) -> list[Block]:
-    """``marduk monitor top``: the controller, the jobs, and recent failures and restarts
-    (``job``: the job filter in effect, and where it came from)."""
+    """``marduk monitor top``: the controller, the jobs, their performance (``perf``: the
+    blocks of monitor_cli/perf_view.py), and recent failures and restarts (``job``: the job
+    filter in effect, and where it came from)."""
     blocks: list[Block] = []
     if reply is not None:
         blocks += controller_lines(reply, now)[:1]
@@ -356,6 +360,7 @@ def top_blocks(
         blocks.append(summary_grid(summarize(reply), now))
         if reply.jobs:
             blocks.append(membership_grid(reply.jobs, now))
+        blocks += perf
     if problem:
         blocks.append(problem)
     rows: list[tuple[Cell, ...]] = []

@@ -22,6 +22,7 @@ from rich.markup import escape
 from marduk.errors import MardukError, PermissionDeniedError
 from marduk.shell import options
 from marduk.transport import bus
+from marduk.wire.perf import PerfReply
 from marduk.wire.protocol import ControllerEvent, QueryReply, decode
 from marduk.wire.subjects import Subjects
 from monitor_cli import client, perf_view, status_view
@@ -115,13 +116,29 @@ def top(
         int, typer.Option(help="Stop after this many refreshes (0: until Ctrl-C).", min=0)
     ] = 0,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.", min=0.1)] = 1.0,
+    once: Annotated[
+        bool, typer.Option("--once", help="One refresh, as plain lines, then exit (scripts).")
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="With --once: the jobs' performance (the controller's PerfReply) as one line "
+            "of JSON.",
+        ),
+    ] = False,
 ) -> None:
-    """A live view of the jobs, their restarts and recent failures, until Ctrl-C.
+    """A live view of the jobs until Ctrl-C: their size, per job its step rate, p50 step
+    time, slowest ranks (scores, devices) and stragglers, and recent failures and restarts.
 
     On a terminal the view redraws in place; in a pipe each refresh is a block of plain lines.
     """
 
     source = job_source(ctx, job)
+    if as_json and not once:
+        raise typer.BadParameter("only with --once", param_hint="--json")
+    if once:
+        count = 1
 
     async def loop() -> None:
         recent: collections.deque[ControllerEvent] = collections.deque(maxlen=10)
@@ -136,21 +153,32 @@ def top(
             if event.kind in status_view.RECENT_KINDS:
                 recent.appendleft(event)
 
-        live = Live(console=out, auto_refresh=False) if out.is_terminal else None
+        live = Live(console=out, auto_refresh=False) if out.is_terminal and not once else None
         try:
             await client.subscribe(nc, s.all_events if job is None else s.events(job), cb=on_event)
             reply: QueryReply | None = None
             with live if live is not None else contextlib.nullcontext():
                 for n in itertools.count(1):
                     problem = ""
+                    perf: PerfReply | None = None
                     try:
+                        if as_json:
+                            perf = await client.perf_on(nc, prefix, job, timeout)
+                            if perf is None:
+                                raise MardukError("no controller answered the performance query")
+                            print_json(perf)
+                            return
                         first = reply is None
                         reply = await client.query_on(nc, prefix, "map", job, timeout, addr=addr)
                         if first:
                             recent.extend(status_view.current_failures(reply))
+                        if reply.workers:
+                            perf = await client.perf_on(nc, prefix, job, min(timeout, 2.0))
                     except PermissionDeniedError:
                         raise  # asking again will not help: one line, and stop
                     except MardukError as e:
+                        if as_json:
+                            raise
                         problem = f"{ts(time.time())} {e}"
                     blocks = status_view.top_blocks(
                         reply,
@@ -159,6 +187,7 @@ def top(
                         problem=problem,
                         job=job,
                         job_source=source,
+                        perf=perf_view.perf_blocks(perf, job),
                     )
                     if live is not None:
                         live.update(
@@ -241,4 +270,5 @@ _EVENT_STYLE: dict[str, str] = {
     "device_failed": "red",
     "straggler_detected": "bold magenta",
     "straggler_cleared": "green",
+    "straggler_acted": "bold yellow",
 }

@@ -43,7 +43,7 @@ from marduk.transport import bus
 from marduk.transport.auth import SIG_HEADER, verify
 from marduk.transport.credentials import redact
 from marduk.wire import protocol as wire
-from marduk.wire.params import Params, ParamsApplied, ParamsAppliedReply
+from marduk.wire.params import Params, ParamsApplied, ParamsAppliedReply, RankApplied
 from marduk.wire.subjects import Subjects
 
 log = logging.getLogger("agent")
@@ -399,10 +399,16 @@ class AsyncClient(CommandInbox):
         self.stats["errors.on_params"] += 1
         self._record(f"on_params raised {type(e).__name__}: {e}")
 
-    async def params_applied(self, version: int, rejected: dict[str, str] | None = None) -> bool:
+    async def params_applied(
+        self,
+        version: int,
+        rejected: dict[str, str] | None = None,
+        ranks: list[RankApplied] | None = None,
+    ) -> bool:
         """Tell the controller this worker runs ``version`` of the job's parameters, except the
-        keys in ``rejected`` (key -> why). True once the controller confirmed (5 s at most);
-        False is recorded in ``errors``, never raised; the controller asks again."""
+        keys in ``rejected`` (key -> why); a supervisor of several local ranks adds each one's
+        word (``ranks``). True once the controller confirmed (5 s at most); False is recorded
+        in ``errors``, never raised; the controller asks again."""
         o = self.opts
         refused = {str(k): str(v)[:256] for k, v in (rejected or {}).items()}
         self.live.acked = (version, refused)
@@ -410,7 +416,12 @@ class AsyncClient(CommandInbox):
             self._record("parameters not acknowledged: no connection to NATS")
             return False
         applied = ParamsApplied(
-            job=o.job, replica=o.replica, worker=o.worker, version=version, rejected=refused
+            job=o.job,
+            replica=o.replica,
+            worker=o.worker,
+            version=version,
+            rejected=refused,
+            ranks=list(ranks or []),
         )
         try:
             assert self._nc is not None

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from marduk.wire.params import JobParams, ParamValue
+from marduk.wire.params import JobParams, ParamValue, RankApplied
 
 
 class ParamsView(Mapping[str, ParamValue]):
@@ -94,3 +94,21 @@ class LiveParams:
         except Exception as e:  # the trainer's bug, never the library's loop's
             on_error(e)
         return None
+
+
+def merge_rank_acks(
+    acks: Mapping[int, tuple[int, Mapping[str, str]]], ranks: int
+) -> tuple[int, dict[str, str], list[RankApplied]]:
+    """A supervisor's word for its worker from its local ranks' (rank -> (version, rejected)):
+    the lowest version of the ``ranks`` (one that has not acknowledged counts as 0), every
+    refusal, and each rank's acknowledgement."""
+    version = min((acks.get(i, (0, {}))[0] for i in range(ranks)), default=0)
+    rejected: dict[str, str] = {}
+    for _, (_, refused) in sorted(acks.items()):
+        rejected.update(refused)
+    detail = [
+        RankApplied(rank=i, version=v, rejected=dict(r))
+        for i, (v, r) in sorted(acks.items())
+        if i < ranks
+    ]
+    return version, rejected, detail

@@ -156,9 +156,11 @@ class ControllerLink:
         """The job's live parameters as last received (None: none set, or no controller)."""
         return self.client.live.doc if self.client is not None else None
 
-    async def params_applied(self, version: int, rejected: dict[str, str]) -> None:
+    async def params_applied(
+        self, version: int, rejected: dict[str, str], ranks: list[wire.RankApplied] | None = None
+    ) -> None:
         if self.client is not None:
-            await self.client.params_applied(version, rejected)
+            await self.client.params_applied(version, rejected, ranks)
 
     async def close(self, *, deregister: bool, reason: str = "closed") -> None:
         """Stop trying to join; close the registration (``deregister``: the worker is gone)."""

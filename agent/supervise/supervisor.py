@@ -50,6 +50,7 @@ from prometheus_client.core import Metric
 
 from agent.channel import messages
 from agent.library.client import AsyncClient, Command
+from agent.library.params import merge_rank_acks
 from agent.supervise import placement
 from agent.supervise.before_first_start import (
     give_up_unhealthy,
@@ -157,6 +158,8 @@ class Supervisor:
             warms = self.starter.mode() is StartMode.ZYGOTE
             o.rendezvous = msgspec.structs.replace(o.rendezvous, ready=not warms)
         self.channels = TrainerChannels()  # each rank's library (agent/channel/messages.py)
+        # Each local rank's last word on the live parameters: rank -> (version, rejected).
+        self._params_acks: dict[int, tuple[int, dict[str, str]]] = {}
         # Where this node's ranks sit at the current incarnation (the controller's membership
         # with --nnodes MIN:MAX; else the launch spec as given).
         self.placed: LaunchSpec | None = config.launch
@@ -599,8 +602,13 @@ class Supervisor:
                     )
                     self._spawn(_ignore(client.publish_perf(summary)), "perf")
             case messages.ParamsApplied(version=version, rejected=rejected):
-                # One registration for all local ranks: the last rank's word stands.
-                await self.link.params_applied(version, rejected)
+                # One registration for all local ranks: the worker runs the lowest version
+                # any of them does, and the controller hears each rank's word.
+                self._params_acks[rank] = (version, dict(rejected))
+                if self.nproc == 1:
+                    await self.link.params_applied(version, rejected)
+                    return
+                await self.link.params_applied(*merge_rank_acks(self._params_acks, self.nproc))
 
     def _params_changed(self, _view: object) -> None:
         params = self.link.params()

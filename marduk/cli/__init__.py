@@ -8,7 +8,7 @@ import re
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import typer
 
@@ -196,6 +196,37 @@ def controller(
             help="Windows ignored after each trainer incarnation starts (compile, restore).",
         ),
     ] = 2,
+    straggler_action: Annotated[
+        Literal["report", "drain", "shrink"],
+        typer.Option(
+            "--straggler-action",
+            envvar="MARDUK_STRAGGLER_ACTION",
+            help="What is done about a persistent straggler of a --nnodes job: report (events "
+            "only), drain (its devices drained, a free spare takes its node's ranks; never "
+            "without a spare), shrink (drain; without a spare the job shrinks, never below "
+            "MIN). At most one action per job per --resize-interval.",
+        ),
+    ] = "report",
+    straggler_action_job: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--straggler-action-job",
+            envvar="MARDUK_STRAGGLER_ACTION_JOBS",
+            help="JOB=ACTION: the action for one job, overriding --straggler-action "
+            "(repeatable; the variable takes a comma list).",
+            show_default=False,
+        ),
+    ] = None,
+    straggler_act_after: Annotated[
+        float,
+        typer.Option(
+            "--straggler-act-after",
+            envvar="MARDUK_STRAGGLER_ACT_AFTER",
+            min=0.0,
+            help="Seconds a rank must stay a straggler after its detection before it is acted "
+            "on (with --straggler-action drain or shrink).",
+        ),
+    ] = 30.0,
     lease_ttl: Annotated[
         float,
         typer.Option(
@@ -275,6 +306,7 @@ def controller(
     """
     from marduk.controller import ControllerSettings, run_controller
     from marduk.core.policy import PolicyConfig
+    from marduk.core.straggler_policy import ActionConfig, parse_job_actions
     from marduk.core.stragglers import StragglerConfig
     from marduk.shell.logs import setup_logging
     from marduk.shell.runtime import run
@@ -317,6 +349,16 @@ def controller(
         windows=straggler_windows,
         clear_windows=straggler_windows,
         warmup_windows=straggler_warmup,
+    )
+    try:
+        per_job = parse_job_actions(straggler_action_job or [])
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--straggler-action-job") from None
+    settings.straggler_actions = ActionConfig(
+        mode=straggler_action,
+        jobs=per_job,
+        act_after_s=straggler_act_after,
+        interval_s=resize_interval,
     )
 
     async def main() -> int:

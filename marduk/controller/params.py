@@ -23,11 +23,16 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+import msgspec
 
 from marduk.controller.commit import NotServing
 from marduk.controller.context import Context, Route
 from marduk.core.params import (
+    Ack,
     ParamsError,
+    SetResult,
     apply_set,
     behind,
     describe_change,
@@ -59,7 +64,18 @@ ALWAYS_FITS = 2048
 """A document this small always fits in a registration reply beside a command (commands are
 kept 4 KiB under the message limit: ``marduk.core.command_size``)."""
 
+SET_INTERVAL_S = 0.01
+"""A job's parameters are written at most once per this long: sets that come faster (a storm)
+wait and are merged into the next write, in order (``params.rate_limited``,
+``params.coalesced``)."""
+
 WorkersOf = Callable[[str], Iterable[tuple[str, int]]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Waiting:
+    req: ParamsSet
+    done: asyncio.Future[ParamsSetReply]
 
 
 class ParamsDesk:
@@ -80,10 +96,12 @@ class ParamsDesk:
         self._announce = announce
         self._sign = sign
         self._docs: dict[str, tuple[JobParams, int]] = {}  # job -> (document, KV revision)
-        self._applied: dict[str, dict[tuple[str, int], tuple[int, dict[str, str]]]] = {}
+        self._applied: dict[str, dict[tuple[str, int], Ack]] = {}
         self._loaded_term: int | None = None
         self._load_lock = asyncio.Lock()
         self._job_locks: dict[str, asyncio.Lock] = {}
+        self._queued: dict[str, list[_Waiting]] = {}  # job -> sets waiting for its next write
+        self._written_at: dict[str, float] = {}  # job -> its last write (monotonic)
         self._resend: dict[str, tuple[float, float]] = {}  # job -> (due, wait), monotonic
         self._reloaded_at = 0.0
 
@@ -92,7 +110,8 @@ class ParamsDesk:
     def routes(self) -> list[Route]:
         s = self._ctx.subjects
         return [
-            Route("params_set", s.params_set, ParamsSet, self.set, False),
+            # Concurrent: a storm of sets queues behind the job's write and joins the next one.
+            Route("params_set", s.params_set, ParamsSet, self.set, True),
             Route("params_get", s.params_get, ParamsQuery, self.get, False),
             Route("params_applied", s.any_job("params.applied"), ParamsApplied, self.applied, True),
         ]
@@ -109,53 +128,117 @@ class ParamsDesk:
             raise ParamsError(
                 "unknown_replica", f"job {req.job} has no replica {req.replica!r} registered"
             )
-        store = self._require_store()
+        waiting = _Waiting(req, asyncio.get_running_loop().create_future())
+        self._queued.setdefault(req.job, []).append(waiting)
         lock = self._job_locks.setdefault(req.job, asyncio.Lock())
-        async with lock:  # one set of a job at a time here; the CAS covers other controllers
-            for _ in range(CAS_TRIES):
-                current, revision = self._docs.get(req.job, (JobParams(job=req.job), 0))
-                if req.if_version is not None and req.if_version > current.version:
-                    # The client read a version we have not: ours is stale (a late write of
-                    # another controller's). Read the key before judging the compare-and-set.
-                    await self._refresh(req.job)
-                    current, revision = self._docs.get(req.job, (current, revision))
-                result = apply_set(
-                    current,
-                    req.values,
-                    replica=req.replica,
-                    by=req.by,
-                    now=time.time(),
-                    if_version=req.if_version,
-                )
-                if not result.changed:
-                    return ParamsSetReply(params=current, changed=[])
+        async with lock:  # one write of a job at a time here; the CAS covers other controllers
+            if not waiting.done.done():  # else a batch before ours took this set along
+                await self._write_batch(req.job)
+        return await waiting.done
+
+    async def _write_batch(self, job: str) -> None:
+        """Every set of ``job`` queued since the last write, in one version: a storm of sets
+        costs one write and one fan-out per ``SET_INTERVAL_S`` (or per write, if slower), each
+        applied on top of the one before (the last value wins, none is lost)."""
+        wait = self._written_at.get(job, 0.0) + SET_INTERVAL_S - time.monotonic()
+        if wait > 0:
+            self._ctx.stats["params.rate_limited"] += 1
+            await asyncio.sleep(wait)
+        batch = self._queued.pop(job, [])
+        self._ctx.stats["params.coalesced"] += len(batch) - 1
+        try:
+            await self._store_batch(job, batch)
+        except BaseException as e:
+            for w in batch:
+                if not w.done.done():
+                    w.done.set_exception(e if isinstance(e, Exception) else NotServing("stopping"))
+            if not isinstance(e, Exception):
+                raise
+
+    async def _store_batch(self, job: str, batch: list[_Waiting]) -> None:
+        store = self._require_store()
+        for _ in range(CAS_TRIES):
+            current, revision = self._docs.get(job, (JobParams(job=job), 0))
+            if any(
+                w.req.if_version is not None and w.req.if_version > current.version for w in batch
+            ):
+                # A client read a version we have not: ours is stale (a late write of another
+                # controller's). Read the key before judging the compare-and-set.
+                await self._refresh(job)
+                current, revision = self._docs.get(job, (current, revision))
+            doc, results = current, list[SetResult | ParamsError]()
+            for w in batch:
+                r = w.req
                 try:
-                    revision = await store.put(result.params, revision)
-                except ParamsConflict:
-                    # Another controller (a lapsed leader's late write) got there first: read
-                    # it and apply this change on top of it.
-                    self._ctx.stats["params.cas_retries"] += 1
-                    await self._refresh(req.job)
+                    result = apply_set(
+                        doc,
+                        r.values,
+                        replica=r.replica,
+                        by=r.by,
+                        now=time.time(),
+                        if_version=r.if_version,
+                    )
+                except ParamsError as e:
+                    results.append(e)
                     continue
-                break
-            else:
-                raise ParamsError("conflict", f"job {req.job}: the parameters kept changing")
-            self._docs[req.job] = (result.params, revision)
-        self._ctx.stats["params.sets"] += 1
+                doc = result.params
+                results.append(result)
+            if doc is current:  # nothing changed
+                for w, outcome in zip(batch, results, strict=True):
+                    if isinstance(outcome, ParamsError):
+                        w.done.set_exception(outcome)
+                    else:
+                        w.done.set_result(ParamsSetReply(params=current, changed=[]))
+                return
+            # One version for the whole batch: the versions between were never stored.
+            doc = msgspec.structs.replace(doc, version=current.version + 1)
+            try:
+                revision = await store.put(doc, revision)
+            except ParamsConflict:
+                # Another controller (a lapsed leader's late write) got there first: read it
+                # and apply these changes on top of it.
+                self._ctx.stats["params.cas_retries"] += 1
+                await self._refresh(job)
+                continue
+            break
+        else:
+            raise ParamsError("conflict", f"job {job}: the parameters kept changing")
+        self._docs[job] = (doc, revision)
+        self._written_at[job] = time.monotonic()
+        await self._settle(job, doc, batch, results)
+
+    async def _settle(
+        self,
+        job: str,
+        doc: JobParams,
+        batch: list[_Waiting],
+        results: list[SetResult | ParamsError],
+    ) -> None:
+        """``doc`` is stored: send it, say each set's change, answer each set."""
+        self._ctx.stats["params.sets"] += sum(
+            1 for r in results if isinstance(r, SetResult) and r.changed
+        )
         # Stored: from here on a new leader delivers it even if we die before the publish.
         if not self._ctx.leading():
             raise NotServing("the lease lapsed after a parameters set was stored")
-        await self._publish(req.job)
-        await self._announce(
-            ControllerEvent(
-                kind="params_set",
-                ts=time.time(),
-                job=req.job,
-                replica=req.replica,
-                detail=f"by {req.by or 'unknown'}: {describe_change(result, req.replica)}",
-            )
-        )
-        return ParamsSetReply(params=result.params, changed=result.changed)
+        await self._publish(job)
+        for w, outcome in zip(batch, results, strict=True):
+            if isinstance(outcome, ParamsError):
+                w.done.set_exception(outcome)
+                continue
+            said = SetResult(doc, outcome.changed, outcome.old, outcome.new)
+            if outcome.changed:
+                await self._announce(
+                    ControllerEvent(
+                        kind="params_set",
+                        ts=time.time(),
+                        job=job,
+                        replica=w.req.replica,
+                        detail=f"by {w.req.by or 'unknown'}: "
+                        + describe_change(said, w.req.replica),
+                    )
+                )
+            w.done.set_result(ParamsSetReply(params=doc, changed=outcome.changed))
 
     async def get(self, req: ParamsQuery, subject: str) -> ParamsQueryReply:
         await self._ensure_loaded()
@@ -180,9 +263,9 @@ class ParamsDesk:
         before = table.get(key)
         if before is not None and before[0] > req.version:
             return ParamsAppliedReply(version=version)  # a late ack of an older version
-        table[key] = (req.version, dict(req.rejected))
+        table[key] = Ack(req.version, dict(req.rejected), tuple(req.ranks))
         self._ctx.stats["params.applied"] += 1
-        if req.rejected and before != table[key]:
+        if req.rejected and (before is None or before[:2] != table[key][:2]):
             why = ", ".join(f"{k}: {v}" for k, v in sorted(req.rejected.items()))
             await self._announce(
                 ControllerEvent(

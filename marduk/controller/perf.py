@@ -25,9 +25,18 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from marduk.controller.commit import Commit
 from marduk.controller.context import Context
+from marduk.core.decisions import Outcome
 from marduk.core.drmap import WorkerKey
 from marduk.core.policy import Policy
+from marduk.core.straggler_policy import (
+    ActionConfig,
+    JobRoom,
+    Straggler,
+    StragglerActions,
+    Verdict,
+)
 from marduk.core.stragglers import (
     Finding,
     RankKey,
@@ -38,11 +47,16 @@ from marduk.core.stragglers import (
     repeat_offenders,
 )
 from marduk.errors import ProtocolError
+from marduk.store.kv import Fenced
 from marduk.store.slowness import SlownessStore
 from marduk.wire.perf import MAX_PERF_BYTES, PerfQuery, PerfReply, PerfSummary, StragglerInfo
 from marduk.wire.protocol import ControllerEvent, decode, encode
 
 log = logging.getLogger("marduk.controller")
+
+BLOCKING_RESIZES = frozenset({"forming", "held", "checkpoint", "applying"})
+"""A job in one of these resizes is not touched ("joining": a grow waits, which a drain may
+overtake)."""
 
 SWEEP_S = 2.0
 """How often silent ranks are forgotten (a straggler that went silent is cleared)."""
@@ -57,12 +71,18 @@ class PerfMonitor:
         *,
         policy: Callable[[], Policy],
         announce: Callable[[ControllerEvent], Coroutine[Any, Any, None]],
+        submit: Callable[[Outcome], Commit] | None = None,
+        term: Callable[[], int] = lambda: 0,
         config: StragglerConfig | None = None,
+        actions: ActionConfig | None = None,
     ) -> None:
         self._ctx = ctx
         self._policy = policy
         self._announce = announce
+        self._submit = submit
+        self._term = term
         self.detector = StragglerDetector(config)
+        self.actions = StragglerActions(actions)
         self.store: SlownessStore | None = None
         self._subs: list[Subscription] = []
         self._was_leading = False
@@ -142,6 +162,8 @@ class PerfMonitor:
         self._emit(self.detector.sweep(now), now)
         for key in [k for k in self._where if not self.detector.tracked(k)]:
             del self._where[key]
+        if self.actions.config.ever_acts and self._submit is not None:
+            self._act(now)
 
     async def sweep_loop(self) -> None:
         while True:
@@ -154,8 +176,11 @@ class PerfMonitor:
             # A new term starts from nothing: what a lapsed term saw may be old, and the
             # warm-up rebuilds the view within a few windows.
             self.detector = StragglerDetector(self.detector.config)
+            self.actions = StragglerActions(self.actions.config)
             self._where.clear()
             self._was_leading = leading
+            if leading:  # claim the records' term now: a lapsed leader's late write is refused
+                self._ctx.spawn(self._claim(), "perf-claim")
         return leading
 
     # --- events and records ----------------------------------------------------------------------
@@ -206,14 +231,108 @@ class PerfMonitor:
                 for device in devices:
                     self._ctx.spawn(self._note_slow(device, f, now), "perf-record")
 
+    # --- acting on them (marduk/core/straggler_policy.py) ---------------------------------------
+
+    def _act(self, now: float) -> None:
+        """The policy's verdicts on the stragglers now: a drain (the path of ``marduk monitor
+        drain``: the devices out of service, the job restarted with a spare in the node's
+        place or without it) submitted like an operator's, or why not, as an event."""
+        stragglers = [
+            Straggler(key, section, g.since, g.relative, tuple(self.devices_of(key)))
+            for key, section, g in self.detector.stragglers()
+        ]
+        if not stragglers:
+            return
+        policy = self._policy()
+        infos = {i.job: i for i in policy.job_infos(now)}
+        rooms: dict[str, JobRoom | None] = {}
+        for job in {s.key.job for s in stragglers}:
+            info = infos.get(job)
+            if info is None or info.is_pool:
+                rooms[job] = None
+                continue
+            pool = infos.get(info.pool) if info.pool else None
+            rooms[job] = JobRoom(
+                members=info.nodes,
+                min_nodes=info.min_nodes,
+                spares=len(info.spares) + (len(pool.spares) if pool is not None else 0),
+                resizing=info.resize if info.resize in BLOCKING_RESIZES else "",
+                last_resize_at=info.last_resize_at,
+            )
+        for verdict in self.actions.decide(stragglers, rooms, now):
+            self._carry_out(verdict, now)
+
+    def _carry_out(self, v: Verdict, now: float) -> None:
+        k, stats = v.key, self._ctx.stats
+        who = f"rank {k.rank} of {k.job}/{k.replica}/{k.worker} ({', '.join(v.devices)})"
+        if not v.act:
+            stats["perf.actions_withheld"] += 1
+            kind = "straggler_not_acted"
+            detail = f"{who}, section {v.section}: {v.why}"
+        else:
+            assert self._submit is not None
+            policy = self._policy()
+            reason = f"straggler on {v.section}, {v.why}"
+            by = "the straggler policy"
+            result = policy.drain(list(v.devices), "", False, reason, now, by=by)
+            self._ctx.spawn(self._durable(self._submit(result.outcome)), "perf-action")
+            if result.devices:
+                stats[f"perf.actions.{v.how}"] += 1
+                kind = "straggler_acted"
+                detail = f"{who} drained, section {v.section}: {v.why}"
+            else:  # an operator (or an earlier term) drained them already
+                stats["perf.actions_withheld"] += 1
+                kind = "straggler_not_acted"
+                detail = f"{who}, section {v.section}: its devices are out of service already"
+        event = ControllerEvent(
+            kind=kind,
+            ts=now,
+            job=k.job,
+            replica=k.replica,
+            worker=k.worker,
+            device=v.devices[0] if len(v.devices) == 1 else None,
+            detail=detail,
+        )
+        self._ctx.spawn(self._announce(event), "perf-event")
+
+    async def _durable(self, commit: Commit) -> None:
+        try:
+            await commit.durable
+        except Exception as e:  # the commit pipeline says why; the drain is not in force
+            self._ctx.stats["errors.perf_action"] += 1
+            self._ctx.logs.limited("perf.action", f"straggler action not stored: {e}")
+
+    async def _claim(self) -> None:
+        await self._claimed()
+
+    async def _claimed(self) -> SlownessStore | None:
+        """The store, with this term claimed in it (None: no store, or another term began)."""
+        store, term = self.store, self._term()
+        if store is None or term <= 0:
+            return None
+        async with self._record_lock:
+            if store.term != term:
+                try:
+                    await store.claim_term(term, self._ctx.controller_id)
+                except Fenced:
+                    self._ctx.stats["perf.record_fenced"] += 1
+                    return None
+                except Exception as e:
+                    self._ctx.stats["errors.perf_record"] += 1
+                    self._ctx.logs.limited("perf.record", f"slowness records' term: {e}")
+                    return None
+        return store
+
     async def _note_slow(self, device: str, f: Finding, now: float) -> None:
-        store = self.store
+        store = await self._claimed()
         if store is None:
             return
         try:
             async with self._record_lock:
                 await store.put(note_slow(await store.get(device), device, f, now))
             self._ctx.stats["perf.records_written"] += 1
+        except Fenced:  # a successor's term began: its word counts, not ours
+            self._ctx.stats["perf.record_fenced"] += 1
         except Exception as e:  # JetStream busy or gone: the event went out; counted
             self._ctx.stats["errors.perf_record"] += 1
             self._ctx.logs.limited("perf.record", f"slowness record of {device} not saved: {e}")

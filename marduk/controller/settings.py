@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from marduk.core.policy import PolicyConfig
+from marduk.core.straggler_policy import ActionConfig
 from marduk.core.stragglers import StragglerConfig
 from marduk.errors import MardukError
 from marduk.transport import bus
@@ -59,6 +60,8 @@ class ControllerSettings:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     """When a rank is a straggler (marduk/core/stragglers.py; operations.md, *Stragglers*)."""
+    straggler_actions: ActionConfig = field(default_factory=ActionConfig)
+    """What is done about one (marduk/core/straggler_policy.py): report only by default."""
 
 
 class StartupError(MardukError):

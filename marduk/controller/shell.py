@@ -177,7 +177,10 @@ class Controller:
             ctx,
             policy=lambda: self.policy,
             announce=self.outbox.announce,
+            submit=self.pipeline.submit,
+            term=lambda: self.leadership.term if self.leadership is not None else 0,
             config=self.settings.stragglers,
+            actions=self.settings.straggler_actions,
         )
         self.edge = Edge(
             ctx, routes=self.handlers.routes, decide_health=self.handlers.decide_health

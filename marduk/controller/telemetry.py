@@ -35,6 +35,7 @@ _WARN_EVENTS = frozenset(
         "spare_skipped",
         "command_oversized",
         "straggler_detected",
+        "straggler_acted",
     }
 )
 

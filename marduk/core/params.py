@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -20,7 +20,10 @@ from marduk.wire.params import (
     MAX_OVERRIDES,
     MAX_PARAMS,
     JobParams,
+    ParamsState,
     ParamValue,
+    RankApplied,
+    RankParams,
     WorkerParams,
     check_key,
     check_value,
@@ -131,32 +134,52 @@ def _show(value: ParamValue | None) -> str:
     return "unset" if value is None else json.dumps(value)
 
 
-Applied = Mapping[tuple[str, int], tuple[int, Mapping[str, str]]]
-"""What each worker acknowledged: (replica, worker) -> (version, rejected keys and why)."""
+class Ack(NamedTuple):
+    """What a worker acknowledged: the version (with several local ranks, the lowest any of
+    them runs), the keys refused and why, and each local rank's word (``[]``: one rank)."""
+
+    version: int
+    rejected: Mapping[str, str]
+    ranks: tuple[RankApplied, ...] = ()
+
+
+Applied = Mapping[tuple[str, int], Ack]
+"""What each worker acknowledged: (replica, worker) -> its ``Ack``."""
+
+
+def _state(current: int, version: int | None, rejected: Mapping[str, str]) -> ParamsState:
+    if version is None:
+        return "unknown" if current == 0 else "behind"
+    if version < current:
+        return "behind"
+    return "rejected" if rejected else "applied"
 
 
 def worker_states(
     params: JobParams, workers: Iterable[tuple[str, int]], applied: Applied
 ) -> list[WorkerParams]:
-    """Who runs which version: each registered worker's acknowledged version and state."""
+    """Who runs which version: each registered worker's acknowledged version and state, and
+    each of its local ranks' when it has several."""
     rows = []
     for replica, worker in sorted(workers):
-        version, rejected = applied.get((replica, worker), (0, {}))
-        if (replica, worker) not in applied:
-            state = "unknown" if params.version == 0 else "behind"
-        elif version < params.version:
-            state = "behind"
-        elif rejected:
-            state = "rejected"
-        else:
-            state = "applied"
+        ack = applied.get((replica, worker))
+        version, rejected = (ack.version, ack.rejected) if ack is not None else (None, {})
         rows.append(
             WorkerParams(
                 replica=replica,
                 worker=worker,
-                version=version,
-                state=state,  # type: ignore[arg-type]
+                version=version or 0,
+                state=_state(params.version, version, rejected),
                 rejected=dict(rejected),
+                ranks=[
+                    RankParams(
+                        rank=r.rank,
+                        version=r.version,
+                        state=_state(params.version, r.version, r.rejected),
+                        rejected=dict(r.rejected),
+                    )
+                    for r in (ack.ranks if ack is not None else ())
+                ],
             )
         )
     return rows

@@ -270,10 +270,17 @@ class Policy:
         return self._devices.on_health(event, now)
 
     def drain(
-        self, devices: list[str], host: str, undrain: bool, reason: str, now: float
+        self,
+        devices: list[str],
+        host: str,
+        undrain: bool,
+        reason: str,
+        now: float,
+        by: str = "an operator",
     ) -> DrainResult:
-        """An operator takes devices (or every device of ``host``) out of service, or back."""
-        return self._service.drain(devices, host, undrain, reason, now)
+        """An operator (or the straggler policy: ``by``) takes devices (or every device of
+        ``host``) out of service, or back."""
+        return self._service.drain(devices, host, undrain, reason, now, by)
 
     def on_workload_request(self, req: WorkloadRequest, now: float) -> WorkloadResult:
         """A trainer asks about itself: stop restarting it, exclude its node, a bad device."""

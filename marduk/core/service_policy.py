@@ -145,7 +145,8 @@ class ServiceRules:
         *,
         by: str = "an operator",
     ) -> DrainResult:
-        """An operator takes devices (or every device of ``host``) out of service, or back.
+        """An operator (or the straggler policy: ``by``) takes devices (or every device of
+        ``host``) out of service, or back.
 
         By host: only devices that no worker on another host claims too. A conflicting claim
         is reported (``conflicts``), not acted on: the operator names the device to drain it.

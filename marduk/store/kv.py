@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -20,6 +22,9 @@ from nats.js.client import JetStreamContext
 from nats.js.errors import (
     BucketNotFoundError,
     InvalidKeyError,
+    KeyDeletedError,
+    KeyNotFoundError,
+    KeyWrongLastSequenceError,
 )
 from nats.js.kv import KeyValue
 
@@ -39,6 +44,54 @@ class Fenced(WriteError):
     def __init__(self, message: str, term: int = 0) -> None:
         super().__init__(message)
         self.term = term  # the term claimed in the store, where known
+
+
+TERM_KEY = "term"
+"""A fenced bucket's fencing key: the term of the leader allowed to write (``TermRecord``)."""
+_EXPECTED_SEQ = "Nats-Expected-Last-Subject-Sequence"
+_EXPECTED_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
+
+
+class TermRecord(msgspec.Struct, kw_only=True):
+    """The value of the ``term`` key: who leads the bucket, from which lease term."""
+
+    term: int
+    holder: str
+    claimed_at: float = 0.0
+
+
+async def claim_term(kv: KeyValue, term: int, holder: str) -> tuple[int, dict[str, str]]:
+    """Make ``term`` the bucket's term: compare-and-set on its ``term`` key. Returns the key's
+    revision and the headers every later write of the term carries (the server stores such a
+    write only while the term key is still at that revision: once a successor claimed its
+    term, a lapsed leader's delayed write is refused). Raises ``Fenced`` if the key already
+    holds this term or a later one (another leader has claimed it: we are not the leader)."""
+    value = msgspec.json.encode(TermRecord(term=term, holder=holder, claimed_at=time.time()))
+    while True:
+        try:
+            entry = await kv.get(TERM_KEY)
+        except (KeyNotFoundError, KeyDeletedError):
+            entry = None
+        current = decode_term(entry.value if entry is not None else None)
+        if current is not None and current.term >= term:
+            raise Fenced(f"term {current.term} was claimed by {current.holder}", current.term)
+        try:
+            if entry is None:
+                revision = await kv.create(TERM_KEY, value)
+            else:
+                revision = await kv.update(TERM_KEY, value, last=entry.revision)
+        except KeyWrongLastSequenceError:
+            continue  # someone wrote it meanwhile: read it again
+        return revision, {_EXPECTED_SEQ: str(revision), _EXPECTED_SEQ_SUBJECT: kv._pre + TERM_KEY}
+
+
+def decode_term(value: bytes | None) -> TermRecord | None:
+    if not value:
+        return None
+    try:
+        return msgspec.json.decode(value, type=TermRecord)
+    except msgspec.DecodeError:
+        return None
 
 
 _WRONG_LAST_SEQUENCE = b"10071"  # JetStream's err_code for "wrong last sequence"

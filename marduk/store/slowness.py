@@ -6,9 +6,13 @@ The bucket is ``<prefix>_perf`` (dots replaced by ``_``), one key per device::
     s.<base64url(device)>   SlowDevice   (detections, the runs it was slow in, worst score)
 
 Apart from the state bucket on purpose: a record is evidence, not a decision (no command, no
-epoch hangs on it), so it is written after the event without the term's fence, read-modify-write
-(a lost race between two leaders loses one count, never a device). Writes are rare (one per
-straggler detected per device), reads are one key, or the whole bucket for ``ctl.perf_query``.
+epoch hangs on it), and the state bucket is mirrored by every standby. Fenced like the state
+bucket's writes all the same (decisions.md #13), by a ``term`` key of its own: a leader claims
+its term here (``claim_term``, compare-and-set, refused if a later term is there) before its
+first read-modify-write of a record, and every write carries that key's revision, so once a
+successor has claimed its term the server refuses a lapsed leader's delayed write (``Fenced``):
+no count is lost to a race between two leaders. Writes are rare (one per straggler detected
+per device), reads are one key, or the whole bucket for ``ctl.perf_query``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import KeyDeletedError, KeyNotFoundError
 from nats.js.kv import KeyValue
 
-from marduk.store.kv import open_bucket, read_bucket
+from marduk.store.kv import TERM_KEY, BatchWriter, claim_term, open_bucket, read_bucket
 from marduk.wire.perf import SlowDevice
 
 log = logging.getLogger("marduk.store")
@@ -42,6 +46,16 @@ class SlownessStore:
     def __init__(self, kv: KeyValue, bucket: str) -> None:
         self._kv = kv
         self.bucket = bucket
+        self._writer = BatchWriter(kv._js._nc)  # the connection the bucket was bound on
+        self.term = 0
+        """The term this store's writes are fenced by (0: none claimed: writes refused)."""
+        self._fence: dict[str, str] = {}
+
+    async def claim_term(self, term: int, holder: str) -> None:
+        """Make ``term`` the bucket's term (``marduk.store.kv.claim_term``); raises ``Fenced``
+        if this term or a later one is claimed already."""
+        _, self._fence = await claim_term(self._kv, term, holder)
+        self.term = term
 
     @classmethod
     async def open(cls, nc: NATS, prefix: str, *, replicas: int = 1) -> SlownessStore:
@@ -65,11 +79,17 @@ class SlownessStore:
             return None
 
     async def put(self, record: SlowDevice) -> None:
-        await self._kv.put(slow_kv_key(record.device), msgspec.json.encode(record))
+        """Write the record, fenced by the claimed term (``Fenced`` once another began)."""
+        if not self._fence:
+            raise RuntimeError("no term claimed: slowness records are written fenced")
+        data = msgspec.json.encode(record)
+        await self._writer.write(self._kv, {slow_kv_key(record.device): data}, headers=self._fence)
 
     async def load(self) -> list[SlowDevice]:
         out = []
-        async for _key, value in read_bucket(self._kv, self.bucket):
+        async for key, value in read_bucket(self._kv, self.bucket):
+            if key == TERM_KEY:
+                continue
             try:
                 out.append(msgspec.json.decode(value, type=SlowDevice))
             except msgspec.DecodeError:

@@ -39,22 +39,25 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import time
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import (
-    KeyDeletedError,
     KeyNotFoundError,
-    KeyWrongLastSequenceError,
 )
 from nats.js.kv import KeyValue
 
 from marduk.core.drmap import WorkerKey
 from marduk.core.policy import Outcome
 from marduk.core.records import DeviceRecord, EpochKey, EpochRecord, WorkerRecord
-from marduk.store.kv import BatchWriter, Fenced, open_bucket, read_bucket
+from marduk.store.kv import (
+    TERM_KEY,
+    BatchWriter,
+    claim_term,
+    open_bucket,
+    read_bucket,
+)
 from marduk.wire.protocol import HealthReply
 
 log = logging.getLogger("marduk.store")
@@ -87,21 +90,9 @@ def device_kv_key(device: str) -> str:
     return "d." + base64.urlsafe_b64encode(device.encode()).decode().rstrip("=")
 
 
-TERM_KEY = "term"
-"""The state bucket's fencing key: the term of the leader allowed to write (``TermRecord``)."""
 PROBE_KEY = "probe"
 """Written (fenced) when a batch has dedup records but nothing else for the state bucket."""
 FENCE_KEYS = frozenset({TERM_KEY, PROBE_KEY})
-_EXPECTED_SEQ = "Nats-Expected-Last-Subject-Sequence"
-_EXPECTED_SEQ_SUBJECT = "Nats-Expected-Last-Subject-Sequence-Subject"
-
-
-class TermRecord(msgspec.Struct, kw_only=True):
-    """The value of the ``term`` key: who leads the state bucket, from which lease term."""
-
-    term: int
-    holder: str
-    claimed_at: float = 0.0
 
 
 class Loaded(msgspec.Struct):
@@ -147,28 +138,9 @@ class StateStore:
         this term or a later one (another leader has claimed it: we are not the leader).
         Returns the revision. Until it succeeds, writes keep the fence of our earlier term (if
         any), which the server refuses once this claim is stored."""
-        value = msgspec.json.encode(TermRecord(term=term, holder=holder, claimed_at=time.time()))
-        while True:
-            try:
-                entry = await self.kv.get(TERM_KEY)
-            except (KeyNotFoundError, KeyDeletedError):
-                entry = None
-            current = _decode_term(entry.value if entry is not None else None)
-            if current is not None and current.term >= term:
-                raise Fenced(f"term {current.term} was claimed by {current.holder}", current.term)
-            try:
-                if entry is None:
-                    revision = await self.kv.create(TERM_KEY, value)
-                else:
-                    revision = await self.kv.update(TERM_KEY, value, last=entry.revision)
-            except KeyWrongLastSequenceError:
-                continue  # someone wrote it meanwhile: read it again
-            self.term = term
-            self._fence = {
-                _EXPECTED_SEQ: str(revision),
-                _EXPECTED_SEQ_SUBJECT: self.kv._pre + TERM_KEY,
-            }
-            return revision
+        revision, self._fence = await claim_term(self.kv, term, holder)
+        self.term = term
+        return revision
 
     @classmethod
     async def open(
@@ -284,15 +256,6 @@ class StateStore:
             await kv.delete(key)
         except KeyNotFoundError:
             pass
-
-
-def _decode_term(value: bytes | None) -> TermRecord | None:
-    if not value:
-        return None
-    try:
-        return msgspec.json.decode(value, type=TermRecord)
-    except msgspec.DecodeError:
-        return None
 
 
 decode_worker = msgspec.json.Decoder(WorkerRecord).decode

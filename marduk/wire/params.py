@@ -173,14 +173,29 @@ class Params(ParamsMessage, tag="params", kw_only=True):
 ParamsState = Literal["applied", "rejected", "behind", "unknown"]
 
 
+MAX_LOCAL_RANKS: Final = 256
+"""Local ranks one worker's acknowledgement details (``--nproc-per-node``)."""
+
+
+class RankApplied(msgspec.Struct, kw_only=True):
+    """One local rank's acknowledgement, as its worker's supervisor relays it."""
+
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=MAX_LOCAL_RANKS)]
+    version: NonNegInt
+    rejected: Annotated[dict[ParamKey, ShortText], msgspec.Meta(max_length=MAX_REJECTED)] = {}
+
+
 class ParamsApplied(ParamsMessage, tag="params_applied", kw_only=True):
-    """A worker applied ``version`` at a step boundary, except the keys in ``rejected``."""
+    """A worker applied ``version`` at a step boundary, except the keys in ``rejected``. A
+    supervisor of several local ranks says the lowest version any of them runs (a rank that
+    has not acknowledged counts as 0) and each rank's word in ``ranks``."""
 
     job: JobName
     replica: Token
     worker: NonNegInt = 0
     version: NonNegInt
     rejected: Annotated[dict[ParamKey, ShortText], msgspec.Meta(max_length=MAX_REJECTED)] = {}
+    ranks: Annotated[list[RankApplied], msgspec.Meta(max_length=MAX_LOCAL_RANKS)] = []
 
 
 class ParamsAppliedReply(ParamsMessage, tag="params_applied_reply", kw_only=True):
@@ -191,14 +206,23 @@ class ParamsQuery(ParamsMessage, tag="params_query", kw_only=True):
     job: JobName
 
 
+class RankParams(msgspec.Struct, kw_only=True):
+    rank: int
+    version: int = 0
+    state: ParamsState = "unknown"
+    rejected: dict[str, str] = {}
+
+
 class WorkerParams(msgspec.Struct, kw_only=True):
-    """What one registered worker runs: the version it acknowledged (0: none yet)."""
+    """What one registered worker runs: the version it acknowledged (0: none yet); with
+    several local ranks, the lowest of theirs, and each rank's in ``ranks``."""
 
     replica: str
     worker: int
     version: int = 0
     state: ParamsState = "unknown"
     rejected: dict[str, str] = {}
+    ranks: list[RankParams] = []
 
 
 class ParamsQueryReply(ParamsMessage, tag="params_query_reply", kw_only=True):
@@ -227,6 +251,8 @@ __all__ = [
     "ParamsSet",
     "ParamsSetReply",
     "ParamsState",
+    "RankApplied",
+    "RankParams",
     "Values",
     "WorkerParams",
     "check_key",

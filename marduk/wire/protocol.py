@@ -52,6 +52,7 @@ from marduk.wire.membership import Membership as Membership
 from marduk.wire.membership import Rendezvous as Rendezvous
 from marduk.wire.membership import WorkerRef as WorkerRef
 from marduk.wire.params import JobParams as JobParams
+from marduk.wire.params import RankApplied as RankApplied
 from marduk.wire.perf import JobPerf as JobPerf
 from marduk.wire.perf import PerfQuery as PerfQuery
 from marduk.wire.perf import PerfReply as PerfReply
@@ -386,6 +387,8 @@ EventKind = Literal[
     # performance (marduk/core/stragglers.py)
     "straggler_detected",
     "straggler_cleared",
+    "straggler_acted",
+    "straggler_not_acted",
     # live parameters
     "params_set",
     "params_rejected",

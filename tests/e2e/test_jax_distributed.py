@@ -13,6 +13,7 @@ measures them)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import time
@@ -22,7 +23,7 @@ import pytest
 
 from tests.conftest import eventually_sync
 from tests.jax_mesh import Incarnation, MeshJob, left_behind, mesh_env, resumed
-from tests.processes import agent_run, controller
+from tests.processes import Proc, agent_run, controller
 
 pytestmark = pytest.mark.e2e
 
@@ -200,3 +201,41 @@ def test_a_local_crash_ends_a_sibling_with_no_library_after_the_restart_grace(
         time.sleep(0.5)
         a.stop()
         ctl.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_slow_rank_of_a_mesh_is_named_by_its_device_then_cleared(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """Two ``jax.distributed`` processes (one mesh, a jitted step with collectives each step),
+    each marking its own compute: process 1's device turns 1.5x slower mid-run;
+    ``straggler_detected`` names that device after three slow windows, ``straggler_cleared``
+    once it is back."""
+    flag = tmp_path / "slow"
+    e = {
+        **mesh_env(env, tmp_path / "ckpt"),
+        "MARDUK_STRAGGLER_WARMUP": "1",
+        "MARDUK_PERF_WINDOW": "0.5",
+        "SLOW_FLAG": str(flag),
+        "SLOW_DEVICE": "jperf-d1",
+    }
+    job = MeshJob(e, job="jperf", n=2, trainer=("tests/trainers/jax_perf.py",))
+    watch = Proc([sys.executable, "-m", "marduk", "monitor", "watch", "--json"], e)
+    try:
+        watch.expect("watching controller events", timeout=30)
+        job.wait_stepping(0, -1, timeout=120, steps=40)
+        t = time.time()
+        flag.touch()
+        line = watch.expect('"straggler_detected"', timeout=40)
+        event = json.loads(line[line.index("{") :])
+        assert (event["device"], event["straggler"]["section"]) == ("jperf-d1", "compute")
+        assert event["straggler"]["devices"] == ["jperf-d1"]
+        assert event["straggler"]["windows"] == 3  # three slow windows in a row, not more
+        took = time.time() - t
+        flag.unlink()
+        line = watch.expect('"straggler_cleared"', timeout=40)
+        assert json.loads(line[line.index("{") :])["device"] == "jperf-d1"
+        print(f"jax mesh: straggler_detected {took:.1f}s after the slowdown (windows of 0.5 s)")
+    finally:
+        watch.stop()
+        job.stop()

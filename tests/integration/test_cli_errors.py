@@ -220,6 +220,12 @@ def test_status_inject_top_and_exit_codes(controller_env: dict[str, str]) -> Non
         assert r.returncode == 0, r.stderr
         assert r.stdout.count("--- ") == 2 and r.stdout.count("jobs:") == 2
         assert "device_failed  device d2" in r.stdout
+        r = marduk_cli("monitor", "top", "--once", env=env)
+        assert r.returncode == 0 and r.stdout.count("--- ") == 1, r.stderr
+        r = marduk_cli("monitor", "top", "--once", "--json", env=env)
+        assert r.returncode == 0 and json.loads(r.stdout)["type"] == "perf_reply", r.stderr
+        r = marduk_cli("monitor", "top", "--json", env=env)
+        assert r.returncode == 2 and "only with --once" in one_error_line(r)
     finally:
         r1.stop()
 

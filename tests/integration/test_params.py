@@ -185,14 +185,36 @@ async def test_concurrent_sets_lose_no_update(nats_server: NatsServer, tmp_path:
                 for i in range(20)
             )
         )
-        assert sorted(r.params.version for r in replies) == list(range(1, 21))
         final = await bus.request(
             nc, S.params_get, ParamsQuery(job="j"), ParamsQueryReply, timeout=5.0
         )
-        assert final.params.values == {f"k{i}": i for i in range(20)}
-        await eventually(lambda: bool(seen) and seen[-1].version == 20)
+        assert final.params.values == {f"k{i}": i for i in range(20)}  # none lost
+        # A storm is rate limited: the sets that came while one was stored went into the next
+        # write, one version each write (the first took the job's lock, the others queued).
+        v = final.params.version
+        assert c.stats["params.coalesced"] >= 1 and v == 20 - c.stats["params.coalesced"]
+        assert all(r.params.version <= v and r.changed for r in replies)
+        await eventually(lambda: bool(seen) and seen[-1].version == v)
+        # The last value wins, in the order the sets came.
+        for r in await asyncio.gather(
+            *(
+                bus.request(
+                    nc,
+                    S.params_set,
+                    ParamsSet(job="j", values={"lr": i}),
+                    ParamsSetReply,
+                    timeout=5.0,
+                )
+                for i in range(10)
+            )
+        ):
+            v = max(v, r.params.version)
+        final = await bus.request(
+            nc, S.params_get, ParamsQuery(job="j"), ParamsQueryReply, timeout=5.0
+        )
+        assert final.params.values["lr"] == 9 and final.params.version == v
         # Compare-and-set from the client: a stale version is refused, one line.
-        with pytest.raises(RequestRejected, match="at version 20, not 3"):
+        with pytest.raises(RequestRejected, match=f"at version {v}, not 3"):
             await bus.request(
                 nc,
                 S.params_set,
@@ -207,24 +229,24 @@ async def test_concurrent_sets_lose_no_update(nats_server: NatsServer, tmp_path:
         import msgspec
 
         await store.put(
-            msgspec.structs.replace(doc, version=21, values={**doc.values, "x": 1}), rev
+            msgspec.structs.replace(doc, version=v + 1, values={**doc.values, "x": 1}), rev
         )
         r = await bus.request(
             nc, S.params_set, ParamsSet(job="j", values={"y": 2}), ParamsSetReply, timeout=5.0
         )
-        assert r.params.version == 22 and r.params.values["x"] == 1 and r.params.values["y"] == 2
-        assert c.stats["params.cas_retries"] == 1
+        assert r.params.version == v + 2 and r.params.values["x"] == 1
+        assert r.params.values["y"] == 2 and c.stats["params.cas_retries"] == 1
         # A client that read a version this controller has not seen yet is judged on the store.
         doc, rev = await store.get("j")  # type: ignore[misc]
-        await store.put(msgspec.structs.replace(doc, version=23), rev)
+        await store.put(msgspec.structs.replace(doc, version=v + 3), rev)
         r = await bus.request(
             nc,
             S.params_set,
-            ParamsSet(job="j", values={"z": 3}, if_version=23),
+            ParamsSet(job="j", values={"z": 3}, if_version=v + 3),
             ParamsSetReply,
             timeout=5.0,
         )
-        assert r.params.version == 24
+        assert r.params.version == v + 4
     finally:
         await nc.close()
         await a.close()
@@ -311,6 +333,36 @@ def test_under_agent_run_the_supervisor_forwards_and_acknowledges(
     r = marduk_cli("monitor", "inject-failure", "s0-gpu0", env=env)
     assert r.returncode == 0, r.stderr
     sup.expect("START version=1 lr=0.2", timeout=30)
+
+
+def test_a_supervisor_of_two_ranks_acknowledges_each_ranks_word(
+    controller_env: dict[str, str],
+) -> None:
+    """Two local ranks under one `marduk agent run`: `params` lists each rank's version under
+    the worker, and the worker runs the lowest (not the last rank's word)."""
+    from tests.processes import agent_run
+
+    env = controller_env
+    cmd = [sys.executable, "tests/trainers/params_trainer.py", "--replica", "s1"]
+    sup = agent_run(
+        env,
+        *("--job", "params", "--replica", "s1", "--devices", "s1-gpu0,s1-gpu1"),
+        *("--nproc-per-node", "2"),
+        cmd=cmd,
+    )
+    for _ in range(2):
+        sup.expect("START version=0 lr=0.1", timeout=30)
+    out = marduk_cli("monitor", "set", "params", "lr=0.2", env=env)
+    assert out.returncode == 0, out.stderr
+    for _ in range(2):
+        sup.expect("PARAMS version=1 lr=0.2")
+    want = ["s1/0: version 1 applied", "rank 0: version 1 applied", "rank 1: version 1 applied"]
+    text = ""
+    for _ in range(50):
+        text = marduk_cli("monitor", "params", "params", env=env).stdout
+        if all(w in text for w in want):
+            break
+    assert all(w in text for w in want), text
 
 
 async def test_every_change_is_an_event_and_a_worker_behind_is_told_again(

@@ -176,3 +176,39 @@ async def test_a_recreated_lease_bucket_does_not_lock_every_leader_out(
             await c.stop()
     finally:
         await nc.close()
+
+
+async def test_a_lapsed_leaders_slowness_record_is_refused_once_a_successor_claimed(
+    nats_server: NatsServer,
+) -> None:
+    """The devices' slowness records (their own bucket) are fenced by a term key of their own:
+    once B claims term 2 there, A's write of term 1 (a read-modify-write of a count, landing
+    late) is refused, so B's count is not overwritten; nobody writes unclaimed.
+
+    Catches: records written with plain puts (a lost count in a leader race), a claim that
+    does not check for a later term."""
+    from marduk.store.slowness import SlownessStore
+    from marduk.wire.perf import SlowDevice
+
+    a_nc = await nats.connect(nats_server.url)
+    b_nc = await nats.connect(nats_server.url)
+    try:
+        a = await SlownessStore.open(a_nc, "marduk")
+        b = await SlownessStore.open(b_nc, "marduk")
+        with pytest.raises(RuntimeError, match="no term claimed"):
+            await a.put(SlowDevice(device="gpu-0", detections=1))
+        await a.claim_term(1, "a")
+        await a.put(SlowDevice(device="gpu-0", detections=1))
+        await b.claim_term(2, "b")
+        seen = await b.get("gpu-0")
+        assert seen is not None and seen.detections == 1
+        await b.put(SlowDevice(device="gpu-0", detections=seen.detections + 1))
+        with pytest.raises(Fenced):
+            await a.put(SlowDevice(device="gpu-0", detections=2))  # A's late write
+        with pytest.raises(Fenced):
+            await a.claim_term(2, "a")
+        [only] = await b.load()  # the term key is not a record
+        assert (only.device, only.detections) == ("gpu-0", 2)
+    finally:
+        await a_nc.close()
+        await b_nc.close()

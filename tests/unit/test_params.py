@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from marduk.core.params import ParamsError, apply_set, behind, describe_change, worker_states
+from agent.library.params import merge_rank_acks
+from marduk.core.params import (
+    Ack,
+    ParamsError,
+    apply_set,
+    behind,
+    describe_change,
+    worker_states,
+)
 from marduk.wire.params import (
     MAX_LIST,
     MAX_STRING,
@@ -87,7 +95,11 @@ def test_too_many_keys() -> None:
 def test_who_is_behind() -> None:
     p = JobParams(job="j", version=3)
     workers = [("r0", 0), ("r1", 0), ("r2", 0)]
-    applied = {("r0", 0): (3, {}), ("r1", 0): (2, {}), ("r2", 0): (3, {"lr": "too high"})}
+    applied = {
+        ("r0", 0): Ack(3, {}),
+        ("r1", 0): Ack(2, {}),
+        ("r2", 0): Ack(3, {"lr": "too high"}),
+    }
     rows = worker_states(p, workers, applied)
     assert [(w.replica, w.state) for w in rows] == [
         ("r0", "applied"),
@@ -97,3 +109,24 @@ def test_who_is_behind() -> None:
     assert behind(p, workers, applied) == 1
     assert behind(p, [*workers, ("r3", 0)], applied) == 2  # never acknowledged
     assert behind(JobParams(job="j"), workers, {}) == 0
+
+
+def test_a_worker_of_several_ranks_runs_the_lowest_version_and_shows_each() -> None:
+    """Under one agent with four local ranks: rank 3 has not acknowledged version 2 yet, so
+    the worker is behind (never 'applied' on the first rank's word), and each rank is shown."""
+    version, rejected, ranks = merge_rank_acks(
+        {0: (2, {}), 1: (2, {"lr": "above 1.0"}), 2: (2, {}), 3: (1, {})}, 4
+    )
+    assert (version, rejected) == (1, {"lr": "above 1.0"})
+    p = JobParams(job="j", version=2)
+    [row] = worker_states(p, [("r0", 0)], {("r0", 0): Ack(version, rejected, tuple(ranks))})
+    assert (row.version, row.state) == (1, "behind")
+    assert [(r.rank, r.state) for r in row.ranks] == [
+        (0, "applied"),
+        (1, "rejected"),
+        (2, "applied"),
+        (3, "behind"),
+    ]
+    assert behind(p, [("r0", 0)], {("r0", 0): Ack(version, rejected, tuple(ranks))}) == 1
+    # A rank that never said anything counts as 0.
+    assert merge_rank_acks({0: (2, {})}, 2)[0] == 0

@@ -364,3 +364,25 @@ def test_a_job_filter_heads_the_output_and_an_empty_match_says_what_else_there_i
     assert sv.status_blocks(empty, sv.Filters(), NOW)[-1] == "no worker has registered"
     top = sv.plain_lines(sv.top_blocks(reply, [], NOW, job="nosuch", job_source="--job"))
     assert top[1] == "job: nosuch (--job)"
+
+
+def test_top_shows_each_jobs_performance_before_the_recent_events() -> None:
+    from marduk.wire.perf import JobPerf, PerfReply, SlowRank
+    from monitor_cli.perf_view import perf_blocks
+
+    slow = SlowRank(
+        replica="r1", worker=0, rank=2, section="compute", relative=0.66, individual=0.67,
+        ratio=1.5, devices=["gpu-2"], since=NOW - 5,
+    )  # fmt: skip
+    job = JobPerf(
+        job="train", ranks=4, steps_per_s=9.5, step_p50=0.105, step_p90=0.12,
+        slowest=[slow], stragglers=[slow],
+    )  # fmt: skip
+    perf = PerfReply(jobs=[job])
+    out = sv.plain_lines(sv.top_blocks(small_reply(), [], NOW, perf=perf_blocks(perf)))
+    text = "\n".join(out)
+    assert text.index("performance:") < text.index("recent failures and restarts")
+    row = next(line for line in out if line.strip().startswith("train ") and "9.50" in line)
+    assert "105.0 ms" in row and row.rstrip().endswith("1")
+    rank = next(line for line in out if "train/r1/0" in line)
+    assert "compute" in rank and "0.66" in rank and "gpu-2" in rank and "straggler" in rank
