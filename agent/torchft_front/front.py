@@ -38,7 +38,7 @@ from agent.torchft_front.wire import (
     heartbeat_replica_id,
 )
 from marduk.aio.ratelimit import RateLimitedLog
-from marduk.errors import ProtocolError
+from marduk.errors import ConnectError, ProtocolError
 from marduk.shell.logs import setup_logging
 from marduk.transport import bus
 from marduk.transport.credentials import Credentials
@@ -93,7 +93,7 @@ class Front:
             if self.table.is_new(ft_id):
                 log.info("heartbeat from %s: new", ft_id)
                 if self.ready.is_set():
-                    self._spawn(self._forward([ft_id]))
+                    self._send([ft_id])
         return b""  # LighthouseHeartbeatResponse {}
 
     def order(self, data: bytes, subject: str) -> None:
@@ -113,8 +113,13 @@ class Front:
             who = cmd.replica or "every group"
             log.info("%s %s at epoch %d: dropped %s", who, cmd.kind, cmd.epoch, ", ".join(gone))
 
-    async def _forward(self, ids: list[str]) -> None:
-        calls = [self.up_beat(self.requests[i], timeout=FORWARD_TIMEOUT_S) for i in ids]
+    def _send(self, ids: list[str]) -> None:
+        """Heartbeat ``ids`` toward the lighthouse (their requests taken now: one dropped after
+        this call is not sent again)."""
+        self._spawn(self._forward([self.requests[i] for i in ids if i in self.requests]))
+
+    async def _forward(self, requests: list[bytes]) -> None:
+        calls = [self.up_beat(r, timeout=FORWARD_TIMEOUT_S) for r in requests]
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, BaseException):
                 self.count("forward_failed")
@@ -133,11 +138,11 @@ class Front:
                     self.cfg.heartbeat_timeout_s,
                 )
             if not self.ready.is_set() and now - start >= self.cfg.rebuild_s:
-                await self._forward(self.table.ids())
+                await self._forward([self.requests[i] for i in self.table.ids()])
                 self.ready.set()
                 log.info("serving: %d groups heard while rebuilding", len(self.table.live))
             elif self.ready.is_set():
-                self._spawn(self._forward(self.table.ids()))
+                self._send(self.table.ids())
             await asyncio.sleep(self.cfg.beat_every_s)
 
     def _spawn(self, coro: Any) -> None:
@@ -165,27 +170,48 @@ async def serve(cfg: FrontConfig, stop: asyncio.Event) -> int:
     log.info(
         "listening on %s (port %d), lighthouse %s, job %s", cfg.bind, port, cfg.lighthouse, cfg.job
     )
-    nc = await bus.connect(
-        cfg.addr, name=f"marduk-torchft-lighthouse-{cfg.job}", reconnect=True, timeout=30
-    )
+    loop = asyncio.get_running_loop()
+    # Heartbeats are served from now on, NATS or not: Marduk's orders only make it faster.
+    beats = loop.create_task(front.beats(), name="marduk-ft-beats")
+    orders = loop.create_task(take_orders(front, cfg), name="marduk-ft-orders")
+    try:
+        await stop.wait()
+    finally:
+        beats.cancel()
+        orders.cancel()
+        await asyncio.gather(beats, orders, return_exceptions=True)
+        await server.stop(0.5)
+        await front.channel.close()
+    return 0
+
+
+async def take_orders(front: Front, cfg: FrontConfig, retry_s: float = 2.0) -> None:
+    """Subscribe to the job's commands, connecting until it works (a NATS server that is
+    down costs the drops, not the front: the groups still age out after its timeout)."""
     subjects = Subjects(cfg.prefix)
 
     async def on_msg(msg: Any) -> None:
         front.order(msg.data, msg.subject)
 
-    await nc.subscribe(subjects.replica_commands(cfg.job, "*"), cb=on_msg)
-    await nc.subscribe(subjects.job_commands(cfg.job), cb=on_msg)
-    await nc.flush()
-    beats = asyncio.get_running_loop().create_task(front.beats())
+    while True:
+        try:
+            nc = await bus.connect(
+                cfg.addr, name=f"marduk-torchft-lighthouse-{cfg.job}", reconnect=True, timeout=10
+            )
+            break
+        except ConnectError as e:
+            front.count("nats_unreachable")
+            front.said.log("nats", logging.WARNING, "NATS: %s; drops wait for it", e)
+            await asyncio.sleep(retry_s)
     try:
-        await stop.wait()
+        await nc.subscribe(subjects.replica_commands(cfg.job, "*"), cb=on_msg)
+        await nc.subscribe(subjects.job_commands(cfg.job), cb=on_msg)
+        await nc.flush()
+        log.info("taking %s's restart and fail commands from %s", cfg.job, cfg.addr)
+        await asyncio.Event().wait()
     finally:
-        beats.cancel()
         with contextlib.suppress(Exception):
             await bus.close(nc)
-        await server.stop(0.5)
-        await front.channel.close()
-    return 0
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """``marduk torchft-lighthouse`` end to end: a real controller, torchft's real lighthouse behind
 Marduk's front, three real replica groups (examples/torchft_ddp.py, gloo on CPU), each under
-``marduk agent run``, with ``TORCHFT_QUORUM_RETRIES`` as docs/operations.md asks.
+``marduk agent run``, with ``agent.torchft.FRONT_ENV`` as docs/operations.md asks.
 
 A device failure of one group: the front drops that group's incarnation at the controller's
 restart (``dropped g2:...``); the group heals as under torchft's lighthouse alone (the stall
@@ -19,6 +19,7 @@ import time
 
 import pytest
 
+from agent.torchft import FRONT_ENV, front_command
 from tests.conftest import free_port
 from tests.e2e.test_torchft import JOB, commits, group, heals, survivors_kept_committing, until
 from tests.processes import Proc, controller, inject
@@ -35,8 +36,8 @@ else:
 
 def front(env: dict[str, str]) -> tuple[Proc, str]:
     port = free_port()
-    args = [sys.executable, "-m", "marduk", "torchft-lighthouse", "--job", JOB]
-    args += ["--min-replicas", "2", "--bind", f"127.0.0.1:{port}"]
+    # python -m marduk torchft-lighthouse ...: the README's command from this checkout
+    args = [sys.executable, "-m", *front_command(JOB, 2, f"127.0.0.1:{port}")]
     p = Proc(args, {**env, "RUST_LOG": "warn"})
     p.expect("listening on", timeout=30)
     return p, f"http://127.0.0.1:{port}"
@@ -50,7 +51,7 @@ def front_pid(p: Proc) -> int:
 def test_the_front_drops_a_failed_group_at_once_and_its_death_stops_no_training(
     env: dict[str, str],
 ) -> None:
-    env = {**env, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", "TORCHFT_QUORUM_RETRIES": "600"}
+    env = {**env, "OMP_NUM_THREADS": "1", "RUST_LOG": "warn", **FRONT_ENV}
     ctl = controller(env)
     lh, addr = front(env)
     groups = {r: group(env, r, addr) for r in ("g1", "g2", "g3")}
