@@ -21,7 +21,15 @@ import pytest
 
 from agent.torchft import FRONT_ENV, front_command
 from tests.conftest import free_port
-from tests.e2e.test_torchft import JOB, commits, group, heals, survivors_kept_committing, until
+from tests.e2e.test_torchft import (
+    JOB,
+    commits,
+    group,
+    heals,
+    in_one_quorum,
+    survivors_kept_committing,
+    until,
+)
 from tests.processes import Proc, controller, inject
 
 pytestmark = pytest.mark.e2e
@@ -58,12 +66,7 @@ def test_the_front_drops_a_failed_group_at_once_and_its_death_stops_no_training(
     g1, g2, g3 = groups["g1"], groups["g2"], groups["g3"]
     every = [*groups.values(), lh]
     try:
-        until(
-            "all three groups commit in one quorum",
-            lambda: all(any(c.groups == 3 for c in commits(g)) for g in groups.values()),
-            every,
-            timeout=90,
-        )
+        in_one_quorum(list(groups.values()), every)
         t0 = time.time()
         inject(env, f"{JOB}-g2-d0")
         print(lh.expect("g2 restart at epoch 1: dropped g2:", timeout=10).strip())
