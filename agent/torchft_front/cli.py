@@ -18,11 +18,15 @@ from marduk.shell.logs import setup_logging
 _D = FrontConfig(job="-")
 
 
-def _binary(given: str | None) -> str:
+def _lighthouse(given: str | None) -> list[str]:
+    """torchft's lighthouse: ``--lighthouse-bin``, else torchft's own started without torch
+    (agent/torchft_front/lighthouse.py), else ``torchft_lighthouse`` on PATH; [] if none."""
     if given:
-        return given
-    beside = Path(sys.executable).parent / "torchft_lighthouse"
-    return str(beside) if beside.exists() else (shutil.which("torchft_lighthouse") or "")
+        return [given]
+    if importlib.util.find_spec("torchft") is not None:
+        return [sys.executable, str(Path(__file__).with_name("lighthouse.py"))]
+    found = shutil.which("torchft_lighthouse")
+    return [found] if found else []
 
 
 @options.connection_options
@@ -96,7 +100,7 @@ def torchft_lighthouse(
 
     if importlib.util.find_spec("grpc") is None:  # imported by the front's process only
         options.fail("grpcio is not installed: pip install 'marduk[torchft]'")
-    binary = _binary(lighthouse_bin)
+    binary = _lighthouse(lighthouse_bin)
     if not binary:
         options.fail(
             "torchft_lighthouse not found: pip install 'marduk[torchft]' or --lighthouse-bin"

@@ -11,8 +11,8 @@ torchft's real lighthouse behind it, and the job's commands from NATS.
 * Commands: ``restart`` and ``fail`` on ``<prefix>.<job>.cmd.replica.*`` and
   ``<prefix>.<job>.cmd.job`` drop the group's incarnations (``Heartbeats.order``).
 
-Imports grpcio (the ``torchft`` extra); ``python -m agent.torchft_front.front CONFIG_JSON`` is
-how the supervisor starts it.
+Imports grpcio (the ``torchft`` extra); ``python -m agent.torchft_front.front CONFIG_JSON
+--spare`` is how the supervisor starts it (``main``).
 """
 
 from __future__ import annotations
@@ -215,7 +215,11 @@ async def take_orders(front: Front, cfg: FrontConfig, retry_s: float = 2.0) -> N
 
 
 def main(argv: list[str]) -> int:
+    """``front.py CONFIG_JSON [--spare]``: with ``--spare``, wait for a line on stdin (the
+    supervisor's word that the front before it died) before serving; EOF: exit."""
     cfg = FrontConfig.from_json(argv[1])
+    if "--spare" in argv[2:] and not sys.stdin.buffer.readline():
+        return 0
     setup_logging()
     bus.set_default_credentials(Credentials.from_env())
 

@@ -1,11 +1,11 @@
 """``marduk torchft-lighthouse``'s process: it starts torchft's real lighthouse on loopback
 (a port of its own, the short ``--heartbeat_timeout_ms``), then the front (a child process,
-``agent.torchft_front.front``) on the Managers' address, and starts the front again at once
-whenever it dies: the Managers reconnect to the same address, and the new front's table is
-rebuilt from their next heartbeats (``FrontConfig.rebuild_s``). The lighthouse dying ends the
-command (exit 1), as torchft's own lighthouse dying ends a job's quorums: its state is the
-job's quorum, which only it has. Both children die with this process (``PR_SET_PDEATHSIG``).
-No grpcio here: the front's process imports it.
+``agent.torchft_front.front``) on the Managers' address, and keeps a spare front waiting, its
+imports done, that takes the address as soon as the front dies: the Managers reconnect to the
+same address, and the new front's table is rebuilt from their next heartbeats
+(``FrontConfig.rebuild_s``). The lighthouse dying ends the command (exit 1), as torchft's own
+lighthouse dying ends a job's quorums: its state is the job's quorum, which only it has. Every
+child dies with this process (``PR_SET_PDEATHSIG``). No grpcio here: the fronts import it.
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ def loopback_port() -> str:
 
 
 def lighthouse_args(
-    binary: str, cfg: FrontConfig, min_replicas: int, extra: list[str]
+    binary: list[str], cfg: FrontConfig, min_replicas: int, extra: list[str]
 ) -> list[str]:
     """torchft's lighthouse behind the front: at ``cfg.lighthouse`` (loopback), the short
     timeout (``inner_timeout_s``), a quorum tick below it; ``extra`` (its flags) after ours."""
     return [
-        binary,
+        *binary,
         *("--min_replicas", str(min_replicas), "--bind", cfg.lighthouse),
         *("--heartbeat_timeout_ms", str(round(cfg.inner_timeout_s * 1000))),
         *("--quorum_tick_ms", str(max(1, round(cfg.inner_timeout_s * 1000 / 5)))),
@@ -73,9 +73,10 @@ class Supervisor:
         self.stopping = threading.Event()
         self.lh: subprocess.Popen[bytes] | None = None
         self.front: subprocess.Popen[bytes] | None = None
+        self.spare: subprocess.Popen[bytes] | None = None
         self.deaths: list[float] = []
 
-    def start_lighthouse(self, timeout: float = 30.0) -> None:
+    def start_lighthouse(self, timeout: float = 120.0) -> None:
         """Start it (its output goes to ours, its log level is RUST_LOG's) and wait until its
         port takes connections."""
         lh = self.lh = subprocess.Popen(self.lighthouse_cmd, preexec_fn=_die_with_parent)
@@ -93,14 +94,30 @@ class Supervisor:
             f"torchft's lighthouse did not listen on {self.cfg.lighthouse} within {timeout:g}s"
         )
 
-    def start_front(self) -> None:
-        env = {**os.environ, **_credentials_env()}
-        self.front = subprocess.Popen(
-            [sys.executable, "-m", "agent.torchft_front.front", self.cfg.to_json()],
-            env=env,
+    def _spawn_front(self) -> subprocess.Popen[bytes]:
+        """A front's process, its imports done, waiting for a line on its stdin to serve."""
+        return subprocess.Popen(
+            [sys.executable, "-m", "agent.torchft_front.front", self.cfg.to_json(), "--spare"],
+            env={**os.environ, **_credentials_env()},
+            stdin=subprocess.PIPE,
             preexec_fn=_die_with_parent,
         )
-        log.info("front started (pid %d)", self.front.pid)
+
+    def start_front(self) -> None:
+        """Make the spare (or, if it is gone, a new process) the front, and start the next
+        spare: a front that dies is replaced by one that has its imports behind it."""
+        spare, self.spare = self.spare, None
+        if spare is None or spare.poll() is not None:
+            spare = self._spawn_front()
+        assert spare.stdin is not None
+        try:
+            spare.stdin.write(b"serve\n")
+            spare.stdin.flush()
+        except OSError:  # it died between the check and the write: the loop sees it exit
+            pass
+        self.front = spare
+        log.info("front started (pid %d)", spare.pid)
+        self.spare = self._spawn_front()
 
     def run(self) -> int:
         try:
@@ -142,10 +159,11 @@ class Supervisor:
 
     def stop(self) -> None:
         self.stopping.set()
-        for p in (self.front, self.lh):
+        procs = (self.spare, self.front, self.lh)
+        for p in procs:
             if p is not None and p.poll() is None:
                 p.terminate()
-        for p in (self.front, self.lh):
+        for p in procs:
             if p is not None:
                 try:
                     p.wait(5)
