@@ -107,11 +107,13 @@ def torchft_lighthouse(
         )
     if inner_timeout_ms <= beat_every_ms or inner_timeout_ms >= heartbeat_timeout_ms:
         options.fail(
-            "--inner-timeout-ms must be above --beat-every-ms and below --heartbeat-timeout-ms"
+            "--inner-timeout-ms must be above --beat-every-ms and below --heartbeat-timeout-ms",
+            2,
         )
     if heartbeat_timeout_ms <= MANAGER_BEAT_S * 1000:
         options.fail(
-            f"--heartbeat-timeout-ms must be above the Managers' {MANAGER_BEAT_S * 1000:g} ms beats"
+            f"--heartbeat-timeout-ms must be above the Managers' {MANAGER_BEAT_S * 1000:g} ms beats",
+            2,
         )
     cfg = FrontConfig(
         job=job,
