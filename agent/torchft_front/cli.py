@@ -111,10 +111,8 @@ def torchft_lighthouse(
             2,
         )
     if heartbeat_timeout_ms <= MANAGER_BEAT_S * 1000:
-        options.fail(
-            f"--heartbeat-timeout-ms must be above the Managers' {MANAGER_BEAT_S * 1000:g} ms beats",
-            2,
-        )
+        beat_ms = MANAGER_BEAT_S * 1000
+        options.fail(f"--heartbeat-timeout-ms must be above the Managers' {beat_ms:g} ms beats", 2)
     cfg = FrontConfig(
         job=job,
         bind=bind,

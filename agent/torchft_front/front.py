@@ -52,6 +52,7 @@ ORDERS = ("restart", "fail")
 # port would take half the Managers' connections.
 SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 FORWARD_TIMEOUT_S = 1.0
+COUNTS_EVERY_S = 60.0
 
 
 class Front:
@@ -66,6 +67,8 @@ class Front:
         self.errors: dict[str, int] = {}
         self.said = RateLimitedLog(log)
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._said_at = time.monotonic()
+        self._said_counts: dict[str, int] = {}
 
     def count(self, what: str) -> None:
         self.errors[what] = self.errors.get(what, 0) + 1
@@ -143,7 +146,23 @@ class Front:
                 log.info("serving: %d groups heard while rebuilding", len(self.table.live))
             elif self.ready.is_set():
                 self._send(self.table.ids())
+            self._say_counts(now)
             await asyncio.sleep(self.cfg.beat_every_s)
+
+    def _say_counts(self, now: float) -> None:
+        """Once a minute, when something was refused or failed: every count so far."""
+        counts = {
+            **{k: v for k, v in self.table.counts.items() if k.startswith("refused")},
+            **self.errors,
+        }
+        if now - self._said_at >= COUNTS_EVERY_S and counts != self._said_counts:
+            self._said_at, self._said_counts = now, counts
+            log.info(
+                "counts: %s",
+                ", ".join(
+                    f"{k} {v}" for k, v in sorted({**self.table.counts, **self.errors}.items())
+                ),
+            )
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
