@@ -302,7 +302,7 @@ class Job:
                 ),
                 *(("--", *extra) if extra else ()),
             ],
-            env,
+            {**env, "RUST_LOG": self.env["RUST_LOG"]},  # its lighthouse's log, as the others'
             self.dir / "front.log",
         )
         self.procs.append(front)
