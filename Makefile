@@ -88,7 +88,8 @@ bench-goodput: $(STAMP)
 	$(PY) bench/bench_goodput.py --plot docs/img/goodput.png
 
 ## torchft alone (torchrun restart loop) against torchft under Marduk, four lighthouse timer
-## settings, device failures, crashes and hangs (~30 min; torch and torchft come with the dev
+## settings, and under Marduk behind `marduk torchft-lighthouse`, device failures, crashes and
+## hangs (~35 min; torch and torchft come with the dev
 ## extra). The tightest timers' 5-minute quiet run: bench/bench_torchft.py --configs
 ## alone-hb500-join100-tick20 --trials 0 --quiet 300.
 bench-torchft: $(STAMP)

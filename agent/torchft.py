@@ -77,6 +77,16 @@ healed or reconfigured asks for the next quorum (a heal copies the whole state f
 the quorums rotate, a different pair each step with the third healing (seen here for ~5 s in 2
 of 15 returns at 100 ms; docs/benchmarks.md, "torchft").
 
+``front_command()`` instead runs ``marduk torchft-lighthouse`` (agent/torchft_front): torchft's
+lighthouse behind a gRPC front that the Managers use as their lighthouse. It passes their quorum
+calls through untouched and keeps heartbeating each live group toward the real lighthouse, which
+runs on loopback with a 100 ms heartbeat timeout; at the controller's ``restart`` or ``fail`` for
+a group it stops at once, so the dead incarnation leaves the healthy set ~0.1 s after Marduk
+knows, not after the heartbeat timeout (the front's own, 1 s, still bounds a group that only
+goes silent). The trainers need ``TORCHFT_QUORUM_RETRIES`` (``FRONT_ENV``): should the front's
+process die, its supervisor starts it again on the same address, and torchft retries the quorum
+calls it cut instead of failing them (docs/operations.md, *torchft lighthouse front*).
+
 Importing this module needs neither torch nor torchft: the Manager is used by its methods only.
 """
 
@@ -391,6 +401,30 @@ def lighthouse_command(
     return [binary, "--min_replicas", str(min_replicas), "--bind", bind, *LIGHTHOUSE_FLAGS]
 
 
+# The trainers' environment under ``marduk torchft-lighthouse``: torchft retries a quorum call
+# the front's restart cut, every max(100 ms, quorum_timeout / (retries + 1)) for up to
+# ``retries`` tries (torchft 0.2.0's ``_quorum_with_retries``): 600 is 100 ms for a 60 s quorum
+# timeout. Without it the call fails and the Manager's quorum waits its whole timeout.
+FRONT_ENV: Final = {"TORCHFT_QUORUM_RETRIES": "600"}
+
+
+def front_command(
+    job: str, min_replicas: int, bind: str = "[::]:29510", marduk: str = "marduk"
+) -> list[str]:
+    """The command line of ``marduk torchft-lighthouse`` for ``job`` (give the trainers
+    ``FRONT_ENV``)."""
+    return [
+        marduk,
+        "torchft-lighthouse",
+        "--job",
+        job,
+        "--min-replicas",
+        str(min_replicas),
+        "--bind",
+        bind,
+    ]
+
+
 def attach(
     manager: _Manager,
     pg: Any = None,
@@ -482,12 +516,14 @@ def _refuse_configures(pg: Any, guard: Guard) -> None:
 __all__ = [
     "BEAT_EVERY_S",
     "FAIL_EXIT",
+    "FRONT_ENV",
     "LIGHTHOUSE_FLAGS",
     "RESTART_EXIT",
     "Guard",
     "MardukCommandError",
     "PeerFailedError",
     "attach",
+    "front_command",
     "lighthouse_command",
     "replica_id",
 ]

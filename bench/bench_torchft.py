@@ -3,7 +3,7 @@
 The job: three replica groups of examples/torchft_ddp.py (gloo, CPU, ``--step-seconds 0.1``,
 ``--timeout`` ``--ft-timeout``: torchft's collective timeout; one process each) and torchft's
 own lighthouse (``torchft_lighthouse --min_replicas 2``). Configurations (``--configs``), one
-after the other in one run, named ``alone`` or ``marduk`` and the lighthouse's timers:
+after the other in one run, named ``alone``, ``marduk`` or ``front`` and the lighthouse's timers:
 
 * ``alone``: each group under ``torchrun --standalone --nproc-per-node 1 --max-restarts N``
   (the restart loop torchft's own examples use), no controller; the trainer is
@@ -12,11 +12,16 @@ after the other in one run, named ``alone`` or ``marduk`` and the lighthouse's t
 * ``marduk``: each group under ``marduk agent run --preload torch,torchft --hang-timeout H``
   and a controller (``--no-embedded``, on a nats-server of the run's own); the example as it is
   (``agent.torchft.attach``); lighthouse defaults.
+* ``front``: as ``marduk``, with torchft's lighthouse behind ``marduk torchft-lighthouse``
+  (agent/torchft_front: a group's heartbeats stop at the controller's restart or fail for it)
+  and ``TORCHFT_QUORUM_RETRIES=600`` in the trainers' environment; ``-hbMS`` is the front's
+  ``--heartbeat-timeout-ms`` (1000 unless given), ``-innerMS`` its ``--inner-timeout-ms``
+  (torchft's lighthouse's own, 100 unless given); ``-join``/``-tick`` go to that lighthouse.
 * a suffix sets a lighthouse timer: ``-hb1000`` (``--heartbeat_timeout_ms 1000``), ``-join100``
   (``--join_timeout_ms 100``), ``-tick20`` (``--quorum_tick_ms 20``). The default list: each of
   alone and marduk with the defaults, ``-hb1000`` (``agent.torchft.LIGHTHOUSE_FLAGS``),
   ``-hb500`` and ``-hb1000-join100-tick20`` (the stall target; quorums may rotate after a
-  return: look at ``whole_s``).
+  return: look at ``whole_s``), and ``front``.
 
 Faults (``--faults``), ``--trials`` of each per configuration, the failed group rotating over
 g1, g2, g3, each ``--settle`` s after the job is whole again: ``device`` (with Marduk: a
@@ -45,7 +50,9 @@ refused because they still held the failed group's dead incarnation (under Mardu
 ``--quiet S``: before the faults, S s without any (configurations with a tightened lighthouse
 timer only, unless ``--quiet-all``): any committed step with fewer than 3 groups or any new
 trainer is a false failure. ``--goodput S``: after the trials, S s with a fault every
-``--goodput-every`` s (crash and device alternating): committed steps per second of the job.
+``--goodput-every`` s (crash and device alternating): committed steps per second of the job,
+and each group's drops from a 3-group step to a smaller one (``rotation``: more drops than
+faults, quorums that kept changing after a return).
 The machine's 1-minute load average is sampled every 5 s per configuration (``load1``).
 
 Every port is held by the process that uses it: nats-server (``-p -1``), the lighthouse
@@ -66,6 +73,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -86,11 +94,18 @@ GROUPS = ("g1", "g2", "g3")
 # Configuration names: ``alone`` or ``marduk``, then ``-hbMS`` (the lighthouse's
 # --heartbeat_timeout_ms, 5000 unless given), ``-joinMS`` (its --join_timeout_ms, 60000) and
 # ``-tickMS`` (its --quorum_tick_ms, 100).
-CONFIG = re.compile(r"(alone|marduk)(?:-hb(\d+))?(?:-join(\d+))?(?:-tick(\d+))?")
-CONFIGS = tuple(
-    f"{who}{timers}"
-    for who in ("alone", "marduk")
-    for timers in ("", "-hb1000", "-hb500", "-hb1000-join100-tick20")  # -hb1000: LIGHTHOUSE_FLAGS
+# ``front``: under Marduk, torchft's lighthouse behind ``marduk torchft-lighthouse`` (-hbMS: the
+# front's --heartbeat-timeout-ms, 1000 unless given; -innerMS: --inner-timeout-ms, 100).
+CONFIG = re.compile(
+    r"(alone|marduk|front)(?:-hb(\d+))?(?:-join(\d+))?(?:-tick(\d+))?(?:-inner(\d+))?"
+)
+CONFIGS = (
+    *(
+        f"{who}{timers}"
+        for who in ("alone", "marduk")
+        for timers in ("", "-hb1000", "-hb500", "-hb1000-join100-tick20")  # LIGHTHOUSE_FLAGS
+    ),
+    "front",
 )
 FAULTS = ("device", "crash", "hang")
 COMMITTED = re.compile(r"step (\d+) committed weights (\w+) loss \S+ groups (\d+) t ([0-9.]+)")
@@ -181,8 +196,10 @@ class Job:
         if m is None:
             raise ValueError(f"unknown configuration {config!r}")
         self.config = config
-        self.marduk = m.group(1) == "marduk"
-        self.hb_ms = int(m.group(2) or 5000)
+        self.front = m.group(1) == "front"
+        self.marduk = m.group(1) in ("marduk", "front")
+        self.hb_ms = int(m.group(2) or (1000 if self.front else 5000))
+        self.inner_ms = int(m.group(5) or 100)
         self.join_ms = int(m.group(3) or 60000)
         self.tick_ms = int(m.group(4) or 100)
         self.hang_timeout = hang_timeout  # `marduk agent run --hang-timeout` (0: its default)
@@ -202,20 +219,6 @@ class Job:
         self.groups: dict[str, Proc] = {}
 
     def start(self) -> None:
-        lh = Proc(
-            [
-                *(str(BIN / "torchft_lighthouse"), "--min_replicas", "2"),
-                *("--bind", "127.0.0.1:0", "--heartbeat_timeout_ms", str(self.hb_ms)),
-                *("--join_timeout_ms", str(self.join_ms), "--quorum_tick_ms", str(self.tick_ms)),
-            ],
-            self.env,
-            self.dir / "lighthouse.log",
-        )
-        self.procs.append(lh)
-        said = until("the lighthouse", lambda: [x for x in lh.lines if "listening on" in x], 30)
-        port = str(said[0]).rsplit(":", 1)[1].strip()  # type: ignore[index]
-        addr = f"http://127.0.0.1:{port}"
-        trainer = ["--lighthouse", addr, "--step-seconds", "0.1", "--timeout", str(self.ft_timeout)]
         env = {**self.env, "RUST_LOG": "warn"}
         if self.marduk:
             self.nats, self.url = start_nats_server(self.dir)
@@ -233,6 +236,10 @@ class Job:
             )
             self.procs.append(ctl)
             until("the controller", lambda: any("serving prefix" in x for x in ctl.lines), 60)
+        addr = self.start_front(env) if self.front else self.start_lighthouse()
+        trainer = ["--lighthouse", addr, "--step-seconds", "0.1", "--timeout", str(self.ft_timeout)]
+        if self.front:  # a quorum call cut by a restarting front is retried (docs/operations.md)
+            env["TORCHFT_QUORUM_RETRIES"] = "600"
         for g in GROUPS:
             if self.marduk:
                 args = [
@@ -257,6 +264,50 @@ class Job:
             lambda: all(any(c.groups == 3 for c in p.commits()) for p in self.groups.values()),
             180,
         )
+
+    def start_lighthouse(self) -> str:
+        lh = Proc(
+            [
+                *(str(BIN / "torchft_lighthouse"), "--min_replicas", "2"),
+                *("--bind", "127.0.0.1:0", "--heartbeat_timeout_ms", str(self.hb_ms)),
+                *("--join_timeout_ms", str(self.join_ms), "--quorum_tick_ms", str(self.tick_ms)),
+            ],
+            self.env,
+            self.dir / "lighthouse.log",
+        )
+        self.procs.append(lh)
+        said = until("the lighthouse", lambda: [x for x in lh.lines if "listening on" in x], 30)
+        port = str(said[0]).rsplit(":", 1)[1].strip()  # type: ignore[index]
+        return f"http://127.0.0.1:{port}"
+
+    def start_front(self, env: dict[str, str]) -> str:
+        """``marduk torchft-lighthouse`` (its lighthouse's timers: the front's; a -join or -tick
+        suffix is passed on to torchft's lighthouse)."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        extra = [
+            *(("--join_timeout_ms", str(self.join_ms)) if self.join_ms != 60000 else ()),
+            *(("--quorum_tick_ms", str(self.tick_ms)) if self.tick_ms != 100 else ()),
+        ]
+        front = Proc(
+            [
+                *(sys.executable, "-m", "marduk", "torchft-lighthouse", "--job", JOB),
+                *("--min-replicas", "2", "--bind", f"127.0.0.1:{port}"),
+                *(
+                    "--heartbeat-timeout-ms",
+                    str(self.hb_ms),
+                    "--inner-timeout-ms",
+                    str(self.inner_ms),
+                ),
+                *(("--", *extra) if extra else ()),
+            ],
+            {**env, "RUST_LOG": self.env["RUST_LOG"]},  # its lighthouse's log, as the others'
+            self.dir / "front.log",
+        )
+        self.procs.append(front)
+        until("the front", lambda: any("serving:" in x for x in front.lines), 60)
+        return f"http://127.0.0.1:{port}"
 
     def stop(self) -> None:
         seen = [pid for p in self.groups.values() for pid in p.trainer_pids()]
@@ -438,12 +489,23 @@ class Job:
             faults += 1
         time.sleep(max(0.0, seconds - (time.time() - t_start)))
         steps = top() - s_start
+        # Quorum rotation: a group's committed steps going from 3 groups to fewer more often
+        # than there were faults (one such drop per fault: the failed group leaves, comes back).
+        drops = {
+            g: sum(
+                a.groups == 3 and b.groups < 3
+                for a, b in itertools.pairwise(c for c in p.commits() if c.t > t_start)
+            )
+            for g, p in self.groups.items()
+        }
         return {
             "seconds": seconds,
             "faults": faults,
             "every_s": every,
             "job_steps": steps,
             "steps_per_s": round(steps / seconds, 2),
+            "drops_to_fewer_groups": drops,
+            "rotation": any(n > faults for n in drops.values()),
         }
 
 
@@ -481,7 +543,9 @@ def run_config(config: str, run_dir: Path, args: argparse.Namespace) -> dict[str
         out |= {
             "config": config,
             "marduk": job.marduk,
+            "front": job.front,
             "heartbeat_timeout_ms": job.hb_ms,
+            "inner_timeout_ms": job.inner_ms if job.front else None,
             "join_timeout_ms": job.join_ms,
             "quorum_tick_ms": job.tick_ms,
             "hang_timeout_s": (job.hang_timeout or None) if job.marduk else None,

@@ -47,6 +47,7 @@ HEAVY_GROUPS = {
         "e2e/test_launcher.py",
         "e2e/test_torch_elastic.py",
         "e2e/test_torchft.py",
+        "e2e/test_torchft_front.py",
         "integration/test_torchft_guard.py",
         "e2e/test_membership_failover.py",
         "e2e/test_spare_pools.py",

@@ -1,4 +1,5 @@
-"""The ``marduk`` command: ``controller``, and the mounted ``monitor`` and ``agent`` commands."""
+"""The ``marduk`` command: ``controller``, and the mounted ``monitor``, ``agent``, ``auth`` and
+``torchft-lighthouse`` commands."""
 
 from __future__ import annotations
 
@@ -389,12 +390,14 @@ def settle_warning(grow_settle: float, worker_ttl: float) -> str | None:
 
 def _mount() -> None:
     from agent.supervise.cli import app as agent_app
+    from agent.torchft_front.cli import torchft_lighthouse
     from marduk.cli.auth import app as auth_app
     from monitor_cli.cli import app as monitor_app
 
     app.add_typer(monitor_app, name="monitor")
     app.add_typer(agent_app, name="agent")
     app.add_typer(auth_app, name="auth")
+    app.command("torchft-lighthouse")(torchft_lighthouse)
 
 
 _mount()

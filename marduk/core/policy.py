@@ -280,7 +280,7 @@ class Policy:
     ) -> DrainResult:
         """An operator (or the straggler policy: ``by``) takes devices (or every device of
         ``host``) out of service, or back."""
-        return self._service.drain(devices, host, undrain, reason, now, by)
+        return self._service.drain(devices, host, undrain, reason, now, by=by)
 
     def on_workload_request(self, req: WorkloadRequest, now: float) -> WorkloadResult:
         """A trainer asks about itself: stop restarting it, exclude its node, a bad device."""

@@ -121,6 +121,17 @@ def healed_and_equal(g: Proc, others: list[Proc], incarnation: int) -> Commit | 
     return first if seen else None
 
 
+def in_one_quorum(groups: list[Proc], every: list[Proc]) -> None:
+    """Wait (90 s at most) for every group to have committed a step with all of them."""
+    n = len(groups)
+    until(
+        f"all {n} groups commit in one quorum",
+        lambda: all(any(c.groups == n for c in commits(g)) for g in groups),
+        every,
+        timeout=90,
+    )
+
+
 def survivors_kept_committing(healthy: list[Proc], since: float, steps: int) -> bool:
     return all(sum(c.t > since for c in commits(h)) >= steps for h in healthy)
 
@@ -171,12 +182,7 @@ def test_device_failure_and_crash_cost_the_healthy_groups_no_restart(
     g1, g2, g3 = groups["g1"], groups["g2"], groups["g3"]
     every = [*groups.values(), lh]
     try:
-        until(
-            "all three groups commit in one quorum",
-            lambda: all(any(c.groups == 3 for c in commits(g)) for g in groups.values()),
-            every,
-            timeout=90,
-        )
+        in_one_quorum(list(groups.values()), every)
         print(f"three groups training after {time.monotonic() - t_start:.1f} s")
 
         # A device of g2 fails: g2 only is restarted, heals, and the others never stop.
@@ -276,12 +282,7 @@ def test_the_leader_killed_mid_way_costs_torchft_nothing_and_the_standby_takes_o
     groups = {r: group(env, r, addr) for r in ("g1", "g2", "g3")}
     every = [*groups.values(), lh, a, b]
     try:
-        until(
-            "all three groups commit in one quorum",
-            lambda: all(any(c.groups == 3 for c in commits(g)) for g in groups.values()),
-            every,
-            timeout=90,
-        )
+        in_one_quorum(list(groups.values()), every)
         eventually_sync(lambda: len(status(env)["standbys"]) == 1, timeout=20)
         leader = {a.proc.pid: a, b.proc.pid: b}[int(status(env)["controller"]["pid"])]
         standby = b if leader is a else a
