@@ -15,6 +15,7 @@ JSON lines, one message per line, a msgspec tagged union on ``op``:
                        {"op": "section", "name": "checkpoint", "open": false}
                        {"op": "checkpointed", "step": 42}   (the checkpoint asked for is saved)
                        {"op": "perf", "summary": {...a wire PerfSummary...}}   (once a window)
+                       {"op": "saved", "step": 42}   (at a forwarded stop: the last step written)
     agent -> trainer   {"op": "welcome", "epoch": 3}
                        {"op": "command", "command": {...a wire Command...}}
 
@@ -80,6 +81,14 @@ class Checkpointed(Message, tag="checkpointed"):
     step: int
 
 
+class SavedAtNotice(Message, tag="saved"):
+    """At a forwarded ``restart``, ``fail`` or ``stop``: the trainer's snapshots have written
+    the last step taken (``step``, the newest in the local store; None: none), so the
+    supervisor need not wait longer before stopping it (agent/library/snapshots.py)."""
+
+    step: int | None = None
+
+
 class Perf(Message, tag="perf"):
     """One window's step and section times (agent/library/perf.py): the supervisor
     publishes it to the controller under its own registration's names."""
@@ -116,7 +125,9 @@ class ParamsApplied(Message, tag="params_applied"):
     rejected: dict[str, str] = {}
 
 
-ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed | ParamsApplied | Perf
+ToAgent = (
+    TrainerHello | Step | Heartbeat | Section | Checkpointed | ParamsApplied | Perf | SavedAtNotice
+)
 ToTrainer = Welcome | ForwardedCommand | ForwardedParams
 M = TypeVar("M", ToAgent, ToTrainer)
 

@@ -19,6 +19,7 @@ from agent.channel.messages import (
     Message,
     ParamsApplied,
     Perf,
+    SavedAtNotice,
     Section,
     Step,
     TrainerHello,
@@ -111,6 +112,9 @@ class LocalAsyncClient(CommandInbox):
             self._record(f"cannot reach the local agent: {e}")
 
     # --- the AsyncClient interface ---------------------------------------------------------------
+
+    async def _saved_at_notice(self, step: int | None) -> None:
+        await self._send(SavedAtNotice(step=step))
 
     async def checkpoint_saved(self, step: int) -> bool:
         """Tell the supervisor; it reports ``checkpointed`` to the controller."""

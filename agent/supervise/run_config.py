@@ -70,6 +70,12 @@ class RunArgs:
     preload: str = ""
     reclaim_timeout: float = Config.reclaim_timeout_s
     reclaim_tolerance: float = Config.reclaim_tolerance_mib
+    local_ckpt_dir: str = Config.local_ckpt_dir
+    local_ckpt_max: str = "0"
+    local_ckpt_flush: float = Config.local_ckpt_flush_s
+    persist_dir: str | None = Config.persist_dir
+    persist_interval: float = Config.persist_interval_s
+    ckpt_lineage: str | None = Config.ckpt_lineage
     addr: str = options.DEFAULTS["addr"]
     prefix: str = DEFAULT_PREFIX
     connect_timeout: float = CONNECT_TIMEOUT_S
@@ -212,6 +218,12 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
         fork_server=args.fork_server,
         reclaim_timeout_s=args.reclaim_timeout,
         reclaim_tolerance_mib=args.reclaim_tolerance,
+        local_ckpt_dir=args.local_ckpt_dir,
+        local_ckpt_max_bytes=_size("--local-ckpt-max", args.local_ckpt_max),
+        local_ckpt_flush_s=args.local_ckpt_flush,
+        persist_dir=args.persist_dir or None,
+        persist_interval_s=args.persist_interval,
+        ckpt_lineage=args.ckpt_lineage or None,
         launch=launch,
         logs=logs,
         monitor_interval_s=args.monitor_interval,
@@ -224,6 +236,15 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
             else [m.strip() for m in args.preload.split(",") if m.strip() and m.strip() != "none"]
         ),
     )
+
+
+def _size(option: str, text: str) -> int:
+    from agent.supervise.local_ckpt import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise ConfigError(f"{option}: {e}") from None
 
 
 def _check_spare(args: RunArgs) -> None:

@@ -43,6 +43,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Coroutine, Iterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -55,6 +56,7 @@ from agent.supervise.before_first_start import join_controller, warn_about_setup
 from agent.supervise.between_incarnations import BetweenIncarnations
 from agent.supervise.controller_link import ControllerLink
 from agent.supervise.launch import LaunchSpec
+from agent.supervise.local_ckpt import LocalCkpt, Persister, store_path
 from agent.supervise.output import RankOutput
 from agent.supervise.ports import CoordinatorFirst, MasterFirst, port_for_incarnation
 from agent.supervise.proctree import end_leftovers
@@ -182,6 +184,18 @@ class Supervisor:
         )
         self.reporter = Reporter(o, self.link, self.core, self.ranks, self.signals.signalled.is_set)
         self.between = BetweenIncarnations(config, o.devices, self.stats, self.reporter.report)
+        # The node-local checkpoint store (agent/supervise/local_ckpt.py), and which ranks
+        # said they saved at the last notice (a restart, fail or stop forwarded to them).
+        self.ckpt = LocalCkpt(
+            store_path(config.local_ckpt_dir, o.job, o.replica, o.worker),
+            max_bytes=config.local_ckpt_max_bytes,
+            flush_s=config.local_ckpt_flush_s,
+            persist_dir=Path(config.persist_dir) if config.persist_dir else None,
+            persist_interval_s=config.persist_interval_s,
+            lineage=config.ckpt_lineage,
+        )
+        self.persister: Persister | None = None
+        self._saved: set[int] = set()
 
     # --- what the rest of the code reads ----------------------------------------------------------
 
@@ -202,11 +216,11 @@ class Supervisor:
     async def run(self) -> int:
         self.signals.install(asyncio.get_running_loop())
         warn_about_setup(self.config, self.nproc)
-        code = await join_controller(
+        joined = await join_controller(
             self.config, self.link, self.core, self.signals, self.reporter.report, self._joined
         )
-        if code is not None:
-            return code
+        if joined is not None:
+            return joined
         metrics = None
         if self.config.metrics_addr:
             metrics = MetricsServer(
@@ -218,6 +232,10 @@ class Supervisor:
                 log.error("%s", e)
                 await self.link.close(deregister=False)
                 return ExitCode.SETUP
+        if not self.ckpt.open():
+            self.ckpt = LocalCkpt(None)
+        elif self.ckpt.persist_dir is not None:
+            self.persister = Persister(self.ckpt, self.stats)
         paths = [r.socket_path for r in self.ranks]
         await self.channels.open(paths, self._on_trainer, lambda: self.epoch, self.stats)
         self.channels.hand_params(self.link.params)
@@ -225,8 +243,12 @@ class Supervisor:
             self._spawn(self.reporter.progress_loop(self.config.status_interval_s), "status"),
             self._spawn(self._ticker(), "ticker"),
         ]
+        if self.persister is not None:
+            background.append(self._spawn(self.persister.run(), "persist"))
+        code: int | None = None
         try:
-            return await self._loop()
+            code = await self._loop()
+            return code
         finally:
             for task in background:
                 task.cancel()
@@ -239,6 +261,8 @@ class Supervisor:
             await self.link.close(deregister=False)
             if metrics is not None:
                 await metrics.stop()
+            if code is not None:
+                self.ckpt.remove_if_done(code)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """A named background task whose failure is logged and counted, not lost."""
@@ -291,7 +315,8 @@ class Supervisor:
         )
 
     def _gauges(self) -> Iterator[Metric]:
-        return gauges(sum(r.running for r in self.ranks), self.epoch, self.incarnation)
+        lag = self.persister.lag(time.time()) if self.persister is not None else None
+        return gauges(sum(r.running for r in self.ranks), self.epoch, self.incarnation, lag)
 
     # --- the loop: start every rank, wait for a decision, apply it --------------------------------
 
@@ -313,9 +338,12 @@ class Supervisor:
                 self.core.stopped()
                 continue
             decision, command = await self._supervise()
+            self._saved.clear()
             if command is not None:
                 await self._forward(command)  # the libraries learn why they are stopped
             answered = await self._tell_the_others(decision)
+            if self.ckpt.on and (command is not None or (answered and answered[0])):
+                await self._wait_saved()
             # Why the trainers stop is said once: by the stop's line, or (a give-up) before
             # it, at its level, the stop then only naming the processes.
             said = self.procs.any_running()
@@ -425,6 +453,7 @@ class Supervisor:
             launch=self.launch,
             environ=os.environ,
             supervisor_pid=os.getpid(),
+            local_ckpt=self.ckpt.handoff(),
         )
 
     async def _placement(self) -> LaunchSpec:
@@ -576,6 +605,9 @@ class Supervisor:
                         summary, job=o.job, replica=o.replica, worker=o.worker
                     )
                     self._spawn(_ignore(client.publish_perf(summary)), "perf")
+            case messages.SavedAtNotice(step=step):
+                self._saved.add(rank)
+                log.info("rank %d saved its last snapshot at the notice (step %s)", rank, step)
             case messages.ParamsApplied(version=version, rejected=rejected):
                 # One registration for all local ranks: the last rank's word stands.
                 await self.link.params_applied(version, rejected)
@@ -584,6 +616,24 @@ class Supervisor:
         params = self.link.params()
         if params is not None:
             self._spawn(self.channels.forward_params(params), "forward-params")
+
+    async def _wait_saved(self) -> None:
+        """After a notice, until each running rank whose library is connected said it wrote
+        its last snapshot (``SavedAtNotice``), at most ``--local-ckpt-flush`` (and a little
+        for the message): then the stop (agent/library/snapshots.py)."""
+        deadline = time.monotonic() + self.ckpt.flush_s + 0.2
+        connected = self.channels.connected()
+        while time.monotonic() < deadline:
+            waiting = [
+                i
+                for i, r in enumerate(self.ranks)
+                if r.running and connected[i] and i not in self._saved
+            ]
+            if not waiting:
+                return
+            await asyncio.sleep(0.005)
+        self.stats["snapshots.notice_timeouts"] += 1
+        log.warning("trainer(s) did not save within %gs of the notice", self.ckpt.flush_s)
 
     async def _forward(self, cmd: Command) -> None:
         """Tell the trainers' libraries (those connected) why they are about to be stopped."""
