@@ -109,7 +109,7 @@ class Snapshots:
         store. False (counted, recorded) when the state cannot be snapshotted."""
         t0 = time.perf_counter()
         try:
-            tree, arrays, leaves = _flatten(state)
+            tree, arrays, leaves, owned = _flatten(state)
         except TypeError as e:
             self._record("snapshots.unsupported", f"snapshot of step {step} not taken: {e}")
             return False
@@ -139,11 +139,10 @@ class Snapshots:
                 self.stats["snapshots.superseded"] += 1
             self._pending = None
             busy = self._writing.slot if self._writing is not None else -1
-        if copy:
-            slot = 1 if busy == 0 else 0
-            chunks = [self._stage(slot, arrays, offsets, total)]
-        else:
-            slot, chunks = -1, _chunks(arrays, offsets, total)
+        slot = 1 if busy == 0 else 0
+        # What aliases live memory is copied; a fresh host copy (from a device) is not.
+        staged = self._stage(slot, arrays, offsets, total, owned) if copy else list(arrays)
+        chunks = _chunks(staged, offsets, total)
         with self._cv:
             self._pending = _Pending(int(step), m, chunks, slot)
             self._cv.notify_all()
@@ -151,14 +150,29 @@ class Snapshots:
         self.stats["snapshots.copy_us"] += int((time.perf_counter() - t0) * 1e6)
         return True
 
-    def _stage(self, slot: int, arrays: Sequence[np.ndarray], offsets: list[int], total: int):  # type: ignore[no-untyped-def]
+    def _stage(
+        self,
+        slot: int,
+        arrays: Sequence[np.ndarray],
+        offsets: list[int],
+        total: int,
+        owned: set[int],
+    ) -> list[np.ndarray]:
+        """Each array, copied into the slot's staging buffer unless ``owned`` (already a copy
+        of its own): the buffer is reused, so after the first snapshot the copy runs at memcpy
+        speed (no page faults)."""
         buf = self._staging[slot]
         if buf is None or buf.nbytes != total:
             buf = self._staging[slot] = np.empty(total, dtype=np.uint8)
-        for a, at in zip(arrays, offsets, strict=True):
+        staged = []
+        for i, (a, at) in enumerate(zip(arrays, offsets, strict=True)):
+            if i in owned:
+                staged.append(a)
+                continue
             dst = buf[at : at + a.nbytes].view(a.dtype).reshape(a.shape)
             np.copyto(dst, a, casting="no")
-        return memoryview(buf)  # type: ignore[arg-type]
+            staged.append(dst)
+        return staged
 
     # --- writing (the background thread) ---------------------------------------------------------
 
@@ -321,8 +335,10 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, np.ndarray | np.generic) or _is_torch(x) or _is_jax(x)
 
 
-def _flatten(state: Any) -> tuple[Any, list[np.ndarray], list[Leaf]]:
-    """The tree, the host arrays (device-to-host copied here) and each leaf's description."""
+def _flatten(state: Any) -> tuple[Any, list[np.ndarray], list[Leaf], set[int]]:
+    """The tree, the host arrays (device-to-host copied here), each leaf's description and
+    which arrays are host copies of their own (``owned``: from a device), not views of live
+    memory."""
     enc = fmt.encode_tree(state, _is_array)
     if enc is None or any(_is_jax(x) for x in enc.leaves):
         jax = sys.modules.get("jax")
@@ -344,14 +360,16 @@ def _flatten(state: Any) -> tuple[Any, list[np.ndarray], list[Leaf]]:
         tree, objs = enc.tree, enc.leaves
     arrays: list[np.ndarray] = []
     leaves: list[Leaf] = []
+    owned: set[int] = set()
     for x in objs:
         if _is_jax(x):
-            leaves.append(_jax_leaf(x, arrays))
+            leaves.append(_jax_leaf(x, arrays, owned))
         elif _is_torch(x):
             _torch_tables()
             t = x.detach()
             if t.device.type != "cpu":
                 t = t.cpu()  # the device-to-host copy the step waits for
+                owned.add(len(arrays))
             torch_dtype = None
             if t.dtype.is_floating_point and t.dtype not in _NUMPY_FLOATS:
                 torch_dtype = str(t.dtype)
@@ -361,11 +379,12 @@ def _flatten(state: Any) -> tuple[Any, list[np.ndarray], list[Leaf]]:
         else:
             arrays.append(np.asarray(x))
             leaves.append(Leaf("numpy", list(np.shape(x)), [len(arrays) - 1]))
-    return tree, arrays, leaves
+    return tree, arrays, leaves, owned
 
 
-def _jax_leaf(x: Any, arrays: list[np.ndarray]) -> Leaf:
-    """This process's distinct shards of a jax array (a replicated one: one copy)."""
+def _jax_leaf(x: Any, arrays: list[np.ndarray], owned: set[int]) -> Leaf:
+    """This process's distinct shards of a jax array (a replicated one: one copy); a shard on
+    an accelerator comes back as a host copy of its own (``owned``), one on the CPU as a view."""
     shape = list(x.shape)
     seen: dict[tuple[tuple[int, int], ...], int] = {}
     shards = []
@@ -373,6 +392,8 @@ def _jax_leaf(x: Any, arrays: list[np.ndarray]) -> Leaf:
         index = tuple(_bounds(sl, n) for sl, n in zip(s.index, shape, strict=True))
         if index in seen:
             continue
+        if s.device.platform != "cpu":
+            owned.add(len(arrays))
         arrays.append(np.asarray(s.data))
         seen[index] = len(arrays) - 1
         shards.append(Shard([list(b) for b in index], len(arrays) - 1))
