@@ -158,7 +158,7 @@ class CommandInbox:
                 # ``on_command`` (which may end the process at once) runs.
                 self._spawn(self._save_then(command), "snapshot-flush")
                 return
-            self._spawn(self._saved_at_notice(None), "saved-at-notice")  # nothing to save
+            self._nothing_to_save()
         self._call_on_command(command)
 
     async def _save_then(self, command: Command) -> None:
@@ -174,6 +174,10 @@ class CommandInbox:
     async def _saved_at_notice(self, step: int | None) -> None:
         """The last step taken is written (``step``, the newest): the supervisor may stop the
         trainer (LocalAsyncClient says so; registered alone there is no one to tell)."""
+
+    def _nothing_to_save(self) -> None:
+        """A stop forwarded to a trainer that takes no snapshots (no ``on_stop``): the
+        supervisor need not wait (LocalAsyncClient says so)."""
 
     def _call_on_command(self, command: Command) -> None:
         if self._on_command is not None:

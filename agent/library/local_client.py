@@ -116,6 +116,9 @@ class LocalAsyncClient(CommandInbox):
     async def _saved_at_notice(self, step: int | None) -> None:
         await self._send(SavedAtNotice(step=step))
 
+    def _nothing_to_save(self) -> None:
+        self._spawn(self._saved_at_notice(None), "saved-at-notice")
+
     async def checkpoint_saved(self, step: int) -> bool:
         """Tell the supervisor; it reports ``checkpointed`` to the controller."""
         self._checkpoint = None

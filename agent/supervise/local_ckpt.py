@@ -4,8 +4,9 @@ The pod outlives the trainer, so a store the agent creates outlives every incarn
 default a directory on tmpfs, ``/dev/shm/marduk-<job>-<replica>-<worker>`` (``--local-ckpt-dir``;
 ``none``: no store), made when the agent starts (0700), kept across incarnations and across a
 restart of the agent itself, removed when the job ends for this member: the trainers finished
-(exit 0), ``fail`` or retired (71), ``stop`` (72). Every other exit (the budget spent, a
-preemption) keeps it: a container restarted in the same pod finds its snapshots. The trainers
+(exit 0), ``fail`` or retired (71), ``stop`` (72), or at any exit while it holds no snapshot.
+Every other exit (the budget spent, a preemption) keeps it: a container restarted in the same
+pod finds its snapshots. The trainers
 get its path (``MARDUK_LOCAL_CKPT_DIR``), its size bound (``--local-ckpt-max``), the notice's
 bound (``--local-ckpt-flush``) and the lineage (``--ckpt-lineage``), and write their snapshots
 into it themselves (agent/library/snapshots.py); nothing of a snapshot passes through the agent.
@@ -32,11 +33,14 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from agent.channel.handoff import Handoff
 from agent.library import snapshot_format as fmt
 from agent.library.local_store import complete_steps, rank_dir, read_manifest
+
+if TYPE_CHECKING:
+    from agent.supervise.supervisor_config import SupervisorConfig
 
 log = logging.getLogger("agent.local_ckpt")
 
@@ -80,6 +84,18 @@ class LocalCkpt:
     persist_interval_s: float = 60.0
     lineage: str | None = None
 
+    @classmethod
+    def configured(cls, config: SupervisorConfig, job: str, replica: str, worker: int) -> LocalCkpt:
+        """The store ``marduk agent run``'s options describe, for this member."""
+        return cls(
+            store_path(config.local_ckpt_dir, job, replica, worker),
+            max_bytes=config.local_ckpt_max_bytes,
+            flush_s=config.local_ckpt_flush_s,
+            persist_dir=Path(config.persist_dir) if config.persist_dir else None,
+            persist_interval_s=config.persist_interval_s,
+            lineage=config.ckpt_lineage,
+        )
+
     @property
     def on(self) -> bool:
         return self.path is not None
@@ -122,11 +138,16 @@ class LocalCkpt:
         return env
 
     def remove_if_done(self, code: int) -> None:
-        """The job ended for this member (``REMOVED_ON``): its store goes with it."""
-        if self.path is None or code not in REMOVED_ON:
+        """The job ended for this member (``REMOVED_ON``): its store goes with it. A store
+        that holds no snapshot goes whatever the exit (nothing in it to find again)."""
+        if self.path is None:
+            return
+        empty = not any(files for _dir, _dirs, files in os.walk(self.path))
+        if code not in REMOVED_ON and not empty:
             return
         shutil.rmtree(self.path, ignore_errors=True)
-        log.info("local checkpoint store %s removed (exit %d)", self.path, code)
+        if not empty:
+            log.info("local checkpoint store %s removed (exit %d)", self.path, code)
 
 
 def _rank_dirs(root: Path) -> Iterator[Path]:

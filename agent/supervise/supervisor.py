@@ -43,7 +43,6 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Coroutine, Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -56,7 +55,7 @@ from agent.supervise.before_first_start import join_controller, warn_about_setup
 from agent.supervise.between_incarnations import BetweenIncarnations
 from agent.supervise.controller_link import ControllerLink
 from agent.supervise.launch import LaunchSpec
-from agent.supervise.local_ckpt import LocalCkpt, Persister, store_path
+from agent.supervise.local_ckpt import LocalCkpt, Persister
 from agent.supervise.output import RankOutput
 from agent.supervise.ports import CoordinatorFirst, MasterFirst, port_for_incarnation
 from agent.supervise.proctree import end_leftovers
@@ -186,14 +185,7 @@ class Supervisor:
         self.between = BetweenIncarnations(config, o.devices, self.stats, self.reporter.report)
         # The node-local checkpoint store (agent/supervise/local_ckpt.py), and which ranks
         # said they saved at the last notice (a restart, fail or stop forwarded to them).
-        self.ckpt = LocalCkpt(
-            store_path(config.local_ckpt_dir, o.job, o.replica, o.worker),
-            max_bytes=config.local_ckpt_max_bytes,
-            flush_s=config.local_ckpt_flush_s,
-            persist_dir=Path(config.persist_dir) if config.persist_dir else None,
-            persist_interval_s=config.persist_interval_s,
-            lineage=config.ckpt_lineage,
-        )
+        self.ckpt = LocalCkpt.configured(config, o.job, o.replica, o.worker)
         self.persister: Persister | None = None
         self._saved: set[int] = set()
 

@@ -83,6 +83,20 @@ def check_values(run: Run) -> None:
                 assert value == expected(step, rank, 2), (rank, step, value)
 
 
+def resumed(p: Proc, incarnation: int, done: int) -> tuple[Run, int]:
+    """Both ranks stepping in their ``incarnation``-th incarnation past ``done``, resumed at one
+    step, from the local store (never the persistent copies), every value the uninterrupted
+    run's."""
+    run = stepping(p, incarnation, done + 1)
+    starts = {run.last(r)["start"] for r in (0, 1)}
+    assert len(starts) == 1, run.incarnations
+    assert all(run.last(r)["source"] == "local" for r in (0, 1)), run.incarnations
+    check_values(run)
+    start = starts.pop()
+    assert isinstance(start, int)
+    return run, start
+
+
 def test_two_gloo_ranks_resume_from_the_local_store_after_a_crash_and_a_device_event(
     controller_env: dict[str, str], tmp_path: Path
 ) -> None:
@@ -101,35 +115,25 @@ def test_two_gloo_ranks_resume_from_the_local_store_after_a_crash_and_a_device_e
     eventually_sync(lambda: LocalStore(persist, rank=1).steps(), timeout=10)  # copies behind
 
     # A SIGKILL of rank 1's trainer: no notice, no save; at most the step in flight is lost.
+    t1 = time.monotonic()
     os.kill(int(run.last(1)["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
     time.sleep(0.3)
     done = Run(a).completed()
-    t1 = time.monotonic()
-    run = stepping(a, 2, done + 1)
+    run, start = resumed(a, 2, done)
     print(f"crash: stepping again after {time.monotonic() - t1:.1f}s")
-    resumed = {run.last(r)["start"] for r in (0, 1)}
-    assert len(resumed) == 1, run.incarnations
-    start = resumed.pop()
-    assert done - 1 <= start <= done, (start, done)  # type: ignore[operator]
-    assert all(run.last(r)["source"] == "local" for r in (0, 1))
-    check_values(run)
+    assert done - 1 <= start <= done, (start, done)
 
     # A device event on rank 1's device: the notice reaches both before the stop; they save the
     # last step taken (rank 1's, from the failed device, is dropped if not yet written).
-    done_before = Run(a).completed()
-    inject(controller_env, "sd1")
     t2 = time.monotonic()
-    run = stepping(a, 3, done_before + 1)
+    done = Run(a).completed()
+    inject(controller_env, "sd1")
+    run, start = resumed(a, 3, done)
     print(f"device event: stepping again after {time.monotonic() - t2:.1f}s")
-    starts = {run.last(r)["start"] for r in (0, 1)}
-    assert len(starts) == 1, run.incarnations
-    start = starts.pop()
-    assert start >= done_before, (start, done_before)  # zero completed steps lost
-    assert all(run.last(r)["source"] == "local" for r in (0, 1))
+    assert start >= done, (start, done)  # zero completed steps lost
     # What each rank had written when the notice's save was done: the job took the minimum.
     saved = [run.incarnations[r][1].get("saved") for r in (0, 1)]
     assert None not in saved and start == min(saved), (saved, start)  # type: ignore[type-var]
-    check_values(run)
 
     a.stop()
     assert a.proc.returncode is not None

@@ -308,9 +308,14 @@ def test_the_store_goes_when_the_job_ends_for_this_member_and_stays_otherwise(
 ) -> None:
     for code, kept in ((70, True), (143, True), (0, False), (71, False), (72, False)):
         ckpt = LocalCkpt(tmp_path / f"s{code}", max_bytes=10)
-        assert ckpt.open()
+        assert ckpt.open() and ckpt.path is not None
+        write(LocalStore(ckpt.path, rank=1).open(), 1)
         ckpt.remove_if_done(code)
-        assert ckpt.path is not None and ckpt.path.exists() == kept, code
+        assert ckpt.path.exists() == kept, code
+    empty = LocalCkpt(tmp_path / "empty")
+    assert empty.open() and empty.path is not None
+    empty.remove_if_done(143)  # nothing in it: gone whatever the exit
+    assert not empty.path.exists()
     env = LocalCkpt(tmp_path / "s", max_bytes=10, lineage="L").handoff()
     assert env["MARDUK_LOCAL_CKPT_DIR"] == str(tmp_path / "s")
     assert env["MARDUK_LOCAL_CKPT_MAX_BYTES"] == "10" and env["MARDUK_CKPT_LINEAGE"] == "L"
