@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import mmap
 import os
 import shutil
 import zlib
@@ -128,19 +129,22 @@ def check_snapshot(snapshot: Path, me: Identity) -> tuple[Manifest | None, str |
 
 
 def read_data(snapshot: Path, m: Manifest, verify: bool = False) -> memoryview:
-    """The snapshot's data, read whole into one buffer (at memory speed from tmpfs); with
-    ``verify``, its CRC-32 checked too (ValueError if it differs)."""
-    import numpy as np
-
-    buf = np.empty(m.nbytes, dtype=np.uint8)
-    view = memoryview(buf).cast("B")  # type: ignore[arg-type]
-    with open(snapshot / fmt.DATA, "rb", buffering=0) as f:
-        got = 0
-        while got < m.nbytes:
-            n = f.readinto(view[got:])
-            if not n:
-                raise ValueError(f"{snapshot}: data ends at {got} bytes of {m.nbytes}")
-            got += n
+    """The snapshot's data as one private copy-on-write mapping of its file: no copy and no
+    zero-filled pages; each page is the store's own (tmpfs: memory) until written, so reading
+    the state back (``load_state_dict``, ``device_put``) runs at memcpy speed, and a write goes
+    to a private copy of its page, never to the store. The mapping keeps the file's pages
+    while the arrays live, even once the store removes the snapshot. With ``verify``, the
+    data's CRC-32 is checked first (ValueError if it differs)."""
+    with open(snapshot / fmt.DATA, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size != m.nbytes:
+            raise ValueError(f"{snapshot}: {size} bytes of data, the manifest says {m.nbytes}")
+        if not m.nbytes:
+            return memoryview(bytearray())
+        mapped = mmap.mmap(
+            f.fileno(), m.nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    view = memoryview(mapped)
     if verify:
         crc = 0
         for at in range(0, m.nbytes, CHUNK):

@@ -2,7 +2,7 @@
 
 A snapshot is one directory per step and rank in the node-local store the agent keeps
 (agent/library/local_store.py writes it): ``data.bin``, every buffer of the train state's host
-copy back to back (each at a 64-byte boundary: raw bytes, no pickle, one read restores it), and
+copy back to back (each at a 64-byte boundary: raw bytes, no pickle, one mapping restores it), and
 ``manifest.json`` (``Manifest``): the job, the lineage, the epoch it was written at, the world
 size and rank, the step, the data's size and CRC-32, where each buffer lies and the state's
 structure (``tree``). The directory appears complete or not at all (written under a temporary

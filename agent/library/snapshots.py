@@ -17,9 +17,10 @@ waits for the store. ``copy=False`` skips the copy for arrays that nothing chang
 ``restore(agree=...)`` finds the newest step the whole job holds: each rank's newest complete
 snapshot it may restore (snapshot_format.refusal), the minimum over the ranks (``agree``: the
 ranks' own collective, ``torch_min`` or ``jax_min``), then a second round in which every rank
-says whether it holds that step. It reads the snapshot whole into one buffer and returns the
-arrays as views of it; only when no local step is held by all does it look at the agent's
-persistent copies (``MARDUK_PERSIST_CKPT_DIR``), the same way.
+says whether it holds that step. It maps the snapshot's data (copy-on-write: no copy, no
+zero-filled pages; local_store.read_data) and returns the arrays as views of it; only when no
+local step is held by all does it look at the agent's persistent copies
+(``MARDUK_PERSIST_CKPT_DIR``), the same way.
 
 At a notice (a ``restart``, ``fail`` or ``stop`` the agent forwards before stopping the trainer)
 the library writes the pending snapshot, the last completed step, within ``flush_s``

@@ -211,23 +211,39 @@ class Persister:
         return float(lag_steps), lag_s
 
     def _copy(self, snapshot: Path, dst: Path, step: int) -> None:
+        """Copy one snapshot: both files opened first, so a snapshot the trainer prunes
+        meanwhile is still read whole (an unlinked file stays readable while open)."""
+        try:
+            manifest = (snapshot / fmt.MANIFEST).read_bytes()
+            data = open(snapshot / fmt.DATA, "rb")  # noqa: SIM115  # closed below
+        except FileNotFoundError:  # pruned before we opened it: a newer one, next pass
+            self.stats["persist.overtaken"] += 1
+            return
         dst.mkdir(parents=True, exist_ok=True)
         tmp = dst / fmt.tmp_name(step, os.getpid())
         shutil.rmtree(tmp, ignore_errors=True)
         try:
-            shutil.copytree(snapshot, tmp)
-        except FileNotFoundError:  # pruned meanwhile: a newer one is complete, next pass
-            shutil.rmtree(tmp, ignore_errors=True)
-            return
-        for name in (fmt.DATA, fmt.MANIFEST):
-            fd = os.open(tmp / name, os.O_RDONLY)
+            with data:
+                tmp.mkdir()
+                with open(tmp / fmt.DATA, "wb") as out:
+                    shutil.copyfileobj(data, out, 16 << 20)
+                    out.flush()
+                    os.fsync(out.fileno())
+            with open(tmp / fmt.MANIFEST, "wb") as out:
+                out.write(manifest)
+                out.flush()
+                os.fsync(out.fileno())
+            final = dst / fmt.step_name(step)
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            fd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY)  # the rename made durable
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        final = dst / fmt.step_name(step)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         for old in fmt.to_prune(complete_steps(dst)):
             shutil.rmtree(dst / fmt.step_name(old), ignore_errors=True)
         self.stats["persist.copies"] += 1
