@@ -189,7 +189,10 @@ def main() -> None:
         periodic = ettr(
             60, args.step_s, args.restart_s, args.every / 2 * args.step_s + load, save / args.every
         )
+        stall_nocopy = out["snapshot_nocopy"]["overhead_pct"] / 100 * args.step_s  # type: ignore[index]
+        nocopy = ettr(60, args.step_s, args.restart_s, args.step_s + restore_s, stall_nocopy)
         out["ettr_local_every_step"], out["ettr_periodic"] = local, periodic
+        out["ettr_local_every_step_nocopy"] = nocopy
     finally:
         shutil.rmtree(store, ignore_errors=True)
         shutil.rmtree(persist, ignore_errors=True)

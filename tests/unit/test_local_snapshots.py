@@ -344,3 +344,25 @@ def test_the_persister_copies_each_ranks_newest_and_measures_its_lag(tmp_path: P
     assert p.lag(10.0) == (0.0, 0.0)
     stores[1].write(manifest(step=5, rank=1, created_at=5.0), [memoryview(b"z" * 64)])
     assert p.lag(10.0) == (2.0, 7.0)  # rank 1: step 5 held, step 3 (created at 3) copied
+
+
+def test_a_jax_pytree_restores_onto_its_shardings(tmp_path: Path) -> None:
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    s = snapshots(tmp_path)
+    # A NamedTuple (as optax states are) is not a container of ours: jax flattens it.
+    from typing import NamedTuple
+
+    class Opt(NamedTuple):
+        mu: object
+        count: object
+
+    state = {"w": jnp.arange(6.0).reshape(2, 3), "opt": Opt(jnp.ones(3), jnp.int32(4))}
+    assert s.snapshot(2, state)
+    got = s.restore(like=state)
+    assert got is not None and isinstance(got.state["opt"], Opt)
+    assert got.state["w"].sharding == state["w"].sharding
+    assert jnp.array_equal(got.state["w"], state["w"]) and int(got.state["opt"].count) == 4
+    with pytest.raises(ValueError, match="like"):
+        s.restore()
+    s.close()
