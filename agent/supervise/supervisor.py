@@ -183,11 +183,9 @@ class Supervisor:
         )
         self.reporter = Reporter(o, self.link, self.core, self.ranks, self.signals.signalled.is_set)
         self.between = BetweenIncarnations(config, o.devices, self.stats, self.reporter.report)
-        # The node-local checkpoint store (agent/supervise/local_ckpt.py), and which ranks
-        # said they saved at the last notice (a restart, fail or stop forwarded to them).
-        self.ckpt = LocalCkpt.configured(config, o.job, o.replica, o.worker)
+        self.ckpt = LocalCkpt.configured(config, o.job, o.replica, o.worker)  # local_ckpt.py
         self.persister: Persister | None = None
-        self._saved: set[int] = set()
+        self._saved: set[int] = set()  # the ranks that said they saved at the last notice
 
     # --- what the rest of the code reads ----------------------------------------------------------
 
