@@ -218,12 +218,7 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
         fork_server=args.fork_server,
         reclaim_timeout_s=args.reclaim_timeout,
         reclaim_tolerance_mib=args.reclaim_tolerance,
-        local_ckpt_dir=args.local_ckpt_dir,
-        local_ckpt_max_bytes=_size("--local-ckpt-max", args.local_ckpt_max),
-        local_ckpt_flush_s=args.local_ckpt_flush,
-        persist_dir=args.persist_dir or None,
-        persist_interval_s=args.persist_interval,
-        ckpt_lineage=args.ckpt_lineage or None,
+        **_local_ckpt(args),
         launch=launch,
         logs=logs,
         monitor_interval_s=args.monitor_interval,
@@ -236,6 +231,18 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
             else [m.strip() for m in args.preload.split(",") if m.strip() and m.strip() != "none"]
         ),
     )
+
+
+def _local_ckpt(args: RunArgs) -> dict[str, Any]:
+    """The local checkpoint store's settings (agent/supervise/local_ckpt.py)."""
+    return {
+        "local_ckpt_dir": args.local_ckpt_dir,
+        "local_ckpt_max_bytes": _size("--local-ckpt-max", args.local_ckpt_max),
+        "local_ckpt_flush_s": args.local_ckpt_flush,
+        "persist_dir": args.persist_dir or None,
+        "persist_interval_s": args.persist_interval,
+        "ckpt_lineage": args.ckpt_lineage or None,
+    }
 
 
 def _size(option: str, text: str) -> int:
