@@ -52,6 +52,7 @@ HEAVY_GROUPS = {
         "e2e/test_membership_failover.py",
         "e2e/test_spare_pools.py",
         "e2e/test_stragglers.py",
+        "e2e/test_local_snapshots.py",
         "integration/test_agent_defaults.py",
     ),
 }

@@ -28,6 +28,14 @@ RESTART_COUNT: Final = "MARDUK_RESTART_COUNT"
 SUPERVISOR_PID: Final = "MARDUK_SUPERVISOR_PID"
 AGENT_SOCKET: Final = "MARDUK_AGENT_SOCKET"
 WARM_START: Final = "MARDUK_WARM_START"
+# The node-local snapshot store the agent keeps (agent/supervise/local_ckpt.py), its size bound,
+# how long a notice gives the pending snapshot, where the agent writes persistent copies, and the
+# lineage snapshots must carry to be restored (agent/library/snapshots.py).
+LOCAL_CKPT_DIR: Final = "MARDUK_LOCAL_CKPT_DIR"
+LOCAL_CKPT_MAX_BYTES: Final = "MARDUK_LOCAL_CKPT_MAX_BYTES"
+LOCAL_CKPT_FLUSH_MS: Final = "MARDUK_LOCAL_CKPT_FLUSH_MS"
+PERSIST_CKPT_DIR: Final = "MARDUK_PERSIST_CKPT_DIR"
+CKPT_LINEAGE: Final = "MARDUK_CKPT_LINEAGE"
 
 # How a warm trainer was started: forked from the fork server ("zygote") or from a prestarted
 # trainer ("standby": the value trainers have read since before the name; no controller here).
@@ -59,6 +67,12 @@ class Handoff:
     agent_socket: str | None = None
     # How a warm trainer was started (WarmStart); None: a cold start.
     warm_start: WarmStart | None = None
+    # The local snapshot store (None: the agent keeps none) and what goes with it.
+    local_ckpt_dir: str | None = None
+    local_ckpt_max_bytes: int | None = None
+    local_ckpt_flush_ms: int | None = None
+    persist_ckpt_dir: str | None = None
+    ckpt_lineage: str | None = None
 
     @property
     def supervised(self) -> bool:
@@ -104,6 +118,11 @@ class Handoff:
             supervisor_pid=_count(env, SUPERVISOR_PID),
             agent_socket=text(AGENT_SOCKET),
             warm_start=warm,  # type: ignore[arg-type]  # checked above
+            local_ckpt_dir=text(LOCAL_CKPT_DIR),
+            local_ckpt_max_bytes=_count(env, LOCAL_CKPT_MAX_BYTES),
+            local_ckpt_flush_ms=_count(env, LOCAL_CKPT_FLUSH_MS),
+            persist_ckpt_dir=text(PERSIST_CKPT_DIR),
+            ckpt_lineage=text(CKPT_LINEAGE),
         )
 
 
@@ -120,6 +139,11 @@ _VAR: Final = {
     "supervisor_pid": SUPERVISOR_PID,
     "agent_socket": AGENT_SOCKET,
     "warm_start": WARM_START,
+    "local_ckpt_dir": LOCAL_CKPT_DIR,
+    "local_ckpt_max_bytes": LOCAL_CKPT_MAX_BYTES,
+    "local_ckpt_flush_ms": LOCAL_CKPT_FLUSH_MS,
+    "persist_ckpt_dir": PERSIST_CKPT_DIR,
+    "ckpt_lineage": CKPT_LINEAGE,
 }
 
 

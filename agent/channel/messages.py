@@ -16,6 +16,7 @@ JSON lines, one message per line, a msgspec tagged union on ``op``:
                        {"op": "checkpointed", "step": 42}   (the checkpoint asked for is saved)
                        {"op": "perf", "summary": {...a wire PerfSummary...}}   (once a window)
                        {"op": "request", "id": 1, "kind": "exclude_node", "reason": "..."}
+                       {"op": "saved", "step": 42}   (at a forwarded stop: the last step written)
     agent -> trainer   {"op": "welcome", "epoch": 3}
                        {"op": "command", "command": {...a wire Command...}}
                        {"op": "answer", "id": 1, "accepted": true, "detail": "..."}
@@ -82,6 +83,14 @@ class Checkpointed(Message, tag="checkpointed"):
     step: int
 
 
+class SavedAtNotice(Message, tag="saved"):
+    """At a forwarded ``restart``, ``fail`` or ``stop``: the trainer's snapshots have written
+    the last step taken (``step``, the newest in the local store; None: none), so the
+    supervisor need not wait longer before stopping it (agent/library/snapshots.py)."""
+
+    step: int | None = None
+
+
 class Perf(Message, tag="perf"):
     """One window's step and section times (agent/library/perf.py): the supervisor
     publishes it to the controller under its own registration's names."""
@@ -138,7 +147,17 @@ class Answer(Message, tag="answer"):
     detail: str = ""
 
 
-ToAgent = TrainerHello | Step | Heartbeat | Section | Checkpointed | ParamsApplied | Perf | Request
+ToAgent = (
+    TrainerHello
+    | Step
+    | Heartbeat
+    | Section
+    | Checkpointed
+    | ParamsApplied
+    | Perf
+    | Request
+    | SavedAtNotice
+)
 ToTrainer = Welcome | ForwardedCommand | ForwardedParams | Answer
 M = TypeVar("M", ToAgent, ToTrainer)
 

@@ -24,6 +24,8 @@ log = logging.getLogger("agent")
 
 State = Literal["connecting", "registered", "disconnected", "closed"]
 
+# The commands that stop the trainer: its snapshots are written at them.
+STOPS: Final = ("restart", "fail", "stop")
 # Failed replicas whose last notice is remembered (the oldest are forgotten past it).
 MAX_NOTICED: Final = 4096
 
@@ -62,6 +64,9 @@ class CommandInbox:
         self._noticed: dict[str, int] = {}
         # Live parameters (agent/library/params.py): the view the trainer reads, its fence.
         self.live = LiveParams(opts.replica)
+        # Called (on a thread) with a restart, fail or stop before ``on_command``: the trainer's
+        # snapshots write the last step taken (agent/library/snapshots.py); returns it.
+        self.on_stop: Callable[[Command], int | None] | None = None
 
     def _verify_by_asking(self) -> None:
         """Ask the controller what is current (AsyncClient re-registers; under a supervisor the
@@ -175,6 +180,34 @@ class CommandInbox:
             self._deliver(command)
         else:
             self._queue.put_nowait(command)
+        if command.kind in STOPS and not update:
+            if self.on_stop is not None:
+                # The trainer is about to be stopped: its last step is written first, then
+                # ``on_command`` (which may end the process at once) runs.
+                self._spawn(self._save_then(command), "snapshot-flush")
+                return
+            self._nothing_to_save()
+        self._call_on_command(command)
+
+    async def _save_then(self, command: Command) -> None:
+        assert self.on_stop is not None
+        try:
+            step = await asyncio.to_thread(self.on_stop, command)
+        except Exception as e:
+            step = None
+            self._record(f"saving at the notice failed: {type(e).__name__}: {e}")
+        await self._saved_at_notice(step)
+        self._call_on_command(command)
+
+    async def _saved_at_notice(self, step: int | None) -> None:
+        """The last step taken is written (``step``, the newest): the supervisor may stop the
+        trainer (LocalAsyncClient says so; registered alone there is no one to tell)."""
+
+    def _nothing_to_save(self) -> None:
+        """A stop forwarded to a trainer that takes no snapshots (no ``on_stop``): the
+        supervisor need not wait (LocalAsyncClient says so)."""
+
+    def _call_on_command(self, command: Command) -> None:
         if self._on_command is not None:
             try:
                 result = self._on_command(command)

@@ -21,6 +21,7 @@ from agent.channel.messages import (
     ParamsApplied,
     Perf,
     Request,
+    SavedAtNotice,
     Section,
     Step,
     TrainerHello,
@@ -140,6 +141,12 @@ class LocalAsyncClient(CommandInbox):
         return Answered(answer.accepted, answer.detail, code)
 
     # --- the AsyncClient interface ---------------------------------------------------------------
+
+    async def _saved_at_notice(self, step: int | None) -> None:
+        await self._send(SavedAtNotice(step=step))
+
+    def _nothing_to_save(self) -> None:
+        self._spawn(self._saved_at_notice(None), "saved-at-notice")
 
     async def checkpoint_saved(self, step: int) -> bool:
         """Tell the supervisor; it reports ``checkpointed`` to the controller."""

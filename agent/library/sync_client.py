@@ -9,7 +9,7 @@ import queue
 import threading
 import time
 from collections import Counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agent.channel.requests import Answered
 from agent.errors import AgentError
@@ -19,6 +19,9 @@ from agent.library.nats_client import AsyncClient
 from agent.library.options import Options
 from agent.library.params import OnParams, ParamsView
 from agent.library.transport import AgentClient, open_client
+
+if TYPE_CHECKING:  # numpy is imported only by a trainer that snapshots
+    from agent.library.snapshots import Agree, Restored, Snapshots
 
 log = logging.getLogger("agent")
 
@@ -42,10 +45,13 @@ class Client:
         self._thread.daemon = True
         self._thread.start()
         self._closed = False
+        self._snapshots: Snapshots | None = None
+        self._snapshots_made = False
 
         async def make() -> AgentClient:
             client = open_client(opts, on_command, self._commands.put_nowait)
             client.live.on_params = on_params
+            client.on_stop = self._at_notice
             await client.start()
             return client
 
@@ -220,6 +226,51 @@ class Client:
             return Answered(False, str(e), "no_answer")
         return answer
 
+    # --- snapshots into the local store the agent keeps (agent/library/snapshots.py) -----------
+
+    @property
+    def snapshots(self) -> Snapshots | None:
+        """This rank's snapshots in the store the agent handed it (``MARDUK_LOCAL_CKPT_DIR``);
+        None when it handed none (``client.snapshot`` then does nothing)."""
+        if not self._snapshots_made:
+            self._snapshots_made = True
+            try:
+                from agent.library.snapshots import from_env
+
+                self._snapshots = from_env(self.opts.job, self.opts.epoch)
+            except (OSError, ValueError) as e:  # an unusable store: counted, training goes on
+                self.stats["snapshots.no_store"] += 1
+                self._async._record(f"no local checkpoint store: {e}")
+        return self._snapshots
+
+    def snapshot(self, step: int, state: Any, *, copy: bool = True) -> bool:
+        """Snapshot ``state`` (a torch state_dict, a numpy or JAX pytree) at ``step`` into the
+        local store: waits for the host copy only, the write runs in the background. False
+        when it was not taken (no store, a type it does not know: ``snapshots.errors``)."""
+        s = self.snapshots
+        if s is None:
+            self.stats["snapshots.no_store"] += 1
+            return False
+        return s.snapshot(step, state, copy=copy)
+
+    def restore(
+        self, like: Any = None, *, agree: Agree | None = None, verify: bool = False
+    ) -> Restored | None:
+        """The newest snapshot every rank holds (``agree``: the minimum over the ranks,
+        ``agent.snapshots.torch_min`` or ``jax_min``), read back; None: none held, start from
+        the trainer's own checkpoint or from scratch. See ``Snapshots.restore``."""
+        s = self.snapshots
+        if s is None:
+            return None
+        return s.restore(like, agree=agree, verify=verify)
+
+    def _at_notice(self, command: Command) -> int | None:
+        """A restart, fail or stop forwarded before the trainer is stopped (on a thread)."""
+        s = self._snapshots
+        if s is None:
+            return None
+        return s.at_notice(command.devices, self.opts.devices)
+
     def _call_recorded(self, coro: Any) -> bool:
         """Run ``coro`` on the client's loop; a failure is recorded in ``errors``, never raised."""
         if self._closed:
@@ -237,6 +288,8 @@ class Client:
             return
         self._closed = True
         atexit.unregister(self.close)
+        if self._snapshots is not None:
+            self._snapshots.close()
         try:
             self._call(self._async.close(reason=reason), timeout=6.0)
         except Exception as e:

@@ -34,6 +34,7 @@ class AgentClient(Protocol):
     last_step: int | None
     last_progress: float
     live: LiveParams
+    on_stop: Callable[[Command], int | None] | None
 
     @property
     def failed(self) -> bool: ...

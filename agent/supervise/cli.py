@@ -204,6 +204,62 @@ def run(
             min=0.0,
         ),
     ] = Config.reclaim_tolerance_mib,
+    local_ckpt_dir: Annotated[
+        str,
+        _opt(
+            "MARDUK_LOCAL_CKPT_DIR",
+            "The node-local checkpoint store the agent keeps across trainer restarts and hands "
+            "to the trainers (MARDUK_LOCAL_CKPT_DIR; client.snapshot writes into it): 'auto' is "
+            "/dev/shm/marduk-JOB-REPLICA-WORKER (tmpfs: it counts against the pod's memory "
+            "limit), 'none' no store. Removed when the job ends for this member (exit 0, 71, 72).",
+        ),
+    ] = Config.local_ckpt_dir,
+    local_ckpt_max: Annotated[
+        str,
+        _opt(
+            "MARDUK_LOCAL_CKPT_MAX",
+            "Size bound of the store (all local ranks' snapshots; each rank keeps two, and "
+            "writes a third before the oldest goes): 4GiB, 512M, bytes; 0: the filesystem's. A "
+            "snapshot past it is not written (counted); training goes on.",
+        ),
+    ] = "0",
+    local_ckpt_flush: Annotated[
+        float,
+        _opt(
+            "MARDUK_LOCAL_CKPT_FLUSH",
+            "Seconds a restart, fail or stop gives the trainers to write their last snapshot "
+            "before they are stopped (they say when done; the stop's grace follows).",
+            min=0.0,
+        ),
+    ] = Config.local_ckpt_flush_s,
+    persist_dir: Annotated[
+        str | None,
+        _opt(
+            "MARDUK_PERSIST_DIR",
+            "Copy each rank's newest snapshot from the store to this directory (persistent "
+            "storage) in the background; the trainers restore from it when no newer step is "
+            "held locally by every rank.",
+            show_default="no persistent copies",
+        ),
+    ] = Config.persist_dir,
+    persist_interval: Annotated[
+        float,
+        _opt(
+            "MARDUK_PERSIST_INTERVAL",
+            "Seconds between persistent copies: the copies lag the newest snapshot by at most "
+            "this plus one copy's time.",
+            min=0.05,
+        ),
+    ] = Config.persist_interval_s,
+    ckpt_lineage: Annotated[
+        str | None,
+        _opt(
+            "MARDUK_CKPT_LINEAGE",
+            "The run snapshots belong to: a snapshot of another lineage is never restored "
+            "(change it to start a job of the same name afresh).",
+            show_default="the job name",
+        ),
+    ] = Config.ckpt_lineage,
     addr: options.Addr = options.DEFAULTS["addr"],
     prefix: options.Prefix = DEFAULT_PREFIX,
     connect_timeout: Annotated[

@@ -78,6 +78,12 @@ class RunArgs:
     preload: str = ""
     reclaim_timeout: float = Config.reclaim_timeout_s
     reclaim_tolerance: float = Config.reclaim_tolerance_mib
+    local_ckpt_dir: str = Config.local_ckpt_dir
+    local_ckpt_max: str = "0"
+    local_ckpt_flush: float = Config.local_ckpt_flush_s
+    persist_dir: str | None = Config.persist_dir
+    persist_interval: float = Config.persist_interval_s
+    ckpt_lineage: str | None = Config.ckpt_lineage
     addr: str = options.DEFAULTS["addr"]
     prefix: str = DEFAULT_PREFIX
     connect_timeout: float = CONNECT_TIMEOUT_S
@@ -244,6 +250,7 @@ def build_config(args: RunArgs, lookups: Lookups | None = None) -> SupervisorCon
         fork_server=args.fork_server,
         reclaim_timeout_s=args.reclaim_timeout,
         reclaim_tolerance_mib=args.reclaim_tolerance,
+        **_local_ckpt(args),
         launch=launch,
         logs=logs,
         monitor_interval_s=args.monitor_interval,
@@ -361,6 +368,27 @@ def _rendezvous(
         pool=args.spare_pool or None,
         segment=segment,
     )
+
+
+def _local_ckpt(args: RunArgs) -> dict[str, Any]:
+    """The local checkpoint store's settings (agent/supervise/local_ckpt.py)."""
+    return {
+        "local_ckpt_dir": args.local_ckpt_dir,
+        "local_ckpt_max_bytes": _size("--local-ckpt-max", args.local_ckpt_max),
+        "local_ckpt_flush_s": args.local_ckpt_flush,
+        "persist_dir": args.persist_dir or None,
+        "persist_interval_s": args.persist_interval,
+        "ckpt_lineage": args.ckpt_lineage or None,
+    }
+
+
+def _size(option: str, text: str) -> int:
+    from agent.supervise.local_ckpt import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise ConfigError(f"{option}: {e}") from None
 
 
 def _check_spare(args: RunArgs) -> None:

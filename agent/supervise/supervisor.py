@@ -60,6 +60,7 @@ from agent.supervise.before_first_start import (
 from agent.supervise.between_incarnations import BetweenIncarnations
 from agent.supervise.controller_link import ControllerLink
 from agent.supervise.launch import LaunchSpec
+from agent.supervise.local_ckpt import LocalCkpt, Persister
 from agent.supervise.output import RankOutput
 from agent.supervise.ports import CoordinatorFirst, MasterFirst, port_for_incarnation
 from agent.supervise.proctree import end_leftovers
@@ -196,6 +197,9 @@ class Supervisor:
         self.between = BetweenIncarnations(
             config, o.devices, self.stats, self.reporter.report, self.health
         )
+        self.ckpt = LocalCkpt.configured(config, o.job, o.replica, o.worker)  # local_ckpt.py
+        self.persister: Persister | None = None
+        self._saved: set[int] = set()  # the ranks that said they saved at the last notice
 
     # --- what the rest of the code reads ----------------------------------------------------------
 
@@ -219,11 +223,11 @@ class Supervisor:
         unhealthy = await self.signals.or_signal(self.health.check("before the first start"))
         if unhealthy and self.health.kept_out:
             await self.health.mark(unhealthy)  # registered so: it takes no rank
-        code = await join_controller(
+        joined = await join_controller(
             self.config, self.link, self.core, self.signals, self.reporter.report, self._joined
         )
-        if code is not None:
-            return code
+        if joined is not None:
+            return joined
         if unhealthy:
             if not self.health.kept_out:  # nobody can take its place: the pod goes elsewhere
                 return await give_up_unhealthy(self.link, self.reporter.report, unhealthy)
@@ -239,6 +243,10 @@ class Supervisor:
                 log.error("%s", e)
                 await self.link.close(deregister=False)
                 return ExitCode.SETUP
+        if not self.ckpt.open():
+            self.ckpt = LocalCkpt(None)
+        elif self.ckpt.persist_dir is not None:
+            self.persister = Persister(self.ckpt, self.stats)
         paths = [r.socket_path for r in self.ranks]
         await self.channels.open(paths, self._on_trainer, lambda: self.epoch, self.stats)
         self.channels.hand_params(self.link.params)
@@ -248,8 +256,12 @@ class Supervisor:
             self._spawn(self.reporter.progress_loop(self.config.status_interval_s), "status"),
             self._spawn(self._ticker(), "ticker"),
         ]
+        if self.persister is not None:
+            background.append(self._spawn(self.persister.run(), "persist"))
+        code: int | None = None
         try:
-            return await self._loop()
+            code = await self._loop()
+            return code
         finally:
             for task in background:
                 task.cancel()
@@ -262,6 +274,8 @@ class Supervisor:
             await self.link.close(deregister=False)
             if metrics is not None:
                 await metrics.stop()
+            if code is not None:
+                self.ckpt.remove_if_done(code)
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
         """A named background task whose failure is logged and counted, not lost."""
@@ -314,7 +328,8 @@ class Supervisor:
         )
 
     def _gauges(self) -> Iterator[Metric]:
-        return gauges(sum(r.running for r in self.ranks), self.epoch, self.incarnation)
+        lag = self.persister.lag(time.time()) if self.persister is not None else None
+        return gauges(sum(r.running for r in self.ranks), self.epoch, self.incarnation, lag)
 
     # --- the loop: start every rank, wait for a decision, apply it --------------------------------
 
@@ -336,9 +351,12 @@ class Supervisor:
                 self.core.stopped()
                 continue
             decision, command = await self._supervise()
+            self._saved.clear()
             if command is not None:
                 await self._forward(command)  # the libraries learn why they are stopped
             answered = await self._tell_the_others(decision)
+            if self.ckpt.on and (command is not None or (answered and answered[0])):
+                await self._wait_saved()
             # Why the trainers stop is said once: by the stop's line, or (a give-up) before
             # it, at its level, the stop then only naming the processes.
             said = self.procs.any_running()
@@ -448,6 +466,7 @@ class Supervisor:
             launch=self.launch,
             environ=os.environ,
             supervisor_pid=os.getpid(),
+            local_ckpt=self.ckpt.handoff(),
         )
 
     async def _placement(self) -> LaunchSpec:
@@ -601,6 +620,9 @@ class Supervisor:
                         summary, job=o.job, replica=o.replica, worker=o.worker
                     )
                     self._spawn(_ignore(client.publish_perf(summary)), "perf")
+            case messages.SavedAtNotice(step=step):
+                self._saved.add(rank)
+                log.info("rank %d saved its last snapshot at the notice (step %s)", rank, step)
             case messages.ParamsApplied(version=version, rejected=rejected):
                 # One registration for all local ranks: the worker runs the lowest version
                 # any of them does, and the controller hears each rank's word.
@@ -614,6 +636,24 @@ class Supervisor:
         params = self.link.params()
         if params is not None:
             self._spawn(self.channels.forward_params(params), "forward-params")
+
+    async def _wait_saved(self) -> None:
+        """After a notice, until each running rank whose library is connected said it wrote
+        its last snapshot (``SavedAtNotice``), at most ``--local-ckpt-flush`` (and a little
+        for the message): then the stop (agent/library/snapshots.py)."""
+        deadline = time.monotonic() + self.ckpt.flush_s + 0.2
+        connected = self.channels.connected()
+        while time.monotonic() < deadline:
+            waiting = [
+                i
+                for i, r in enumerate(self.ranks)
+                if r.running and connected[i] and i not in self._saved
+            ]
+            if not waiting:
+                return
+            await asyncio.sleep(0.005)
+        self.stats["snapshots.notice_timeouts"] += 1
+        log.warning("trainer(s) did not save within %gs of the notice", self.ckpt.flush_s)
 
     async def _forward(self, cmd: Command) -> None:
         """Tell the trainers' libraries (those connected) why they are about to be stopped."""

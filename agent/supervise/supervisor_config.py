@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Final
 
+from agent.library.snapshot_format import FLUSH_S
 from agent.supervise.launch import LaunchSpec, LogSpec
 from agent.supervise.learned_timeouts import Learning
 from agent.supervise.supervision import Limits
@@ -86,6 +87,16 @@ class SupervisorConfig:
     require_controller: bool = False
     # Standalone: seconds between attempts to reach the controller.
     join_interval_s: float = 2.0
+    # The node-local checkpoint store (agent/supervise/local_ckpt.py): where ("auto": on
+    # tmpfs, per job and member; "none": no store), its size bound (bytes; 0: the
+    # filesystem's), the seconds a notice gives the trainers' last snapshot, the persistent
+    # copies (a directory; None: none) and how often, and the lineage snapshots must carry.
+    local_ckpt_dir: str = "auto"
+    local_ckpt_max_bytes: int = 0
+    local_ckpt_flush_s: float = FLUSH_S
+    persist_dir: str | None = None
+    persist_interval_s: float = 60.0
+    ckpt_lineage: str | None = None
 
     # ``--monitor-interval``'s default, as its help says it.
     TICK_DEFAULT: ClassVar[str] = "hang timeout / 4, at most 1"

@@ -29,7 +29,9 @@ def readiness(
     return True, f"trainer stepping (epoch {epoch}, step {step})"
 
 
-def gauges(running: int, epoch: int, incarnation: int) -> Iterator[Metric]:
+def gauges(
+    running: int, epoch: int, incarnation: int, persist_lag: tuple[float, float] | None = None
+) -> Iterator[Metric]:
     yield gauge(
         "marduk_agent_trainer_running",
         "Trainers (local ranks) running.",
@@ -48,6 +50,19 @@ def gauges(running: int, epoch: int, incarnation: int) -> Iterator[Metric]:
         {"current": float(max(incarnation, 0))},
         "incarnation",
     )
+    if persist_lag is not None:  # --persist-dir (agent/supervise/local_ckpt.py)
+        yield gauge(
+            "marduk_agent_persist_lag_steps",
+            "Steps the newest persistent copy is behind the newest local snapshot (worst rank).",
+            {"steps": persist_lag[0]},
+            "lag",
+        )
+        yield gauge(
+            "marduk_agent_persist_lag_seconds",
+            "Age of the newest persistent copy while a newer local snapshot exists (0: caught up).",
+            {"seconds": persist_lag[1]},
+            "lag",
+        )
 
 
 class Telemetry:

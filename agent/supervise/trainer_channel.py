@@ -151,6 +151,10 @@ class TrainerChannels:
             await channel.start()
             self.channels.append(channel)
 
+    def connected(self) -> list[bool]:
+        """Whether each rank's library is connected."""
+        return [bool(c._trainers) for c in self.channels]
+
     async def forward(self, command: wire.Command) -> None:
         """To every trainer connected, rank by rank."""
         for channel in self.channels:

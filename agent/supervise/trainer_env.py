@@ -20,8 +20,10 @@ def trainer_env(
     launch: LaunchSpec | None,
     environ: Mapping[str, str],
     supervisor_pid: int,
+    local_ckpt: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """What every rank's trainer gets (and the fork server imports with)."""
+    """What every rank's trainer gets (and the fork server imports with); ``local_ckpt``: the
+    store's variables (agent/supervise/local_ckpt.py), which replace any of the agent's own."""
     given = Handoff(
         job=opts.job,
         replica=opts.replica,
@@ -34,7 +36,19 @@ def trainer_env(
         supervisor_pid=supervisor_pid,
     )
     threads = launch.thread_env(environ) if launch is not None else {}
-    return {**environ, **threads, "PYTHONUNBUFFERED": "1", **given.to_env()}
+    own = {k: v for k, v in environ.items() if k not in LOCAL_CKPT_VARS}
+    return {**own, **threads, "PYTHONUNBUFFERED": "1", **given.to_env(), **(local_ckpt or {})}
+
+
+LOCAL_CKPT_VARS = frozenset(
+    {
+        handoff.LOCAL_CKPT_DIR,
+        handoff.LOCAL_CKPT_MAX_BYTES,
+        handoff.LOCAL_CKPT_FLUSH_MS,
+        handoff.PERSIST_CKPT_DIR,
+        handoff.CKPT_LINEAGE,
+    }
+)
 
 
 def rank_env(

@@ -184,6 +184,7 @@ def test_nproc_gpu_is_one_rank_per_device() -> None:
         ({"rdzv_endpoint": "h:x"}, "--rdzv-endpoint 'h:x'"),
         ({"nproc_per_node": "2", "rank_devices": "split"}, "--rank-devices split"),
         ({"cmd": []}, "no trainer command given"),
+        ({"local_ckpt_max": "lots"}, "--local-ckpt-max: not a size: 'lots'"),
     ],
 )
 def test_an_option_that_cannot_work_is_one_line_naming_it(kw: dict[str, Any], message: str) -> None:
@@ -191,6 +192,13 @@ def test_an_option_that_cannot_work_is_one_line_naming_it(kw: dict[str, Any], me
         build(**kw)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_the_local_checkpoint_stores_options_reach_the_config() -> None:
+    c = build(local_ckpt_max="2GiB", persist_dir="/p", persist_interval=5.0, ckpt_lineage="L")
+    assert (c.local_ckpt_dir, c.local_ckpt_max_bytes) == ("auto", 2 << 30)
+    assert (c.persist_dir, c.persist_interval_s, c.ckpt_lineage) == ("/p", 5.0, "L")
+    assert build().persist_dir is None and build().local_ckpt_max_bytes == 0
 
 
 def test_the_resolvers_error_is_reported_as_it_is() -> None:
