@@ -43,7 +43,7 @@ class Proc:
             self.all.append(line)
             self.lines.put(line)
 
-    def expect(self, text: str, timeout: float = 20) -> str:
+    def expect(self, text: str, timeout: float = 60) -> str:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:

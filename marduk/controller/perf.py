@@ -93,9 +93,13 @@ class PerfMonitor:
         # device in the same window (two sections of a rank) would count once.
         self._record_lock = asyncio.Lock()
 
-    async def start(self, nc: NATS, *, replicas: int = 1) -> None:
-        s = self._ctx.subjects
+    async def open(self, nc: NATS, *, replicas: int = 1) -> None:
+        """Bind the slowness bucket (with the controller's other state: a JetStream that is
+        not ready yet is waited for there, ``Controller.start``)."""
         self.store = await SlownessStore.open(nc, self._ctx.settings.prefix, replicas=replicas)
+
+    async def start(self, nc: NATS) -> None:
+        s = self._ctx.subjects
         self._subs = [
             await nc.subscribe(s.any_job("perf"), cb=self._on_summary),
             await nc.subscribe(s.perf_query, cb=self._on_query),

@@ -280,7 +280,7 @@ class Controller:
         if st.metrics_addr:
             self._metrics = MetricsServer(st.metrics_addr, Probes(self.registry, self._ready))
             await self._metrics.start()
-        await self.perf.start(self.nc, replicas=st.kv_replicas)
+        await self.perf.start(self.nc)
         assert self.leadership is not None  # _open_state made it
         self.roles.handle(Event.STARTED, "campaigning")
         self._spawn(self.leadership.run(), "leadership")
@@ -305,7 +305,8 @@ class Controller:
         )
 
     async def _open_state(self) -> None:
-        """The buckets, the health stream, the standby mirror and the lease."""
+        """The buckets (state, events, params, slowness), the health stream, the standby mirror
+        and the lease."""
         st, nc = self.settings, self.nc
         assert nc is not None
         self.store = await StateStore.open(
@@ -313,6 +314,7 @@ class Controller:
         )
         await ensure_stream(nc, st.prefix, self.subjects.health, replicas=st.kv_replicas)
         self.params_store = await ParamsStore.open(nc, st.prefix, replicas=st.kv_replicas)
+        await self.perf.open(nc, replicas=st.kv_replicas)
         self.mirror = StateMirror(self.store)
         await self.mirror.start()
         self.leadership = Leadership(
