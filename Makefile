@@ -45,12 +45,12 @@ typecheck: $(STAMP)
 ## Three phases: the unit and integration tiers on PYTEST_WORKERS pytest-xdist workers, the
 ## end-to-end tier on E2E_WORKERS, then the tests marked serial (an upper bound on time, the
 ## machine-wide pid counter) one at a time. The suite mostly waits (servers, leases, graces,
-## processes starting), so on 2 cores 4 and 2 workers finish in well under half the serial time;
+## processes starting), so on 2 cores 3 and 2 workers finish in well under half the serial time;
 ## 0 runs a phase in one process. tests/conftest.py keeps the files that run jax meshes or torch
 ## ranks to one worker per kind (--dist loadgroup), and test ports never collide
 ## (tests/ports.py). SUITE names a tier, MARKS narrows further (make pytest-fast, test-*);
 ## pytest's exit 5 (no test in a phase) is not a failure.
-PYTEST_WORKERS ?= 4
+PYTEST_WORKERS ?= 3
 E2E_WORKERS ?= 2
 SUITE ?= tests
 PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider --dist loadgroup --durations=25

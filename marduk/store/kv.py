@@ -65,7 +65,8 @@ async def claim_term(kv: KeyValue, term: int, holder: str) -> tuple[int, dict[st
     revision and the headers every later write of the term carries (the server stores such a
     write only while the term key is still at that revision: once a successor claimed its
     term, a lapsed leader's delayed write is refused). Raises ``Fenced`` if the key already
-    holds this term or a later one (another leader has claimed it: we are not the leader)."""
+    holds this term or a later one (another leader has claimed it: we are not the leader); this
+    term already held by ``holder`` is its own claim, answered late, and returned as made."""
     value = msgspec.json.encode(TermRecord(term=term, holder=holder, claimed_at=time.time()))
     while True:
         try:
@@ -73,6 +74,11 @@ async def claim_term(kv: KeyValue, term: int, holder: str) -> tuple[int, dict[st
         except (KeyNotFoundError, KeyDeletedError):
             entry = None
         current = decode_term(entry.value if entry is not None else None)
+        ours = current is not None and (current.term, current.holder) == (term, holder)
+        if entry is not None and entry.revision is not None and ours:
+            # Our own claim: a create or update whose answer was lost (a loaded server answers
+            # late, the client times out, the caller tries again) is stored all the same.
+            return entry.revision, _fence_headers(kv, entry.revision)
         if current is not None and current.term >= term:
             raise Fenced(f"term {current.term} was claimed by {current.holder}", current.term)
         try:
@@ -82,7 +88,11 @@ async def claim_term(kv: KeyValue, term: int, holder: str) -> tuple[int, dict[st
                 revision = await kv.update(TERM_KEY, value, last=entry.revision)
         except KeyWrongLastSequenceError:
             continue  # someone wrote it meanwhile: read it again
-        return revision, {_EXPECTED_SEQ: str(revision), _EXPECTED_SEQ_SUBJECT: kv._pre + TERM_KEY}
+        return revision, _fence_headers(kv, revision)
+
+
+def _fence_headers(kv: KeyValue, revision: int) -> dict[str, str]:
+    return {_EXPECTED_SEQ: str(revision), _EXPECTED_SEQ_SUBJECT: kv._pre + TERM_KEY}
 
 
 def decode_term(value: bytes | None) -> TermRecord | None:

@@ -96,6 +96,29 @@ async def test_a_write_of_an_earlier_term_is_refused_by_the_server(
         await b_nc.close()
 
 
+async def test_a_claim_retried_after_its_answer_was_lost_is_the_holders_own(
+    nats_server: NatsServer,
+) -> None:
+    """A loaded server stores a claim whose answer comes too late: the same holder trying the
+    same term again gets its own claim back (it stepped down before: "term 1 was claimed by"
+    itself); anyone else, or a lower term, is still refused, and the fence holds."""
+    a_nc, a, b_nc, b = await leader_a_and_b(nats_server.url, nats_server.url)
+    try:
+        await a.claim_term(2, "a")
+        await a.claim_term(2, "a")  # the retry: no Fenced
+        await a.apply([Outcome(put_devices=[device("d5")])])
+        with pytest.raises(Fenced):
+            await b.claim_term(2, "b")
+        with pytest.raises(Fenced):
+            await a.claim_term(1, "a")
+        await b.claim_term(3, "b")
+        with pytest.raises(Fenced):
+            await a.apply([Outcome(put_devices=[device("d6")])])
+    finally:
+        await a_nc.close()
+        await b_nc.close()
+
+
 async def test_a_write_buffered_across_a_successors_claim_is_refused(
     nats_server: NatsServer,
 ) -> None:
