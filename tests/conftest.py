@@ -260,3 +260,71 @@ def _reap_processes() -> Iterator[None]:
     from tests.processes import Proc
 
     Proc.reap_all()
+
+
+# --- what a hung test was waiting for -------------------------------------------------------
+# pytest-timeout's report shows the threads' stacks; in an asyncio test those end in
+# selector.poll and say nothing. Shortly before the timeout, every unfinished task's await
+# chain (coroutine frames down to the future it waits on) is written to stderr, which the
+# failure report shows under "Captured stderr".
+
+
+def _await_chain(awaitable: object) -> list[str]:
+    lines, seen = [], 0
+    while awaitable is not None and seen < 50:
+        seen += 1
+        frame = getattr(awaitable, "cr_frame", None) or getattr(awaitable, "gi_frame", None)
+        if frame is not None:
+            code = frame.f_code
+            lines.append(f"    {code.co_filename}:{frame.f_lineno} {code.co_qualname}")
+            awaitable = getattr(awaitable, "cr_await", None) or getattr(
+                awaitable, "gi_yieldfrom", None
+            )
+        elif isinstance(awaitable, asyncio.Task):
+            lines.append(f"    -> task {awaitable.get_name()}")
+            break
+        else:
+            lines.append(f"    -> {awaitable!r}"[:300])
+            break
+    return lines
+
+
+def _dump_tasks(test: str) -> None:
+    from asyncio import tasks as _tasks
+
+    for _ in range(5):
+        try:
+            pending = [t for t in list(_tasks._all_tasks) if not t.done()]  # type: ignore[attr-defined]
+            break
+        except RuntimeError:  # the set changed while copied
+            continue
+    else:
+        pending = []
+    out = [f"=== {len(pending)} unfinished asyncio tasks in {test}, near its timeout ==="]
+    for task in pending:
+        out.append(f"task {task.get_name()}:")
+        out.extend(_await_chain(task.get_coro()))
+    sys.stderr.write("\n".join(out) + "\n")
+    sys.stderr.flush()
+
+
+@pytest.fixture(autouse=True)
+def _dump_tasks_before_timeout(request: pytest.FixtureRequest) -> Iterator[None]:
+    import threading
+
+    marker = request.node.get_closest_marker("timeout")
+    limit = (
+        float(marker.args[0])
+        if marker and marker.args
+        else float(request.config.getini("timeout") or 0)
+    )
+    if limit <= 15:
+        yield
+        return
+    timer = threading.Timer(limit - 8, _dump_tasks, args=(request.node.nodeid,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
