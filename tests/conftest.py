@@ -328,3 +328,27 @@ def _dump_tasks_before_timeout(request: pytest.FixtureRequest) -> Iterator[None]
         yield
     finally:
         timer.cancel()
+
+
+# --- where the suite's CPU goes --------------------------------------------------------------
+# MARDUK_TEST_CPU=FILE appends, per test: its id, wall seconds, and the CPU seconds of the test
+# process and of the processes it started and reaped (servers, agents, their trainers: a
+# process's reaped descendants count in its children's times). The suite is CPU-bound on 2
+# cores, so this, not --durations, says which tests to make cheaper.
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    path = os.environ.get("MARDUK_TEST_CPU")
+    if not path:
+        yield
+        return
+    before, t0 = os.times(), time.monotonic()
+    yield
+    after, wall = os.times(), time.monotonic() - t0
+    own = after.user + after.system - before.user - before.system
+    children = (
+        after.children_user + after.children_system - before.children_user - before.children_system
+    )
+    with open(path, "a") as f:
+        f.write(f"{own + children:.2f}\t{own:.2f}\t{children:.2f}\t{wall:.2f}\t{item.nodeid}\n")
