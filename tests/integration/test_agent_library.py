@@ -52,7 +52,10 @@ async def test_sync_client_wait_failed_ack_close(
         cmd = await asyncio.to_thread(client.wait, 5)
         assert cmd is not None and (cmd.kind, cmd.epoch, cmd.devices) == ("restart", 1, ("d2",))
         assert client.failed and client.last_failure == cmd
-        assert seen == [("restart", "marduk-agent")]  # callbacks never on the caller's thread
+        # The command is queued for wait() before on_command runs, on the client's thread
+        # (never the caller's): the callback may come a moment after wait() returned.
+        await eventually(lambda: bool(seen), timeout=5)
+        assert seen == [("restart", "marduk-agent")]
         assert await asyncio.to_thread(client.ack) is True
         assert not client.failed and not client.errors
         assert controller.policy.workers[("train", "r1", 0)].applied_epoch == 1  # type: ignore[index]
