@@ -17,8 +17,10 @@ tests, or a site's own names where NVML has no fabric). ``--segment`` jobs use i
 
 ``marduk agent run`` finds its node's devices without a framework (``node_device_uuids``): the
 same ``MARDUK_DEVICES``, then every GPU NVML shows (through ``CUDA_VISIBLE_DEVICES``), and only
-then jax's view, asked in a child process so the agent itself never initialises a backend (no
-device memory taken, no framework threads in a process that forks trainers).
+then, on a node where jax can only find CPUs (no accelerator device node, or ``JAX_PLATFORMS=cpu``),
+the CPUs jax would list, without asking it; else jax's view, asked in a child process so the
+agent itself never initialises a backend (no device memory taken, no framework threads in a
+process that forks trainers).
 
 Note: CUDA orders devices fastest-first by default, NVML by PCI bus id. On nodes of identical
 GPUs (every training node we know of) the two agree; on mixed nodes set
@@ -34,7 +36,7 @@ import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from agent.channel.handoff import DEVICES, parse_devices
@@ -71,6 +73,10 @@ def node_device_uuids(*, timeout: float = 120.0) -> list[str]:
     gpus = nvml_visible_uuids()
     if gpus:
         return gpus
+    cpus = cpu_only_devices(os.environ, _accelerator_nodes())
+    if cpus is not None:
+        host = socket.gethostname()
+        return [f"{host}:cpu:{i}" for i in range(cpus)]
     found = _discover_in_child(timeout)
     if found:
         return found
@@ -99,6 +105,41 @@ def nvml_visible_uuids() -> list[str]:
         log.debug("NVML device count failed: %s", e)
         return []
     return [u for i in range(count) if (u := nvml_uuid_for_ordinal(i)) is not None]
+
+
+# Device nodes through which jax could find an accelerator on Linux: NVIDIA (nvidia*), TPU
+# v2-v4 and Gaudi (accel*), TPU v5e and later (vfio), AMD ROCm (kfd).
+_ACCELERATOR_NODES = ("nvidia", "accel", "vfio", "kfd")
+
+
+def _accelerator_nodes(dev: str = "/dev") -> list[str]:
+    try:
+        names = os.listdir(dev)
+    except OSError:
+        return ["?"]  # cannot tell: ask jax
+    return sorted(n for n in names if n.startswith(_ACCELERATOR_NODES))
+
+
+def cpu_only_devices(env: Mapping[str, str], accelerator_nodes: Sequence[str]) -> int | None:
+    """How many CPU devices jax would list on a node it can only find CPUs on (``JAX_PLATFORMS``
+    says ``cpu``, or Linux shows no accelerator device node); None when it may see an
+    accelerator (then a child asks jax). Spares a CPU node's agent the 3 s of CPU of importing
+    jax in a child to learn that it has a CPU. The count is jax's: 1, or what
+    ``JAX_NUM_CPU_DEVICES`` or ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` asks."""
+    platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if platforms and platforms != ["cpu"]:
+        return None
+    if not platforms and (sys.platform != "linux" or accelerator_nodes):
+        return None
+    count = 1
+    for flag in env.get("XLA_FLAGS", "").split():
+        name, _, value = flag.partition("=")
+        if name == "--xla_force_host_platform_device_count" and value.isdigit():
+            count = int(value)
+    given = env.get("JAX_NUM_CPU_DEVICES", "").strip()
+    if given.isdigit() and int(given) > 0:
+        count = int(given)  # jax's own setting wins over the XLA flag
+    return max(count, 1)
 
 
 _CHILD = "import json, agent.library.devices as d; print(json.dumps(d.local_device_uuids()))"

@@ -196,15 +196,40 @@ def test_the_supervisor_finds_devices_without_importing_a_framework(tmp_path: Pa
     env.pop("MARDUK_DEVICES", None)
     env.pop("CUDA_VISIBLE_DEVICES", None)
     host = socket.gethostname()
-    # jax's view (no NVML here), asked in a child: the calling process imports no framework.
+    # A node where jax can only find CPUs: their ids, and no framework imported anywhere.
     assert node_uuids_in_subprocess(env) == ([f"{host}:cpu:0", f"{host}:cpu:1"], [])
     # GPUs named by UUID in CUDA_VISIBLE_DEVICES are taken as they are, no child asked.
     env["CUDA_VISIBLE_DEVICES"] = "GPU-aaa,GPU-bbb"
     assert node_uuids_in_subprocess(env) == (["GPU-aaa", "GPU-bbb"], [])
     del env["CUDA_VISIBLE_DEVICES"]
-    # Without jax at all: one warning and the host's CPU, never a traceback.
+    # Without jax at all, on a node that may have an accelerator (jax is asked): one warning
+    # and the host's CPU, never a traceback.
+    env["JAX_PLATFORMS"] = "tpu"
     shadow = tmp_path / "nojax"
     (shadow / "jax").mkdir(parents=True)
     (shadow / "jax" / "__init__.py").write_text("raise ImportError('no jax here')\n")
     env["PYTHONPATH"] = os.pathsep.join([str(shadow), env.get("PYTHONPATH", "")])
     assert node_uuids_in_subprocess(env) == ([f"{host}:cpu:0"], [])
+
+
+def test_the_cpus_counted_without_jax_are_the_ones_jax_lists(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node where jax can find only CPUs is not asked (``cpu_only_devices``): the ids must be
+    the ones jax itself gives, asked the way an accelerator node is asked (a child process)."""
+    from agent.library.devices import _discover_in_child, cpu_only_devices
+
+    host = socket.gethostname()
+    for extra in (
+        {},
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_NUM_CPU_DEVICES": "3"},
+    ):
+        for name in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "MARDUK_DEVICES"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+        for name, value in extra.items():
+            monkeypatch.setenv(name, value)
+        count = cpu_only_devices(os.environ, [])
+        assert count is not None
+        assert _discover_in_child(120) == [f"{host}:cpu:{i}" for i in range(count)], extra
