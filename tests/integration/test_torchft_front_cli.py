@@ -13,7 +13,7 @@ from tests.integration.test_cli_errors import one_error_line
     [
         (["--min-replicas", "2"], "Missing option '--job'"),
         (["--job", "ft"], "Missing option '--min-replicas'"),
-        (["--job", "ft", "--min-replicas", "0"], "greater than or equal to 1"),
+        (["--job", "ft", "--min-replicas", "0"], "0 is not in the range x>=1"),
         (
             ["--job", "ft", "--min-replicas", "2", "--inner-timeout-ms", "20"],
             "--inner-timeout-ms must be above --beat-every-ms",
