@@ -9,7 +9,7 @@ they mean to torchrun (agent/supervise/launch.py); the script may be given as to
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, cast
 
 import typer
 
@@ -39,7 +39,8 @@ app = typer.Typer(
 
 
 def _opt(envvar: str, help: str, **kw: object) -> typer.models.OptionInfo:
-    info: typer.models.OptionInfo = typer.Option(envvar=envvar, help=help, **kw)  # type: ignore[arg-type]
+    # typer.Option's overloads cannot take **kw (typed per option): call it untyped.
+    info: typer.models.OptionInfo = cast(Any, typer.Option)(envvar=envvar, help=help, **kw)
     return info
 
 
