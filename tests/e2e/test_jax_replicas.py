@@ -31,7 +31,7 @@ def jax_agent(env: dict[str, str], job: str, replica: str, worker: int, scope: s
         env,
         *("--job", job, "--replica", replica, "--worker", str(worker), "--scope", scope),
         *("--devices", f"{job}-{replica}-d{worker}", "--grace", "10"),
-        *("--startup-timeout", "180", "--preload", "none"),
+        *("--startup-timeout", "180"),  # the default --preload: jax, in the fork server
         cmd=[
             sys.executable,
             "examples/jax_trainer.py",
