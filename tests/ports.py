@@ -8,13 +8,21 @@ talks to another test's server. Here each pytest-xdist worker hands out ports fr
 its own below the ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``), one after
 another, each checked by binding, so two workers never pick the same port, a worker never picks
 a port it handed out a moment ago (a server still in TIME_WAIT), and no client socket lands on
-one."""
+one.
+
+Two test sessions on one machine (two checkouts, or a developer's run beside CI's) have the same
+worker names, so the same slices: each port handed out is also locked, for the life of the
+process, in a file every session shares (a POSIX byte-range lock on byte ``port``: released by
+the kernel when the process ends, however it ends), and a port another process holds is
+skipped."""
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import socket
+import tempfile
 import threading
 from pathlib import Path
 
@@ -46,6 +54,21 @@ def _slice() -> range:
 _ports = _slice()
 _next = itertools.cycle(_ports)
 _lock = threading.Lock()
+_claims: int | None = None  # the shared lock file's descriptor, opened on first use
+
+
+def _claimed_elsewhere(port: int) -> bool:
+    """Lock byte ``port`` of the shared file for this process; True if another process holds
+    it (a lock this process holds already is taken again: its own ports cycle round)."""
+    global _claims
+    if _claims is None:
+        path = Path(tempfile.gettempdir()) / "marduk-test-ports.lock"
+        _claims = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.lockf(_claims, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+    except OSError:
+        return True
+    return False
 
 
 def _bindable(port: int) -> bool:
@@ -69,7 +92,10 @@ def free_port_base(span: int = 1) -> int:
             base = next(_next)
             if base + span > _ports.stop:
                 continue
-            if all(_bindable(p) for p in range(base, base + span)):
+            span_ports = range(base, base + span)
+            if not any(_claimed_elsewhere(p) for p in span_ports) and all(
+                _bindable(p) for p in span_ports
+            ):
                 # The cycle skips the ports of the span too, so the next caller starts past it.
                 for _ in range(span - 1):
                     next(_next)
