@@ -42,23 +42,21 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-## Three phases: the unit and integration tiers on PYTEST_WORKERS pytest-xdist workers, the
-## end-to-end tier on E2E_WORKERS, then the tests marked serial (an upper bound on time, the
-## machine-wide pid counter) one at a time. The suite mostly waits (servers, leases, graces,
-## processes starting), so on 2 cores 3 and 2 workers finish in well under half the serial time;
-## 0 runs a phase in one process. tests/conftest.py keeps the files that run jax meshes or torch
-## ranks to one worker per kind (--dist loadgroup), and test ports never collide
-## (tests/ports.py). SUITE names a tier, MARKS narrows further (make pytest-fast, test-*);
-## pytest's exit 5 (no test in a phase) is not a failure.
-PYTEST_WORKERS ?= 3
-E2E_WORKERS ?= 2
+## Two phases: every test not marked serial on PYTEST_WORKERS pytest-xdist workers, then the
+## tests marked serial (an upper bound on time, the machine-wide pid counter) one at a time.
+## The suite mostly waits (servers, leases, graces, processes starting): on 2 cores 4 workers
+## finish in a fraction of the serial time. tests/conftest.py keeps the files that run jax
+## meshes, torch ranks or torchft groups to one worker per kind (--dist loadgroup; collected
+## first, so they start first), and test ports never collide (tests/ports.py). 0 runs the
+## first phase in one process. SUITE names a tier, MARKS narrows further (make pytest-fast,
+## test-*); pytest's exit 5 (no test in a phase) is not a failure.
+PYTEST_WORKERS ?= 4
 SUITE ?= tests
 PYTEST := $(VENV)/bin/pytest -q -p no:cacheprovider --dist loadgroup --durations=25
 ALSO := $(if $(MARKS), and ($(MARKS)))
 OK5 := rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 pytest: $(STAMP)
-	$(PYTEST) -n $(PYTEST_WORKERS) -m "not serial and not e2e$(ALSO)" $(SUITE); $(OK5)
-	$(PYTEST) -n $(E2E_WORKERS) -m "e2e and not serial$(ALSO)" $(SUITE); $(OK5)
+	$(PYTEST) -n $(PYTEST_WORKERS) -m "not serial$(ALSO)" $(SUITE); $(OK5)
 	$(PYTEST) -n 0 -m "serial$(ALSO)" $(SUITE); $(OK5)
 
 ## Everything but the slow end-to-end tests.

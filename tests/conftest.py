@@ -46,14 +46,16 @@ HEAVY_GROUPS = {
     "torch": (
         "e2e/test_launcher.py",
         "e2e/test_torch_elastic.py",
+        "e2e/test_spare_pools.py",
+        "e2e/test_stragglers.py",
+        "integration/test_agent_defaults.py",
+    ),
+    "torchft": (
         "e2e/test_torchft.py",
         "e2e/test_torchft_front.py",
         "integration/test_torchft_guard.py",
         "e2e/test_membership_failover.py",
-        "e2e/test_spare_pools.py",
-        "e2e/test_stragglers.py",
         "e2e/test_local_snapshots.py",
-        "integration/test_agent_defaults.py",
     ),
 }
 _GROUP_OF = {name: group for group, names in HEAVY_GROUPS.items() for name in names}
