@@ -28,12 +28,13 @@ ROOT = Path(__file__).resolve().parent.parent
 E2E = Path(__file__).resolve().parent / "e2e"
 
 
-# With pytest-xdist workers (``make pytest PYTEST_WORKERS=4 E2E_WORKERS=2`` on a machine with
-# cores to spare; on 2 cores one test at a time is faster) the files below, which start
-# multi-process trainers that keep a core busy, run one after another on one worker per kind
-# (``--dist loadgroup``), so two meshes (or two sets of torch ranks) never fight for the cores
-# while the other workers run the light tests. A test that needs the machine to itself (an upper
-# bound on time, the machine-wide pid counter) is marked ``serial`` and runs with the e2e tier.
+# Under pytest-xdist (``make test``: 4 workers) the files below, which start multi-process
+# trainers that keep a core busy, run one after another on one worker per kind (``--dist
+# loadgroup``), so two meshes (or two sets of torch ranks, or of torchft groups) never fight
+# for the cores while the other workers run the light tests; torch and torchft are two kinds
+# because together they were the run's critical path. A test that needs the machine to itself
+# (an upper bound on time, the machine-wide pid counter) is marked ``serial`` and runs alone,
+# after the others.
 HEAVY_GROUPS = {
     "jax": (
         "e2e/test_jax_distributed.py",
