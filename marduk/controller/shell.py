@@ -358,7 +358,8 @@ class Controller:
         if self.leadership is not None:
             await self.leadership.resign()
         term_task = self.takeover.cancel_term()
-        await self._tasks.stop()
+        # A root loop that would not stop is named in the log, not awaited forever.
+        await self._tasks.stop(self.settings.stop_grace_s)
         if term_task is not None:
             await asyncio.gather(term_task, return_exceptions=True)
         grace = self.settings.stop_grace_s
