@@ -123,7 +123,7 @@ def _accelerator_nodes(dev: str = "/dev") -> list[str]:
 def cpu_only_devices(env: Mapping[str, str], accelerator_nodes: Sequence[str]) -> int | None:
     """How many CPU devices jax would list on a node it can only find CPUs on (``JAX_PLATFORMS``
     says ``cpu``, or Linux shows no accelerator device node); None when it may see an
-    accelerator (then a child asks jax). Spares a CPU node's agent the 3 s of CPU of importing
+    accelerator (then a child asks jax). Spares a CPU node's agent the 1.4 s of CPU of importing
     jax in a child to learn that it has a CPU. The count is jax's: 1, or what
     ``JAX_NUM_CPU_DEVICES`` or ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` asks."""
     platforms = [p.strip() for p in env.get("JAX_PLATFORMS", "").split(",") if p.strip()]

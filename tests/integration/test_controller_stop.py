@@ -102,3 +102,33 @@ async def test_a_request_stuck_at_stop_is_cancelled_after_the_grace_and_named(
     finally:
         await nc.close()
         await c.stop()
+
+
+async def test_a_root_loop_that_will_not_stop_is_named_and_the_stop_goes_on(
+    nats_server: NatsServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop that swallows its cancellation (a bug, or a library's wait that does) once held
+    a stop for ever (a partition test's leader, 120 s): the stop waits ``stop_grace_s`` for
+    the loops, names the one still running, and closes NATS all the same."""
+    settings = controller_settings(nats_server, tmp_path)
+    settings.stop_grace_s = 0.3
+    c = await start_serving(Controller(settings))
+    release = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not release.is_set():
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                continue  # swallowed
+
+    c._spawn(stubborn(), "stubborn-loop")
+    try:
+        caplog.set_level(logging.WARNING)
+        await asyncio.wait_for(c.stop(), 10)
+        said = [r.getMessage() for r in caplog.records if "would not stop" in r.getMessage()]
+        assert said == ["tasks that would not stop within 0.3s: stubborn-loop"]
+        assert c.nc is None  # closed: the stop went on past the loop
+    finally:
+        release.set()
+        await asyncio.sleep(0)
